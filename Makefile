@@ -1,0 +1,55 @@
+# tpserve: every target sets up what it needs. A new user runs `make run` or `make test`.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+PROTOS := $(shell find protos -name '*.proto')
+PB_OUT := common/pb
+PB_STAMP := $(PB_OUT)/tpserve/.stamp
+MODEL_DIR := models
+PRESET ?= small
+
+.PHONY: install proto model model-tiny run test lint format bench clean
+
+install: $(VENV)/.installed $(PB_STAMP)
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+proto: $(PB_STAMP)
+
+# Stubs go to common/pb/tpserve (ignored). protoc writes absolute imports (`from tpserve.v1 import`);
+# they are rewritten to live under common.pb so nothing needs to be put on sys.path.
+$(PB_STAMP): $(PROTOS) $(VENV)/.installed
+	rm -rf $(PB_OUT)/tpserve
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=$(PB_OUT) --pyi_out=$(PB_OUT) \
+		--grpc_python_out=$(PB_OUT) $(PROTOS)
+	find $(PB_OUT)/tpserve -name '*.py' -o -name '*.pyi' | xargs sed -i -E \
+		's/^from tpserve\.([a-z0-9_.]+) import/from common.pb.tpserve.\1 import/'
+	touch $@
+
+model: $(MODEL_DIR)/$(PRESET)/config.json
+
+$(MODEL_DIR)/%/config.json: | install
+	$(PY) -m common.model_builder --preset $* --out $(MODEL_DIR)/$*
+
+model-tiny: $(MODEL_DIR)/tiny/config.json
+
+run: install model
+	$(VENV)/bin/tpserve launch --model $(MODEL_DIR)/$(PRESET) --port 50051
+
+test: install model-tiny
+	$(PY) -m pytest -q tests
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: install
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+clean:
+	rm -rf $(PB_OUT)/tpserve $(MODEL_DIR) results

@@ -1,0 +1,1 @@
+"""Pieces shared by the router, the scheduler and the shard workers."""

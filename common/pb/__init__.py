@@ -1,0 +1,1 @@
+"""Protobuf and gRPC stubs, generated from protos/ by `make proto` into common/pb/tpserve (not committed)."""

@@ -1,0 +1,49 @@
+"""Sampling parameters as plain values, with the defaults the public API promises.
+
+The proto's optional fields say whether a value was set; this turns them into one frozen object that
+the router validates and the shard worker samples with, so both agree on every default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k cut
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        )
+
+    @classmethod
+    def from_proto(cls, msg) -> SamplingConfig:
+        """Builds from a tpserve.v1.SamplingParams; unset fields take the defaults above."""
+        values = {}
+        for name in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+            "seed",
+        ):
+            if msg.HasField(name):
+                values[name] = getattr(msg, name)
+        return cls(**values)

@@ -1,0 +1,1 @@
+"""The public gRPC entry point: tokenizes, validates, streams text back."""

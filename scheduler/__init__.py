@@ -1,0 +1,1 @@
+"""The single source of truth: sequences, the paged KV block table, the batch of every iteration."""
