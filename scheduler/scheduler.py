@@ -1,0 +1,227 @@
+"""Forms the batch of every model iteration (continuous batching), or whole batches (static mode).
+
+There is no prefill phase and no decode phase: every sequence has num_computed_tokens catching up with
+its token count, under a per-step token budget and a sequence cap. A prompt longer than what is left of
+the budget is split across steps (chunked prefill). Running sequences are served first, oldest first;
+when a block cannot be had, the newest running sequence is preempted (its blocks freed, recomputed
+later from the tokens kept here, with the same output).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from scheduler.block_manager import BlockManager, blocks_for
+from scheduler.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class SchedulingPolicy:
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    batching: str = "continuous"  # or "static"
+    static_batch_size: int = 32
+    # Static mode waits at most this long for a batch to fill before starting a partial one.
+    static_batch_timeout_s: float = 0.05
+    # Share of blocks kept free when admitting new sequences, so that admitting one does not force
+    # the running ones into preemption at their next token.
+    admission_watermark: float = 0.01
+
+    def __post_init__(self):
+        if self.batching not in ("continuous", "static"):
+            raise ValueError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "static_batch_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens computed this step: 1 for a decode, a chunk of the prompt otherwise
+    do_sample: bool  # this step reaches the sequence's last token, so a new one is sampled
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    # Sequences the workers may forget (finished or aborted since the last step).
+    forgotten_seq_ids: list[int] = field(default_factory=list)
+    # Static mode: nothing to run now, but a batch may start at this time even if not full.
+    wake_at: float | None = None
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SequenceUpdate:
+    seq: Sequence
+    new_token: int
+    finished: bool
+
+
+class Scheduler:
+    def __init__(self, policy: SchedulingPolicy, block_manager: BlockManager, eos_token_ids=()):
+        self.policy = policy
+        self.blocks = block_manager
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: the last is the first to be preempted
+        self._by_request: dict[str, Sequence] = {}
+        self._forgotten: list[int] = []
+        self._static_batch: set[int] = set()  # static mode: the batch being served
+        self._watermark_blocks = int(policy.admission_watermark * block_manager.num_blocks)
+        self.num_preemptions = 0
+
+    # ---- requests in and out ----
+
+    def add(self, seq: Sequence) -> None:
+        if seq.request_id in self._by_request:
+            raise KeyError(f"request {seq.request_id!r} is already in flight")
+        if seq.num_prompt_tokens + seq.max_new_tokens > self.policy.max_model_len:
+            raise ValueError(
+                f"prompt ({seq.num_prompt_tokens}) + max_new_tokens ({seq.max_new_tokens}) "
+                f"exceeds max_model_len ({self.policy.max_model_len})"
+            )
+        seq.status = SequenceStatus.WAITING
+        self._by_request[seq.request_id] = seq
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Drops a request wherever it is; its blocks are free at once. None if it is not in flight."""
+        seq = self._by_request.get(request_id)
+        if seq is None:
+            return None
+        if seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        else:
+            self.running.remove(seq)
+        self._finish(seq, FinishReason.ABORTED)
+        return seq
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._by_request
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one iteration ----
+
+    def schedule(self, now: float = 0.0) -> SchedulerOutput:
+        out = SchedulerOutput(forgotten_seq_ids=self._forgotten)
+        self._forgotten = []
+        budget = self.policy.max_num_batched_tokens
+
+        # Running sequences first, oldest first: each needs its next token (or its next prompt chunk).
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.blocks.allocate(seq, seq.num_computed_tokens + num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break  # seq preempted itself: every later one is gone too
+            out.scheduled.append(self._scheduled(seq, num_new))
+            budget -= num_new
+            i += 1
+
+        if not out.preempted:
+            self._admit(out, budget, now)
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int, now: float) -> None:
+        static = self.policy.batching == "static"
+        if static and not self._static_batch:
+            # A new static batch starts only when full, or when its oldest request has waited enough.
+            oldest = self.waiting[0].arrival_time if self.waiting else None
+            deadline = None if oldest is None else oldest + self.policy.static_batch_timeout_s
+            if len(self.waiting) < self.policy.static_batch_size and deadline is not None and now < deadline:
+                out.wake_at = deadline
+                return
+            self._static_batch = {s.seq_id for s in list(self.waiting)[: self.policy.static_batch_size]}
+
+        while self.waiting and budget > 0 and len(self.running) < self.policy.max_num_seqs:
+            seq = self.waiting[0]
+            if static and seq.seq_id not in self._static_batch:
+                break
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            reserve = self._watermark_blocks if self.running else 0
+            if not self.blocks.can_allocate(seq, seq.num_computed_tokens + num_new, reserve):
+                break  # first come, first served: nobody jumps the queue
+            self.blocks.allocate(seq, seq.num_computed_tokens + num_new)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(self._scheduled(seq, num_new))
+            budget -= num_new
+
+    def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSeq:
+        return ScheduledSeq(seq, num_new, do_sample=seq.num_computed_tokens + num_new == seq.num_tokens)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: the blocks go back to the pool, the tokens stay here."""
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    # ---- results of the iteration ----
+
+    def update(self, out: SchedulerOutput, sampled_token_ids: list[int]) -> list[SequenceUpdate]:
+        """Applies one step's results. sampled_token_ids has one token per do_sample sequence, in order.
+
+        Sequences aborted while the step ran are skipped: their tokens are dropped."""
+        updates = []
+        tokens = iter(sampled_token_ids)
+        for item in out.scheduled:
+            seq = item.seq
+            token = next(tokens) if item.do_sample else None
+            if seq.is_finished:
+                continue
+            seq.num_computed_tokens += item.num_new_tokens
+            if token is None:
+                continue
+            seq.token_ids.append(token)
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self.running.remove(seq)
+                self._finish(seq, reason)
+            updates.append(SequenceUpdate(seq, token, reason is not None))
+        return updates
+
+    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        if token in seq.stop_token_ids or (not seq.ignore_eos and token in self.eos_token_ids):
+            return FinishReason.EOS
+        if seq.num_output_tokens >= seq.max_new_tokens or seq.num_tokens >= self.policy.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self.blocks.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        del self._by_request[seq.request_id]
+        self._forgotten.append(seq.seq_id)
+        self._static_batch.discard(seq.seq_id)
+
+    # ---- introspection ----
+
+    def blocks_for_model_len(self) -> int:
+        return blocks_for(self.policy.max_model_len, self.blocks.block_size)

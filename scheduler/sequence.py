@@ -1,0 +1,55 @@
+"""A sequence: one request's tokens, where its computation stands, and the KV blocks it holds."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # not admitted yet, or preempted and waiting to be recomputed
+    RUNNING = "running"  # in the batch; holds KV blocks
+    FINISHED = "finished"
+
+
+class FinishReason(enum.IntEnum):
+    # Values equal tpserve.v1.FinishReason so the servicer can pass them through.
+    LENGTH = 1
+    EOS = 2
+    STOP = 3
+    ABORTED = 4
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    request_id: str
+    token_ids: list[int]  # prompt, then every token generated so far
+    num_prompt_tokens: int
+    max_new_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    top_logprobs: int = 0
+    # Opaque to the scheduler: passed to the worker that samples (a tpserve.v1.SamplingParams).
+    sampling: Any = None
+    arrival_time: float = 0.0
+    status: SequenceStatus = SequenceStatus.WAITING
+    # Tokens whose KV is in the cache. The sequence is "caught up" when this equals len(token_ids) - 1
+    # after a decode, or len(token_ids) at the moment a step samples.
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

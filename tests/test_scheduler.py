@@ -1,0 +1,239 @@
+"""Block manager and scheduler, as plain Python: no torch, no gRPC."""
+
+import pytest
+
+from scheduler.batch import StepBuilder
+from scheduler.block_manager import BlockManager
+from scheduler.scheduler import Scheduler, SchedulingPolicy
+from scheduler.sequence import FinishReason, Sequence, SequenceStatus
+
+BS = 16
+EOS = 2
+
+
+def make(policy=None, num_blocks=64):
+    policy = policy or SchedulingPolicy(max_model_len=1024)
+    return Scheduler(policy, BlockManager(num_blocks, BS), eos_token_ids=[EOS])
+
+
+def seq(i, prompt_len, max_new=4, **kw):
+    # Prompt tokens avoid EOS so only the fake model decides when EOS appears.
+    return Sequence(i, f"r{i}", [10 + (i + j) % 50 for j in range(prompt_len)], prompt_len, max_new, **kw)
+
+
+def fake_model(s: Sequence) -> int:
+    """A deterministic 'model': the next token depends only on the tokens so far, never on batching."""
+    return 10 + (sum(s.token_ids) * 31 + len(s.token_ids)) % 90
+
+
+def run_to_completion(sched, max_steps=10_000):
+    """Drives schedule/update like the engine loop; returns (per-request outputs, steps)."""
+    steps = []
+    outputs: dict[str, list[int]] = {}
+    for _ in range(max_steps):
+        if not sched.has_unfinished:
+            return outputs, steps
+        out = sched.schedule()
+        steps.append(out)
+        # The model sees tokens only up to what the step computes; sampling uses the full sequence.
+        tokens = [fake_model(s.seq) for s in out.scheduled if s.do_sample]
+        for u in sched.update(out, tokens):
+            outputs.setdefault(u.seq.request_id, []).append(u.new_token)
+    raise AssertionError("did not finish")
+
+
+def test_fcfs_order_of_admission():
+    sched = make(SchedulingPolicy(max_num_seqs=2, max_model_len=1024))
+    for i in range(4):
+        sched.add(seq(i, 5))
+    out = sched.schedule()
+    assert [s.seq.request_id for s in out.scheduled] == ["r0", "r1"]
+    assert [s.request_id for s in sched.waiting] == ["r2", "r3"]
+
+
+def test_max_num_seqs_caps_the_batch():
+    sched = make(SchedulingPolicy(max_num_seqs=3, max_model_len=1024))
+    for i in range(10):
+        sched.add(seq(i, 5, max_new=8))
+    sizes = [len(out.scheduled) for out in run_to_completion(sched)[1]]
+    assert max(sizes) == 3
+
+
+def test_token_budget_splits_long_prompts_across_iterations():
+    sched = make(SchedulingPolicy(max_num_batched_tokens=100, max_model_len=1024))
+    for i in range(3):
+        sched.add(seq(i, 130, max_new=2))
+    out = sched.schedule()
+    assert [(s.seq.request_id, s.num_new_tokens, s.do_sample) for s in out.scheduled] == [("r0", 100, False)]
+    sched.update(out, [])
+    out = sched.schedule()
+    # r0 finishes its prompt (30) and samples; r1 gets the rest of the budget.
+    assert [(s.seq.request_id, s.num_new_tokens, s.do_sample) for s in out.scheduled] == [
+        ("r0", 30, True),
+        ("r1", 70, False),
+    ]
+    assert out.num_batched_tokens == 100
+    sched.update(out, [fake_model(out.scheduled[0].seq)])
+    outputs, steps = run_to_completion(sched)
+    assert all(s.num_batched_tokens <= 100 for s in steps)
+    assert sched.blocks.num_free_blocks == sched.blocks.num_blocks
+
+
+def test_chunked_outputs_equal_unchunked():
+    def go(budget):
+        sched = make(SchedulingPolicy(max_num_batched_tokens=budget, max_model_len=1024))
+        for i in range(3):
+            sched.add(seq(i, 70 + 40 * i, max_new=6))
+        return run_to_completion(sched)[0]
+
+    assert go(32) == go(4096)
+
+
+def test_preemption_when_blocks_run_out_then_completion_with_same_output():
+    def go(num_blocks):
+        sched = make(SchedulingPolicy(max_model_len=256), num_blocks=num_blocks)
+        for i in range(6):
+            sched.add(seq(i, 20 + 7 * i, max_new=40))
+        outputs, steps = run_to_completion(sched)
+        return outputs, sched
+
+    roomy, roomy_sched = go(200)
+    tight, tight_sched = go(12)
+    assert roomy_sched.num_preemptions == 0
+    assert tight_sched.num_preemptions > 0
+    assert tight == roomy
+    assert all(len(v) == 40 for v in tight.values())
+    assert tight_sched.blocks.num_free_blocks == 12
+
+
+def test_preemption_takes_the_newest_running_sequence():
+    sched = make(SchedulingPolicy(max_model_len=256), num_blocks=4)
+    a, b = seq(0, 32, max_new=40), seq(1, 31, max_new=40)
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert len(out.scheduled) == 2  # 2 blocks each
+    sched.update(out, [fake_model(a), fake_model(b)])
+    # a now has 33 tokens and needs a third block: b, the newer, is preempted.
+    out = sched.schedule()
+    assert out.preempted == [b]
+    assert b.status is SequenceStatus.WAITING and b.block_table == [] and b.num_computed_tokens == 0
+    assert [s.seq for s in out.scheduled] == [a]
+    assert sched.waiting[0] is b
+
+
+def test_abort_frees_every_block():
+    sched = make(num_blocks=32)
+    for i in range(5):
+        sched.add(seq(i, 40, max_new=50))
+    out = sched.schedule()
+    sched.update(out, [fake_model(s.seq) for s in out.scheduled if s.do_sample])
+    assert sched.blocks.num_free_blocks < 32
+    for i in range(5):
+        assert sched.abort(f"r{i}").finish_reason is FinishReason.ABORTED
+    assert sched.blocks.num_free_blocks == 32
+    assert not sched.has_unfinished
+    assert sched.abort("r0") is None
+    assert sorted(sched.schedule().forgotten_seq_ids) == [0, 1, 2, 3, 4]
+
+
+def test_abort_during_a_step_drops_its_token():
+    sched = make()
+    s = seq(0, 5, max_new=10)
+    sched.add(s)
+    out = sched.schedule()
+    sched.abort("r0")
+    assert sched.update(out, [99]) == []
+    assert s.num_output_tokens == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs,token,reason",
+    [
+        ({}, EOS, FinishReason.EOS),
+        ({"stop_token_ids": frozenset({77})}, 77, FinishReason.EOS),
+        ({"max_new": 1}, 50, FinishReason.LENGTH),
+    ],
+)
+def test_stop_conditions(kwargs, token, reason):
+    sched = make()
+    max_new = kwargs.pop("max_new", 10)
+    s = seq(0, 5, max_new=max_new, **kwargs)
+    sched.add(s)
+    out = sched.schedule()
+    [u] = sched.update(out, [token])
+    assert u.finished and s.finish_reason is reason and s.token_ids[-1] == token
+    assert sched.blocks.num_free_blocks == sched.blocks.num_blocks
+
+
+def test_ignore_eos_keeps_going_and_max_model_len_stops():
+    sched = make(SchedulingPolicy(max_model_len=8))
+    s = seq(0, 5, max_new=3, ignore_eos=True)
+    sched.add(s)
+    for _ in range(2):
+        [u] = sched.update(sched.schedule(), [EOS])
+        assert not u.finished
+    [u] = sched.update(sched.schedule(), [EOS])
+    assert u.finished and s.finish_reason is FinishReason.LENGTH and s.num_tokens == 8
+
+
+def test_request_too_long_for_max_model_len_is_refused():
+    sched = make(SchedulingPolicy(max_model_len=16))
+    with pytest.raises(ValueError, match="max_model_len"):
+        sched.add(seq(0, 10, max_new=7))
+    sched.add(seq(1, 10, max_new=6))
+    with pytest.raises(KeyError):
+        sched.add(seq(1, 10, max_new=6))
+
+
+def test_every_block_free_after_all_finish():
+    sched = make(SchedulingPolicy(max_num_batched_tokens=64, max_num_seqs=5, max_model_len=512), num_blocks=40)
+    for i in range(25):
+        sched.add(seq(i, 1 + (i * 37) % 200, max_new=1 + (i * 13) % 30))
+    outputs, _ = run_to_completion(sched)
+    assert len(outputs) == 25
+    assert sched.blocks.num_free_blocks == 40
+
+
+def test_static_mode_admits_no_one_until_the_batch_finishes():
+    policy = SchedulingPolicy(batching="static", static_batch_size=3, max_model_len=1024, static_batch_timeout_s=1)
+    sched = make(policy)
+    sched.add(Sequence(0, "r0", [10] * 4, 4, 2, arrival_time=0.0))
+    # Not full and not waited long enough: nothing runs yet, and the engine knows when to look again.
+    out = sched.schedule(now=0.5)
+    assert out.is_empty and out.wake_at == 1.0
+    for i in (1, 2, 3):
+        sched.add(Sequence(i, f"r{i}", [10] * 4, 4, 2 + 5 * i, arrival_time=0.6))
+    out = sched.schedule(now=0.6)
+    assert [s.seq.request_id for s in out.scheduled] == ["r0", "r1", "r2"]
+    first = list(sched.running)
+    batch_ids = set()
+    while not all(s.is_finished for s in first):
+        batch_ids |= {s.seq.request_id for s in out.scheduled}
+        sched.update(out, [50] * sum(s.do_sample for s in out.scheduled))
+        out = sched.schedule(now=10.0)
+    # r3 ran only once r0..r2 had all finished, although r0 finished long before r2.
+    assert batch_ids == {"r0", "r1", "r2"}
+    assert [s.seq.request_id for s in out.scheduled] == ["r3"]
+
+
+def test_step_builder_flat_arrays_and_slots():
+    sched = make(SchedulingPolicy(max_num_batched_tokens=20, max_model_len=1024))
+    a, b = seq(0, 18), seq(1, 5)
+    sched.add(a)
+    sched.add(b)
+    builder = StepBuilder(BS)
+    out = sched.schedule()
+    plan = builder.build(out)
+    assert plan.seq_ids == [0, 1] and plan.query_lens == [18, 2] and plan.context_lens == [18, 2]
+    assert plan.do_sample == [True, False]
+    assert [s.seq_id for s in plan.new_sequences] == [0, 1]
+    assert plan.input_ids == a.token_ids + b.token_ids[:2]
+    assert plan.positions == list(range(18)) + [0, 1]
+    expected = [sched.blocks.slot(a, p) for p in range(18)] + [sched.blocks.slot(b, p) for p in range(2)]
+    assert plan.slot_mapping == expected
+    assert plan.block_table_lens == [2, 1] and plan.block_tables == a.block_table + b.block_table
+    sched.update(out, [7])
+    plan = builder.build(sched.schedule())
+    assert plan.new_sequences == []  # sampling state goes to the workers once
+    assert plan.positions == [18, 2, 3, 4]
