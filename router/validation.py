@@ -1,0 +1,252 @@
+"""Checks a public GenerateRequest against the served model's limits before it reaches the scheduler.
+
+Validation has two stages because the length rule needs the prompt's token count, and a text prompt
+only has one after tokenizing: `check_request_fields` runs first (cheap, and it bounds what the
+tokenizer is asked to do), `check_prompt_tokens` after. `validate_request` runs both.
+
+Every failure is a ValidationError naming the field (proto path, e.g. "sampling.top_p") and the limit,
+so the servicer can answer INVALID_ARGUMENT with a message a client can act on.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from common.pb.tpserve.v1 import generation_pb2
+from common.sampling import SamplingConfig
+
+
+class ValidationError(ValueError):
+    """A request the server will not run; maps to gRPC INVALID_ARGUMENT."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a request may ask for. vocab_size and max_model_len come from the loaded model."""
+
+    vocab_size: int
+    max_model_len: int
+    max_stop_strings: int = 16
+    max_top_logprobs: int = 20
+    # None: a prompt may use all but one position of the context (one token must be generated).
+    max_prompt_tokens: int | None = None
+    # Text is checked before tokenizing, so a huge string is refused before it costs tokenizer time.
+    # None: 64 characters per position of max_model_len, more than any real tokenizer packs in a token.
+    max_prompt_chars: int | None = None
+    # The stop-string matcher holds back up to this many characters, delaying streamed text by as much.
+    max_stop_string_chars: int = 256
+    max_request_id_chars: int = 256
+
+    def __post_init__(self):
+        for name in ("vocab_size", "max_stop_string_chars", "max_request_id_chars"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"Limits.{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("max_stop_strings", "max_top_logprobs"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"Limits.{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_model_len < 2:
+            raise ValueError(
+                f"Limits.max_model_len must be at least 2 (prompt + 1 token), got {self.max_model_len}"
+            )
+        if self.max_prompt_tokens is not None and not 1 <= self.max_prompt_tokens < self.max_model_len:
+            raise ValueError(
+                f"Limits.max_prompt_tokens must be in [1, max_model_len={self.max_model_len}), "
+                f"got {self.max_prompt_tokens}"
+            )
+        if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
+            raise ValueError(f"Limits.max_prompt_chars must be at least 1, got {self.max_prompt_chars}")
+
+    @property
+    def prompt_token_limit(self) -> int:
+        return self.max_prompt_tokens if self.max_prompt_tokens is not None else self.max_model_len - 1
+
+    @property
+    def prompt_char_limit(self) -> int:
+        return self.max_prompt_chars if self.max_prompt_chars is not None else 64 * self.max_model_len
+
+
+@dataclass(frozen=True)
+class ValidatedRequest:
+    """A request that passed every check, with every default resolved."""
+
+    request_id: str  # empty: the router assigns one
+    prompt_token_ids: tuple[int, ...]
+    prompt_text: str | None  # None when the prompt came as token ids
+    max_new_tokens: int
+    sampling: SamplingConfig
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+    top_logprobs: int
+
+
+def check_request_fields(req: generation_pb2.GenerateRequest, limits: Limits) -> SamplingConfig:
+    """Checks everything that does not need the prompt's token count; returns the resolved sampling.
+
+    max_new_tokens must be at least 1. proto3 cannot tell an unset uint32 from 0, so a client that
+    forgets the field gets INVALID_ARGUMENT rather than a silent default: the cost of a request (KV
+    blocks, time) is then always something the caller chose.
+    """
+    if len(req.request_id) > limits.max_request_id_chars:
+        raise ValidationError(
+            "request_id",
+            f"request_id is {len(req.request_id)} characters; the limit is {limits.max_request_id_chars}",
+        )
+    has_text = bool(req.text)
+    has_ids = len(req.token_ids) > 0
+    if has_text and has_ids:
+        raise ValidationError("token_ids", "set exactly one of text or token_ids, not both")
+    if not has_text and not has_ids:
+        raise ValidationError("text", "prompt is empty: set text or token_ids (exactly one)")
+    if has_text and len(req.text) > limits.prompt_char_limit:
+        raise ValidationError(
+            "text", f"text is {len(req.text)} characters; the limit is {limits.prompt_char_limit}"
+        )
+    if has_ids:
+        _check_token_ids("token_ids", req.token_ids, limits.vocab_size)
+
+    if req.max_new_tokens < 1:
+        raise ValidationError(
+            "max_new_tokens", "max_new_tokens must be at least 1 (0 or unset is not allowed)"
+        )
+    if req.max_new_tokens > limits.max_model_len - 1:
+        raise ValidationError(
+            "max_new_tokens",
+            f"max_new_tokens {req.max_new_tokens} leaves no room for a prompt within "
+            f"max_model_len {limits.max_model_len}",
+        )
+
+    sampling = _check_sampling(req.sampling)
+
+    if len(req.stop) > limits.max_stop_strings:
+        raise ValidationError(
+            "stop", f"{len(req.stop)} stop strings given; the limit is {limits.max_stop_strings}"
+        )
+    for i, stop in enumerate(req.stop):
+        if not stop:
+            raise ValidationError(
+                f"stop[{i}]", f"stop[{i}] is empty; an empty stop string would match at once"
+            )
+        if len(stop) > limits.max_stop_string_chars:
+            raise ValidationError(
+                f"stop[{i}]",
+                f"stop[{i}] is {len(stop)} characters; the limit is {limits.max_stop_string_chars}",
+            )
+    _check_token_ids("stop_token_ids", req.stop_token_ids, limits.vocab_size)
+
+    if req.top_logprobs > limits.max_top_logprobs:
+        raise ValidationError(
+            "top_logprobs", f"top_logprobs {req.top_logprobs} is above the limit of {limits.max_top_logprobs}"
+        )
+    return sampling
+
+
+def check_prompt_tokens(
+    token_ids: Sequence[int], max_new_tokens: int, limits: Limits, *, prompt_field: str = "token_ids"
+) -> None:
+    """Checks the tokenized prompt: non-empty, ids in the vocabulary, and room left to generate.
+
+    prompt_field names the field the prompt came in ("text" when the router tokenized it), so the
+    error points at what the client sent.
+    """
+    n = len(token_ids)
+    if n == 0:
+        # Only reachable for text that tokenizes to nothing; token_ids prompts are caught earlier.
+        raise ValidationError(prompt_field, f"{prompt_field} is empty after tokenization")
+    if prompt_field == "token_ids":
+        _check_token_ids("token_ids", token_ids, limits.vocab_size)
+    elif max(token_ids) >= limits.vocab_size:
+        # The tokenizer knows ids the model does not (added tokens past the embedding): a server
+        # misconfiguration, but the request still must not reach the model.
+        raise ValidationError(
+            prompt_field,
+            f"{prompt_field} tokenizes to id {max(token_ids)}, not below vocab_size {limits.vocab_size}",
+        )
+    if n > limits.prompt_token_limit:
+        raise ValidationError(
+            prompt_field,
+            f"{prompt_field} is {n} tokens; the limit is {limits.prompt_token_limit} "
+            f"(max_model_len {limits.max_model_len})",
+        )
+    if n + max_new_tokens > limits.max_model_len:
+        raise ValidationError(
+            "max_new_tokens",
+            f"prompt length {n} + max_new_tokens {max_new_tokens} = {n + max_new_tokens} "
+            f"exceeds max_model_len {limits.max_model_len}",
+        )
+
+
+def validate_request(
+    req: generation_pb2.GenerateRequest,
+    limits: Limits,
+    tokenize: Callable[[str], Sequence[int]] | None = None,
+) -> ValidatedRequest:
+    """Runs both stages. A text prompt needs `tokenize` (the router's tokenizer); token ids do not.
+
+    max_new_tokens of 0 (which is also what an unset field reads as in proto3) is INVALID_ARGUMENT.
+    """
+    sampling = check_request_fields(req, limits)
+    if req.token_ids:
+        prompt_ids = tuple(req.token_ids)
+    else:
+        if tokenize is None:
+            raise TypeError("validate_request needs tokenize for a text prompt")
+        prompt_ids = tuple(int(t) for t in tokenize(req.text))
+    check_prompt_tokens(
+        prompt_ids, req.max_new_tokens, limits, prompt_field="token_ids" if req.token_ids else "text"
+    )
+    return ValidatedRequest(
+        request_id=req.request_id,
+        prompt_token_ids=prompt_ids,
+        prompt_text=req.text or None,
+        max_new_tokens=req.max_new_tokens,
+        sampling=sampling,
+        stop=tuple(req.stop),
+        stop_token_ids=tuple(req.stop_token_ids),
+        ignore_eos=req.ignore_eos,
+        top_logprobs=req.top_logprobs,
+    )
+
+
+def _check_token_ids(field: str, token_ids: Sequence[int], vocab_size: int) -> None:
+    # max() first: one pass in C for the common all-valid case; the index is only looked up on failure.
+    if token_ids and max(token_ids) >= vocab_size:
+        i = next(i for i, t in enumerate(token_ids) if t >= vocab_size)
+        raise ValidationError(
+            f"{field}[{i}]", f"{field}[{i}] = {token_ids[i]} is not below vocab_size {vocab_size}"
+        )
+
+
+def _check_sampling(params: generation_pb2.SamplingParams) -> SamplingConfig:
+    cfg = SamplingConfig.from_proto(params)
+    floats = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+    for name in floats:
+        value = getattr(cfg, name)
+        if not math.isfinite(value):
+            raise ValidationError(f"sampling.{name}", f"sampling.{name} must be a finite number, got {value}")
+    if cfg.temperature < 0:
+        raise ValidationError(
+            "sampling.temperature", f"sampling.temperature must be >= 0, got {cfg.temperature}"
+        )
+    if not 0 < cfg.top_p <= 1:
+        raise ValidationError("sampling.top_p", f"sampling.top_p must be in (0, 1], got {cfg.top_p}")
+    if cfg.top_k < 0:
+        raise ValidationError("sampling.top_k", f"sampling.top_k must be >= 0 (0 = all), got {cfg.top_k}")
+    if not 0 <= cfg.min_p <= 1:
+        raise ValidationError("sampling.min_p", f"sampling.min_p must be in [0, 1], got {cfg.min_p}")
+    if cfg.repetition_penalty <= 0:
+        raise ValidationError(
+            "sampling.repetition_penalty",
+            f"sampling.repetition_penalty must be > 0, got {cfg.repetition_penalty}",
+        )
+    return cfg
