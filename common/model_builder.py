@@ -1,0 +1,190 @@
+"""Writes the embedded default model: a small random Llama and its tokenizer, in Hugging Face format.
+
+    python -m common.model_builder --preset tiny|small --out DIR [--num-kv-heads N] [--seed 0]
+
+Nothing is downloaded. The weights come from transformers' LlamaForCausalLM initialised from a fixed
+seed, with a larger initializer_range than the usual 0.02 and a rescaled LM head so that next-token
+distributions are peaked and greedy decoding is not decided by near-ties (which would make reference
+comparisons flaky).
+
+The tokenizer is a byte-level BPE trained with the `tokenizers` library on a corpus that this module
+generates itself: the embedded text below plus pseudo-words drawn from a fixed linear congruential
+generator (Python's own `random` is avoided so the corpus can never depend on the interpreter). Byte-level
+pre-tokenisation means every unicode string round-trips through encode/decode. The vocab must equal the
+model's vocab_size: when BPE training runs out of merges before reaching it, the remainder is filled with
+reserved special tokens `<reserved_N>`, which encoding never produces. `<s>` (id 0) is prepended to every
+encoding like Llama's tokenizer does, and `</s>` (id 1) is the end-of-sequence token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+BOS, EOS = "<s>", "</s>"
+
+
+@dataclass(frozen=True)
+class Preset:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+
+
+PRESETS = {
+    # For tests: builds in a second or two and runs a forward pass in milliseconds.
+    "tiny": Preset(64, 2, 4, 2, 128, 1024, 1024),
+    # For `make run` and benchmarks: big enough that batching matters, small enough for a CPU.
+    "small": Preset(512, 8, 8, 4, 1408, 32000, 2048),
+}
+
+# Std of the random weights (Llama's default is 0.02).
+INITIALIZER_RANGE = 0.1
+# The final RMSNorm gives hidden states of unit scale, so a logit's std is the LM head's std times
+# sqrt(hidden_size). A random model with the usual init has nearly flat next-token distributions, and
+# greedy decoding is then decided by near-ties that rounding can flip, which makes reference comparisons
+# flaky; the LM head is redrawn so that logits have this std whatever the preset's hidden size.
+LOGIT_STD = 4.0
+
+_TEXT = """\
+The quick brown fox jumps over the lazy dog. A serving system keeps every accelerator busy by forming a
+new batch at every model iteration. Requests arrive at different times and ask for different lengths;
+continuous batching lets a short request leave as soon as it is done and a new one take its place.
+Paged attention stores keys and values in fixed-size blocks, so memory is handed out one block at a
+time and nothing is reserved for tokens that may never be generated. Tensor parallelism splits each
+weight matrix across devices: column-parallel layers need no communication, row-parallel layers end
+with an all-reduce. Once upon a time, in a small village by the sea, there lived an old fisherman who
+told stories to anyone who would listen. Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000 2024 3.14159 42.
+Code: def main(argv: list[str]) -> int: return 0 if argv else 1  # {"key": [1, 2, 3]}
+Unicode: café, naïve, Größe, señor, 東京, 北京, こんにちは, 안녕하세요, Привет, مرحبا, 🙂 🚀.
+"""
+
+_SYLLABLES = [
+    c + v
+    for c in ("", "b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "st", "th")
+    for v in ("a", "e", "i", "o", "u", "ai", "ou", "er", "an", "in", "on")
+]
+
+
+def _lcg(seed: int) -> Iterator[int]:
+    # Numerical Recipes constants; the same stream on every machine and Python version.
+    state = seed & 0xFFFFFFFF
+    while True:
+        state = (1664525 * state + 1013904223) & 0xFFFFFFFF
+        yield state >> 8
+
+
+def _corpus(num_words: int) -> Iterator[str]:
+    yield from _TEXT.splitlines() * 20
+    rand = _lcg(12345)
+    line: list[str] = []
+    for _ in range(num_words):
+        word = "".join(_SYLLABLES[next(rand) % len(_SYLLABLES)] for _ in range(1 + next(rand) % 4))
+        if next(rand) % 7 == 0:
+            word = word.capitalize()
+        line.append(word)
+        if len(line) == 12:
+            yield " ".join(line) + "."
+            line = []
+    if line:
+        yield " ".join(line)
+
+
+def build_tokenizer(vocab_size: int, model_max_length: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer with exactly vocab_size tokens (see the module docstring)."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[BOS, EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    # About 8 words per wanted token gives enough distinct pairs for the merges without slow training.
+    tok.train_from_iterator(_corpus(num_words=8 * vocab_size), trainer=trainer)
+    missing = vocab_size - tok.get_vocab_size()
+    if missing > 0:
+        tok.add_special_tokens([f"<reserved_{i}>" for i in range(missing)])
+    if tok.get_vocab_size() != vocab_size:
+        raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} tokens, wanted {vocab_size}")
+    bos_id = tok.token_to_id(BOS)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        clean_up_tokenization_spaces=False,
+        model_max_length=model_max_length,
+    )
+
+
+def build_model(preset: str, out_dir: str | Path, num_kv_heads: int | None = None, seed: int = 0) -> Path:
+    """Writes config, weights, generation config and tokenizer to out_dir; returns it."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    p = PRESETS[preset]
+    kv_heads = p.num_kv_heads if num_kv_heads is None else num_kv_heads
+    if kv_heads < 1 or p.num_heads % kv_heads:
+        raise ValueError(f"--num-kv-heads {kv_heads} must divide num_attention_heads {p.num_heads}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    tokenizer = build_tokenizer(p.vocab_size, p.max_position_embeddings)
+    bos_id, eos_id = tokenizer.bos_token_id, tokenizer.eos_token_id
+    config = LlamaConfig(
+        vocab_size=p.vocab_size,
+        hidden_size=p.hidden_size,
+        intermediate_size=p.intermediate_size,
+        num_hidden_layers=p.num_layers,
+        num_attention_heads=p.num_heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=p.max_position_embeddings,
+        rms_norm_eps=1e-5,
+        initializer_range=INITIALIZER_RANGE,
+        tie_word_embeddings=False,
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
+        pad_token_id=None,
+    )
+    # fork_rng: the fixed seed must not leak into (or depend on) the caller's random state.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config).to(torch.float32)
+        with torch.no_grad():
+            model.lm_head.weight.normal_(0.0, LOGIT_STD / p.hidden_size**0.5)
+    model.generation_config = GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_id)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), required=True)
+    parser.add_argument("--out", required=True, help="directory to write the checkpoint to")
+    parser.add_argument("--num-kv-heads", type=int, default=None, help="override the preset's KV heads")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    out = build_model(args.preset, args.out, num_kv_heads=args.num_kv_heads, seed=args.seed)
+    config = json.loads((out / "config.json").read_text())
+    vocab, layers = config["vocab_size"], config["num_hidden_layers"]
+    print(f"wrote {args.preset} model to {out}: vocab {vocab}, {layers} layers")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
