@@ -1,0 +1,142 @@
+"""The `tpserve` command: one subcommand per process, plus launch (all of them) and generate (a client)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from router import config as router_config
+from scheduler import config as scheduler_config
+from shard_worker import config as worker_config
+
+
+def _launch_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size: shard workers, one per device")
+    p.add_argument("--host", default="127.0.0.1", help="router address (0.0.0.0 to serve other hosts)")
+    p.add_argument("--port", type=int, default=50051, help="router port (0: any free port)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default="float32", choices=worker_config.DTYPES)
+    p.add_argument("--ready-file", default=None, help="write {target, pids} as JSON here once serving")
+    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for SERVING")
+    scheduler_config.add_policy_arguments(p)
+
+
+def _generate_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", help="prompt text")
+    p.add_argument("--target", default="127.0.0.1:50051", help="router HOST:PORT")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=None)
+    p.add_argument("--presence-penalty", type=float, default=None)
+    p.add_argument("--frequency-penalty", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tpserve", description=__doc__)
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sub = parser.add_subparsers(dest="command", required=True)
+    _launch_parser(sub.add_parser("launch", help="run router, scheduler and shard workers on this machine"))
+    router_config.add_arguments(sub.add_parser("router", help="the public gRPC entry point"))
+    scheduler_config.add_arguments(sub.add_parser("scheduler", help="the batch planner and KV block owner"))
+    worker_config.add_arguments(sub.add_parser("shard-worker", help="one tensor-parallel rank of the model"))
+    _generate_parser(sub.add_parser("generate", help="stream a completion from a running server"))
+    return parser
+
+
+def _generate(a: argparse.Namespace) -> int:
+    import grpc
+
+    from common.client import GenerationClient
+
+    sampling = {
+        k: getattr(a, k)
+        for k in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+            "seed",
+        )
+        if getattr(a, k) is not None
+    }
+    try:
+        with GenerationClient(a.target, timeout=a.timeout) as client:
+            for resp in client.generate(
+                text=a.prompt,
+                max_new_tokens=a.max_new_tokens,
+                stop=a.stop,
+                ignore_eos=a.ignore_eos,
+                **sampling,
+            ):
+                sys.stdout.write(resp.text)
+                sys.stdout.flush()
+        sys.stdout.write("\n")
+        return 0
+    except grpc.RpcError as e:
+        print(f"\ntpserve: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=a.log_level,
+        format=f"%(asctime)s %(levelname)s {a.command} %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        if a.command == "launch":
+            from common.launcher import LaunchConfig, launch
+
+            passthrough = []
+            for name in scheduler_config.POLICY_FLAGS:
+                passthrough += [f"--{name.replace('_', '-')}", str(getattr(a, name))]
+            return launch(
+                LaunchConfig(
+                    model=a.model,
+                    tp=a.tp,
+                    host=a.host,
+                    port=a.port,
+                    device=a.device,
+                    dtype=a.dtype,
+                    ready_file=a.ready_file,
+                    startup_timeout_s=a.startup_timeout,
+                    log_level=a.log_level,
+                    scheduler_args=tuple(passthrough),
+                )
+            )
+        if a.command == "router":
+            from router.server import serve
+
+            asyncio.run(serve(router_config.from_args(a)))
+        elif a.command == "scheduler":
+            from scheduler.server import serve
+
+            asyncio.run(serve(scheduler_config.from_args(a)))
+        elif a.command == "shard-worker":
+            from shard_worker.server import serve
+
+            serve(worker_config.from_args(a))
+        elif a.command == "generate":
+            return _generate(a)
+    except ValueError as e:  # configuration errors: say what is wrong, no traceback
+        print(f"tpserve {a.command}: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

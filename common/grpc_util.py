@@ -1,0 +1,75 @@
+"""gRPC settings and small helpers every process shares."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+
+import grpc
+
+# Set deliberately rather than left at gRPC's 4 MiB receive default: a step for a full batch of long
+# prompts carries a few hundred thousand ints, and a prompt may be sent as token ids.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # Internal streams stay open for hours; keepalives notice a dead peer instead of waiting forever.
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+SERVER_OPTIONS = OPTIONS + [("grpc.http2.min_ping_interval_without_data_ms", 5_000)]
+
+
+def write_port_file(path: str | None, port: int) -> None:
+    """Tells whoever started us which port we bound (we bind port 0 to avoid races over free ports)."""
+    if not path:
+        return
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(str(port))
+    os.replace(tmp, path)
+
+
+def read_port_file(path: str | Path, timeout: float, alive=lambda: True) -> int:
+    """Waits for a port file written by write_port_file; alive() false means the writer died."""
+    deadline = time.monotonic() + timeout
+    path = Path(path)
+    while time.monotonic() < deadline:
+        if path.exists():
+            return int(path.read_text())
+        if not alive():
+            raise RuntimeError(f"process died before writing {path}")
+        time.sleep(0.05)
+    raise TimeoutError(f"no port in {path} after {timeout:.0f}s")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free right now. Only for peers that cannot bind port 0 themselves (torch.distributed)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_for_health(target: str, timeout: float, alive=lambda: True) -> None:
+    """Blocks until target's grpc.health.v1 service says SERVING."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(target, options=OPTIONS) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if not alive():
+                raise RuntimeError(f"the server at {target} died while starting")
+            try:
+                resp = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.1)
+    raise TimeoutError(f"{target} not SERVING after {timeout:.0f}s")

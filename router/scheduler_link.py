@@ -1,0 +1,112 @@
+"""The router's one long-lived stream to the scheduler, and the per-request queues it feeds."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import grpc
+
+from common.grpc_util import OPTIONS
+from common.pb.tpserve.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
+from common.pb.tpserve.v1 import generation_pb2
+
+log = logging.getLogger("tpserve.router")
+
+
+class SchedulerUnavailable(Exception):
+    pass
+
+
+class SchedulerLink:
+    """Sends requests and aborts on one bidi stream; routes each output to its request's queue.
+
+    When the stream breaks, every request in flight gets an UNAVAILABLE output (none is dropped
+    silently) and the link reconnects; on_ready(bool) follows the state, for the health service.
+    """
+
+    def __init__(self, target: str, on_ready, retry_s: float = 0.5):
+        self.target = target
+        self.on_ready = on_ready
+        self.retry_s = retry_s
+        self.model_info: generation_pb2.ModelInfo | None = None
+        self._channel = grpc.aio.insecure_channel(target, options=OPTIONS)
+        self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
+        self._call = None
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._task: asyncio.Task | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self._call is not None and self.model_info is not None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def close(self) -> None:
+        if self._task:
+            self._task.cancel()
+        await self._channel.close()
+
+    def in_flight(self, request_id: str) -> bool:
+        return request_id in self._queues
+
+    async def submit(self, add: scheduler_pb2.AddRequest) -> asyncio.Queue:
+        if not self.ready:
+            raise SchedulerUnavailable("the scheduler is not ready")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[add.request_id] = queue
+        try:
+            await self._call.write(scheduler_pb2.RouterMessage(add=add))
+        except (grpc.RpcError, asyncio.InvalidStateError) as e:
+            self._queues.pop(add.request_id, None)
+            raise SchedulerUnavailable(f"the scheduler stream broke: {e}") from None
+        return queue
+
+    async def abort(self, request_id: str) -> None:
+        """The router no longer wants request_id (finished by stop string, cancelled, disconnected)."""
+        if self._queues.pop(request_id, None) is None:
+            return
+        call = self._call
+        if call is not None:
+            # If the stream is gone, the scheduler drops everything of this router anyway.
+            with contextlib.suppress(grpc.RpcError, asyncio.InvalidStateError):
+                await call.write(
+                    scheduler_pb2.RouterMessage(abort=scheduler_pb2.AbortRequest(request_id=request_id))
+                )
+
+    def done(self, request_id: str) -> None:
+        """The request ended normally: stop routing to it."""
+        self._queues.pop(request_id, None)
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                self.model_info = await self._stub.GetModelInfo(
+                    generation_pb2.ModelInfoRequest(), wait_for_ready=True, timeout=5.0
+                )
+                self._call = self._stub.Connect()
+                self.on_ready(True)
+                log.info("connected to the scheduler at %s", self.target)
+                async for msg in self._call:
+                    for out in msg.outputs:
+                        queue = self._queues.get(out.request_id)
+                        if queue is not None:
+                            queue.put_nowait(out)
+                            if out.finish_reason or out.error:
+                                self._queues.pop(out.request_id, None)
+            except grpc.RpcError as e:
+                if self.ready:
+                    log.warning("lost the scheduler at %s: %s", self.target, e.code())
+            self._call = None
+            self.on_ready(False)
+            self._fail_all("the scheduler is unavailable")
+            await asyncio.sleep(self.retry_s)
+
+    def _fail_all(self, message: str) -> None:
+        queues, self._queues = self._queues, {}
+        for request_id, queue in queues.items():
+            queue.put_nowait(
+                scheduler_pb2.RequestOutput(request_id=request_id, error=message, error_code="UNAVAILABLE")
+            )

@@ -1,0 +1,172 @@
+"""The router process: the public Generation service.
+
+Thin by design: validate and tokenize, hand the request to the scheduler, and turn the token stream
+coming back into text (incremental detokenization, stop strings).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import uuid
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from common.grpc_util import OPTIONS, SERVER_OPTIONS, write_port_file
+from common.pb.tpserve.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
+from common.pb.tpserve.v1 import generation_pb2, generation_pb2_grpc
+from router.config import RouterConfig
+from router.detokenizer import IncrementalDetokenizer
+from router.scheduler_link import SchedulerLink, SchedulerUnavailable
+from router.stop_strings import StopStringMatcher
+from router.validation import Limits, ValidationError, validate_request
+
+log = logging.getLogger("tpserve.router")
+
+FINISH_STOP = generation_pb2.FINISH_REASON_STOP
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, config: RouterConfig, tokenizer, link: SchedulerLink):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.link = link
+        self._limits: Limits | None = None
+        self._stats_channel = grpc.aio.insecure_channel(config.scheduler, options=OPTIONS)
+        self._stats_stub = scheduler_pb2_grpc.SchedulerStub(self._stats_channel)
+
+    def _ready_limits(self, context) -> Limits:
+        info = self.link.model_info
+        if not self.link.ready or info is None:
+            raise SchedulerUnavailable("the server is starting or its shards are unavailable")
+        if self._limits is None or self._limits.max_model_len != info.max_model_len:
+            self._limits = Limits(vocab_size=info.vocab_size, max_model_len=info.max_model_len)
+        return self._limits
+
+    def _tokenize(self, text: str) -> list[int]:
+        return self.tokenizer(text)["input_ids"]
+
+    async def Generate(self, request, context):
+        try:
+            req = validate_request(request, self._ready_limits(context), self._tokenize)
+        except ValidationError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{e.field}: {e}")
+        except SchedulerUnavailable as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        request_id = req.request_id or uuid.uuid4().hex
+        if self.link.in_flight(request_id):
+            await context.abort(
+                grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already in flight"
+            )
+        add = scheduler_pb2.AddRequest(
+            request_id=request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            max_new_tokens=req.max_new_tokens,
+            sampling=request.sampling,
+            stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos,
+            top_logprobs=req.top_logprobs,
+        )
+        try:
+            queue = await self.link.submit(add)
+        except SchedulerUnavailable as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+
+        detok = IncrementalDetokenizer(self.tokenizer, list(req.prompt_token_ids))
+        stops = StopStringMatcher(req.stop) if req.stop else None
+        num_generated = 0
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                if out.error:
+                    finished = True
+                    code = getattr(grpc.StatusCode, out.error_code, grpc.StatusCode.INTERNAL)
+                    await context.abort(code, out.error)
+                num_generated += len(out.token_ids)
+                text = detok.push(list(out.token_ids))
+                reason = out.finish_reason
+                if reason:
+                    text += detok.flush()
+                stopped = False
+                if stops is not None:
+                    text, stopped = stops.feed(text)
+                    if stopped:
+                        reason = FINISH_STOP
+                    elif reason:
+                        text += stops.flush()
+                resp = generation_pb2.GenerateResponse(
+                    request_id=request_id, token_ids=out.token_ids, text=text, finish_reason=reason
+                )
+                for lp in out.logprobs:
+                    resp.logprobs.append(self._with_text(lp))
+                if reason:
+                    finished = True
+                    resp.usage.CopyFrom(
+                        generation_pb2.Usage(
+                            prompt_tokens=len(req.prompt_token_ids),
+                            completion_tokens=num_generated,
+                            cached_tokens=out.cached_tokens,
+                        )
+                    )
+                    if stopped:
+                        await self.link.abort(request_id)
+                    else:
+                        self.link.done(request_id)
+                yield resp
+        finally:
+            if not finished:
+                # Cancelled, disconnected or past its deadline: free its KV blocks now.
+                await self.link.abort(request_id)
+
+    def _with_text(self, lp: generation_pb2.Logprobs) -> generation_pb2.Logprobs:
+        lp.chosen.text = self.tokenizer.decode([lp.chosen.token_id])
+        for t in lp.top:
+            t.text = self.tokenizer.decode([t.token_id])
+        return lp
+
+    async def GetModelInfo(self, request, context):
+        if self.link.model_info is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler has not reported yet")
+        return self.link.model_info
+
+    async def GetStats(self, request, context):
+        try:
+            return await self._stats_stub.GetStats(request, timeout=5.0)
+        except grpc.RpcError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the scheduler did not answer: {e.code().name}")
+
+
+async def serve(config: RouterConfig) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(config.model)
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+
+    def on_ready(ready: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for service in ("", "tpserve.v1.Generation"):
+            asyncio.ensure_future(health_servicer.set(service, status))
+
+    on_ready(False)
+    link = SchedulerLink(config.scheduler, on_ready, config.scheduler_retry_s)
+    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(config, tokenizer, link), server)
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    await server.start()
+    link.start()
+    write_port_file(config.port_file, port)
+    log.info("router serving tpserve.v1.Generation on %s:%d", config.host, port)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop(grace=2.0)
+    await link.close()

@@ -1,0 +1,307 @@
+"""The scheduler's step loop: plan an iteration, send it to every rank, apply the sampled tokens.
+
+Owns the connection to the shard workers and the map from requests to the router streams that
+want their tokens. All state changes happen on one asyncio loop, so no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from common.grpc_util import OPTIONS
+from common.pb.tpserve.internal.v1 import scheduler_pb2, worker_pb2, worker_pb2_grpc
+from common.pb.tpserve.v1 import generation_pb2
+from scheduler.batch import StepBuilder, StepPlan
+from scheduler.block_manager import BlockManager
+from scheduler.config import SchedulerConfig
+from scheduler.scheduler import Scheduler, SchedulerOutput, SequenceUpdate
+from scheduler.sequence import FinishReason, Sequence
+
+log = logging.getLogger("tpserve.scheduler")
+
+Sink = Callable[[list[scheduler_pb2.RequestOutput]], None]
+
+
+class RequestError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class StepTotals:
+    """Running sums the benchmark and stats read (mean batch size, time per step)."""
+
+    steps: int = 0
+    batched_seqs: int = 0
+    batched_tokens: int = 0
+    step_seconds: float = 0.0
+    forward_seconds: float = 0.0
+    allreduce_seconds: float = 0.0
+
+
+def step_request(plan: StepPlan) -> worker_pb2.StepRequest:
+    return worker_pb2.StepRequest(
+        step_id=plan.step_id,
+        new_sequences=[
+            worker_pb2.SequenceInit(
+                seq_id=s.seq_id,
+                sampling=s.sampling,
+                top_logprobs=s.top_logprobs,
+                token_ids=s.token_ids,
+                num_prompt_tokens=s.num_prompt_tokens,
+                num_sampled=s.num_output_tokens,
+            )
+            for s in plan.new_sequences
+        ],
+        finished_seq_ids=plan.forgotten_seq_ids,
+        seq_ids=plan.seq_ids,
+        query_lens=plan.query_lens,
+        context_lens=plan.context_lens,
+        do_sample=plan.do_sample,
+        input_ids=plan.input_ids,
+        positions=plan.positions,
+        slot_mapping=plan.slot_mapping,
+        block_table_lens=plan.block_table_lens,
+        block_tables=plan.block_tables,
+    )
+
+
+class Engine:
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.ready = asyncio.Event()
+        self.scheduler: Scheduler | None = None
+        self.model_info: generation_pb2.ModelInfo | None = None
+        self.totals = StepTotals()
+        self._builder = StepBuilder(config.block_size)
+        self._sinks: dict[str, Sink] = {}
+        self._wakeup = asyncio.Event()
+        self._next_seq_id = 0
+        self._pending_forget: list[int] = []
+        self._streams: list = []
+        self._channels: list[grpc.aio.Channel] = []
+
+    # ---- workers ----
+
+    async def connect_workers(self) -> None:
+        """Agrees the KV capacity with every rank, allocates the caches and opens the step streams."""
+        cfg = self.config
+        self._channels = [grpc.aio.insecure_channel(addr, options=OPTIONS) for addr in cfg.workers]
+        stubs = [worker_pb2_grpc.ShardWorkerStub(ch) for ch in self._channels]
+        describe = worker_pb2.DescribeRequest(
+            block_size=cfg.block_size,
+            num_kv_blocks=cfg.num_kv_blocks,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            cpu_kv_cache_gib=cfg.cpu_kv_cache_gib,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+        )
+        infos = await asyncio.gather(
+            *(s.Describe(describe, wait_for_ready=True, timeout=cfg.worker_connect_timeout_s) for s in stubs)
+        )
+        for rank, info in enumerate(infos):
+            if info.rank != rank or info.world_size != len(infos):
+                raise RuntimeError(
+                    f"worker {cfg.workers[rank]} says it is rank {info.rank} of {info.world_size}, "
+                    f"expected rank {rank} of {len(infos)}"
+                )
+        num_blocks = min(i.num_kv_blocks for i in infos)
+        log.info(
+            "KV capacity per rank: %s blocks; using the minimum, %d blocks of %d tokens",
+            [i.num_kv_blocks for i in infos],
+            num_blocks,
+            cfg.block_size,
+        )
+        info = infos[0]
+        max_model_len = cfg.max_model_len or info.max_position_embeddings
+        if num_blocks * cfg.block_size < max_model_len:
+            log.warning(
+                "the KV pool holds %d tokens, fewer than max_model_len %d: capping max_model_len",
+                num_blocks * cfg.block_size,
+                max_model_len,
+            )
+            max_model_len = num_blocks * cfg.block_size
+        await asyncio.gather(
+            *(
+                s.InitCache(worker_pb2.InitCacheRequest(num_blocks=num_blocks, block_size=cfg.block_size))
+                for s in stubs
+            )
+        )
+        self.scheduler = Scheduler(
+            cfg.policy(max_model_len), BlockManager(num_blocks, cfg.block_size), info.eos_token_ids
+        )
+        self.model_info = generation_pb2.ModelInfo(
+            model_name=info.model_name,
+            vocab_size=info.vocab_size,
+            max_model_len=max_model_len,
+            eos_token_ids=info.eos_token_ids,
+            tensor_parallel_size=len(infos),
+            block_size=cfg.block_size,
+        )
+        self._streams = [s.Step() for s in stubs]
+        log.info(
+            "model %s on %d rank(s) (%s), max_model_len %d",
+            info.model_name,
+            len(infos),
+            ", ".join(i.device for i in infos),
+            max_model_len,
+        )
+        self.ready.set()
+
+    async def close(self) -> None:
+        for stream in self._streams:
+            stream.cancel()
+        for ch in self._channels:
+            await ch.close()
+
+    # ---- requests ----
+
+    def add(self, msg: scheduler_pb2.AddRequest, sink: Sink) -> None:
+        if not self.ready.is_set():
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "shard workers are not ready")
+        if self.scheduler.has_request(msg.request_id):
+            raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {msg.request_id!r} is in flight")
+        seq = Sequence(
+            seq_id=self._next_seq_id,
+            request_id=msg.request_id,
+            token_ids=list(msg.prompt_token_ids),
+            num_prompt_tokens=len(msg.prompt_token_ids),
+            max_new_tokens=msg.max_new_tokens,
+            stop_token_ids=frozenset(msg.stop_token_ids),
+            ignore_eos=msg.ignore_eos,
+            top_logprobs=msg.top_logprobs,
+            sampling=msg.sampling,
+            arrival_time=time.monotonic(),
+        )
+        try:
+            self.scheduler.add(seq)
+        except ValueError as e:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        self._next_seq_id += 1
+        self._sinks[msg.request_id] = sink
+        self._wakeup.set()
+
+    def abort(self, request_id: str) -> None:
+        """Frees the request's blocks now; the workers forget it with the next step."""
+        if self.scheduler is not None and self.scheduler.abort(request_id) is not None:
+            self._sinks.pop(request_id, None)
+
+    def abort_sink(self, sink: Sink) -> None:
+        """The router behind sink went away: drop everything it asked for."""
+        for request_id in [r for r, s in self._sinks.items() if s is sink]:
+            self.abort(request_id)
+
+    # ---- the loop ----
+
+    async def run(self) -> None:
+        await self.ready.wait()
+        while True:
+            self._wakeup.clear()  # cleared before scheduling, so an add during the step is not missed
+            out = self.scheduler.schedule(time.monotonic())
+            self._pending_forget.extend(out.forgotten_seq_ids)
+            if out.is_empty:
+                timeout = None if out.wake_at is None else max(0.0, out.wake_at - time.monotonic())
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wakeup.wait(), timeout)
+                continue
+            out.forgotten_seq_ids, self._pending_forget = self._pending_forget, []
+            try:
+                await self._step(out)
+            except grpc.RpcError as e:
+                await self._lost_workers(e)
+                return
+
+    async def _step(self, out: SchedulerOutput) -> None:
+        start = time.perf_counter()
+        request = step_request(self._builder.build(out))
+        for stream in self._streams:
+            await stream.write(request)
+        responses = [await stream.read() for stream in self._streams]
+        for r in responses:
+            if r is grpc.aio.EOF or r.step_id != request.step_id:
+                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, "worker stream ended")
+        first = responses[0]
+        updates = self.scheduler.update(out, list(first.token_ids))
+        self._dispatch(out, updates, first)
+        t = self.totals
+        t.steps += 1
+        t.batched_seqs += len(out.scheduled)
+        t.batched_tokens += out.num_batched_tokens
+        t.step_seconds += time.perf_counter() - start
+        t.forward_seconds += max(r.forward_seconds for r in responses)
+        t.allreduce_seconds += max(r.allreduce_seconds for r in responses)
+
+    def _dispatch(self, out: SchedulerOutput, updates: list[SequenceUpdate], resp) -> None:
+        # Logprobs arrive flat over every sampled sequence; walk them in the same order.
+        want_logprobs = len(resp.logprobs) > 0
+        logprob_of = {}
+        if want_logprobs:
+            top_at = 0
+            for i, item in enumerate(s for s in out.scheduled if s.do_sample):
+                n = item.seq.top_logprobs
+                if n:
+                    top = [
+                        generation_pb2.TokenLogprob(token_id=tid, logprob=lp)
+                        for tid, lp in zip(
+                            resp.top_token_ids[top_at : top_at + n],
+                            resp.top_logprobs[top_at : top_at + n],
+                            strict=True,
+                        )
+                    ]
+                    chosen = generation_pb2.TokenLogprob(token_id=resp.token_ids[i], logprob=resp.logprobs[i])
+                    logprob_of[item.seq.seq_id] = generation_pb2.Logprobs(chosen=chosen, top=top)
+                top_at += n
+        batches: dict[int, tuple[Sink, list]] = {}
+        for u in updates:
+            seq = u.seq
+            sink = self._sinks.get(seq.request_id)
+            if sink is None:
+                continue
+            output = scheduler_pb2.RequestOutput(request_id=seq.request_id, token_ids=[u.new_token])
+            if seq.seq_id in logprob_of:
+                output.logprobs.append(logprob_of[seq.seq_id])
+            if u.finished:
+                output.finish_reason = int(seq.finish_reason)
+                del self._sinks[seq.request_id]
+            batches.setdefault(id(sink), (sink, []))[1].append(output)
+        for sink, outputs in batches.values():
+            sink(outputs)
+
+    async def _lost_workers(self, error: grpc.RpcError) -> None:
+        """A rank failed: every request in flight gets UNAVAILABLE, nothing is dropped silently."""
+        log.error("lost a shard worker: %s", error)
+        self.ready.clear()
+        sinks, self._sinks = self._sinks, {}
+        for request_id, sink in sinks.items():
+            sink(
+                [
+                    scheduler_pb2.RequestOutput(
+                        request_id=request_id,
+                        finish_reason=int(FinishReason.ABORTED),
+                        error="a shard worker was lost",
+                        error_code="UNAVAILABLE",
+                    )
+                ]
+            )
+        await self.close()
+
+    # ---- introspection ----
+
+    def stats(self) -> generation_pb2.Stats:
+        s = self.scheduler
+        if s is None:
+            return generation_pb2.Stats()
+        return generation_pb2.Stats(
+            kv_blocks_total=s.blocks.num_blocks,
+            kv_blocks_free=s.blocks.num_free_blocks,
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            num_preemptions_total=s.num_preemptions,
+        )

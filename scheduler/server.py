@@ -1,0 +1,88 @@
+"""The scheduler process: a thin gRPC servicer over the Engine."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import grpc
+
+from common.grpc_util import SERVER_OPTIONS, write_port_file
+from common.pb.tpserve.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
+from scheduler.config import SchedulerConfig
+from scheduler.engine import Engine, RequestError
+
+log = logging.getLogger("tpserve.scheduler")
+
+
+class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    async def Connect(self, request_iterator, context):
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def sink(outputs):
+            queue.put_nowait(scheduler_pb2.SchedulerMessage(outputs=outputs))
+
+        async def pump():
+            async for msg in request_iterator:
+                if msg.HasField("add"):
+                    try:
+                        self.engine.add(msg.add, sink)
+                    except RequestError as e:
+                        sink(
+                            [
+                                scheduler_pb2.RequestOutput(
+                                    request_id=msg.add.request_id, error=str(e), error_code=e.code.name
+                                )
+                            ]
+                        )
+                elif msg.HasField("abort"):
+                    self.engine.abort(msg.abort.request_id)
+
+        reader = asyncio.create_task(pump())
+        try:
+            while True:
+                yield await queue.get()
+        finally:
+            reader.cancel()
+            self.engine.abort_sink(sink)
+
+    async def GetModelInfo(self, request, context):
+        if not self.engine.ready.is_set():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "shard workers are not ready")
+        return self.engine.model_info
+
+    async def GetStats(self, request, context):
+        return self.engine.stats()
+
+
+async def serve(config: SchedulerConfig) -> None:
+    engine = Engine(config)
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(engine), server)
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    await server.start()
+    write_port_file(config.port_file, port)
+    log.info("scheduler serving on %s:%d; workers %s", config.host, port, ", ".join(config.workers))
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    async def run_engine():
+        await engine.connect_workers()
+        await engine.run()
+
+    engine_task = asyncio.create_task(run_engine())
+    stop_task = asyncio.create_task(stop.wait())
+    done, _ = await asyncio.wait({engine_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+    await server.stop(grace=1.0)
+    if engine_task in done:
+        engine_task.result()  # re-raises what stopped the engine
+        raise SystemExit("the step loop ended: a shard worker was lost")
+    engine_task.cancel()
+    await engine.close()

@@ -1,0 +1,132 @@
+"""The shard worker process: a thin gRPC servicer around one ModelRunner."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from concurrent import futures
+
+import grpc
+import torch
+
+from common.grpc_util import SERVER_OPTIONS, write_port_file
+from common.pb.tpserve.internal.v1 import worker_pb2, worker_pb2_grpc
+from common.sampling import SamplingConfig
+from shard_worker.config import WorkerConfig
+from shard_worker.step import SequenceInit, StepInputs
+
+log = logging.getLogger("tpserve.shard_worker")
+
+
+def step_inputs(req: worker_pb2.StepRequest) -> StepInputs:
+    return StepInputs(
+        seq_ids=list(req.seq_ids),
+        query_lens=list(req.query_lens),
+        context_lens=list(req.context_lens),
+        do_sample=list(req.do_sample),
+        input_ids=list(req.input_ids),
+        positions=list(req.positions),
+        slot_mapping=list(req.slot_mapping),
+        block_table_lens=list(req.block_table_lens),
+        block_tables=list(req.block_tables),
+    )
+
+
+def sequence_init(msg: worker_pb2.SequenceInit) -> SequenceInit:
+    return SequenceInit(
+        seq_id=msg.seq_id,
+        sampling=SamplingConfig.from_proto(msg.sampling),
+        top_logprobs=msg.top_logprobs,
+        token_ids=list(msg.token_ids),
+        num_prompt_tokens=msg.num_prompt_tokens,
+        num_sampled=msg.num_sampled,
+    )
+
+
+class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
+    def __init__(self, runner, config: WorkerConfig):
+        self.runner = runner
+        self.config = config
+        # One scheduler drives this worker; a second stream at once would interleave steps.
+        self._step_lock = threading.Lock()
+
+    def Describe(self, request, context):
+        info = self.runner.describe()
+        num_blocks = request.num_kv_blocks or self.runner.profile_num_blocks(
+            block_size=request.block_size,
+            max_num_batched_tokens=request.max_num_batched_tokens,
+            gpu_memory_utilization=request.gpu_memory_utilization,
+            cpu_kv_cache_gib=request.cpu_kv_cache_gib,
+        )
+        return worker_pb2.DescribeResponse(
+            rank=self.config.rank,
+            world_size=self.config.world_size,
+            model_name=info["model_name"],
+            vocab_size=info["vocab_size"],
+            max_position_embeddings=info["max_position_embeddings"],
+            eos_token_ids=info["eos_token_ids"],
+            num_kv_blocks=num_blocks,
+            weight_bytes=info["weight_bytes"],
+            device=f"{self.runner.device} {str(self.runner.dtype).removeprefix('torch.')}",
+        )
+
+    def InitCache(self, request, context):
+        nbytes = self.runner.allocate_kv_cache(request.num_blocks, request.block_size)
+        log.info(
+            "rank %d: KV cache of %d blocks, %.1f MiB", self.config.rank, request.num_blocks, nbytes / 2**20
+        )
+        return worker_pb2.InitCacheResponse(kv_cache_bytes=nbytes)
+
+    def Step(self, request_iterator, context):
+        if not self._step_lock.acquire(blocking=False):
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, "another scheduler is already stepping this worker"
+            )
+        try:
+            for req in request_iterator:
+                if req.finished_seq_ids:
+                    self.runner.remove_sequences(list(req.finished_seq_ids))
+                if req.new_sequences:
+                    self.runner.add_sequences([sequence_init(m) for m in req.new_sequences])
+                out = self.runner.execute(step_inputs(req))
+                yield worker_pb2.StepResponse(
+                    step_id=req.step_id,
+                    token_ids=out.token_ids,
+                    logprobs=out.logprobs,
+                    top_token_ids=out.top_token_ids,
+                    top_logprobs=out.top_logprobs,
+                    forward_seconds=out.forward_seconds,
+                    allreduce_seconds=out.allreduce_seconds,
+                )
+        finally:
+            self._step_lock.release()
+
+
+def serve(config: WorkerConfig) -> None:
+    from shard_worker.model_runner import ModelRunner
+    from shard_worker.parallel import init_tensor_parallel
+
+    torch.set_num_threads(config.threads)
+    if config.device == "cpu":
+        # Randomly initialised weights produce denormals that slow CPU matmuls 10-30x.
+        torch.set_flush_denormal(True)
+        device = torch.device("cpu")
+    else:
+        device = torch.device("cuda", config.rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    tp = init_tensor_parallel(config.rank, config.world_size, config.dist_init, device)
+    runner = ModelRunner(config.model, getattr(torch, config.dtype), device, tp)
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=SERVER_OPTIONS)
+    worker_pb2_grpc.add_ShardWorkerServicer_to_server(ShardWorkerServicer(runner, config), server)
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    server.start()
+    write_port_file(config.port_file, port)
+    log.info("shard worker rank %d/%d serving on %s:%d", config.rank, config.world_size, config.host, port)
+
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    server.stop(grace=1.0).wait()
