@@ -1,0 +1,75 @@
+"""Fills a model shard from a checkpoint's *.safetensors, reading only this rank's slices."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from shard_worker.model.llama import PACKED_MODULES
+
+# Checkpoint tensors with no parameter behind them (old checkpoints saved rotary buffers).
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def load_weights(model: nn.Module, model_dir: str | Path, tie_word_embeddings: bool) -> None:
+    """Copies each parameter's shard in through its weight_loader (or whole, for replicated ones).
+
+    Raises ValueError naming the first parameter the checkpoint does not provide.
+    """
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    params = dict(model.named_parameters(remove_duplicate=False))
+    # Each (parameter, part) must be filled exactly once; a merged parameter has one entry per part.
+    expected = set()
+    for name, param in params.items():
+        if tie_word_embeddings and name == "lm_head.weight":
+            continue
+        parts = getattr(param, "num_parts", None)
+        expected.update([(name, p) for p in range(parts)] if parts else [(name, None)])
+    loaded = set()
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for ckpt_name in f.keys():  # noqa: SIM118 (safe_open objects are not iterable)
+                if ckpt_name.endswith(IGNORED_SUFFIXES):
+                    continue
+                if tie_word_embeddings and ckpt_name == "lm_head.weight":
+                    continue  # shared with the embedding, which is loaded from its own tensor
+                name, part = _param_name(ckpt_name)
+                if name not in params:
+                    raise ValueError(f"{file.name}: tensor {ckpt_name} matches no parameter of the model")
+                param = params[name]
+                source = f.get_slice(ckpt_name)
+                loader = getattr(param, "weight_loader", None)
+                with torch.no_grad():
+                    if loader is not None:
+                        loader(param, source, part)
+                    else:
+                        _load_whole(param, source, ckpt_name)
+                loaded.add((name, part))
+    missing = sorted(expected - loaded, key=str)
+    if missing:
+        name, part = missing[0]
+        what = name if part is None else f"{name} (part {part})"
+        raise ValueError(f"checkpoint {model_dir} has no tensor for {what}; {len(missing)} missing in all")
+
+
+def _param_name(ckpt_name: str) -> tuple[str, int | None]:
+    parts = ckpt_name.split(".")
+    for i, piece in enumerate(parts):
+        if piece in PACKED_MODULES:
+            merged, index = PACKED_MODULES[piece]
+            return ".".join([*parts[:i], merged, *parts[i + 1 :]]), index
+    return ckpt_name, None
+
+
+def _load_whole(param: nn.Parameter, source, ckpt_name: str) -> None:
+    tensor = source[:]
+    if tuple(tensor.shape) != tuple(param.shape):
+        raise ValueError(
+            f"{ckpt_name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}"
+        )
+    param.data.copy_(tensor)
