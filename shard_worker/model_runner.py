@@ -1,0 +1,222 @@
+"""Runs this rank's shard of the model for one scheduled step: flat lists in, sampled tokens out.
+
+Every rank runs the same forward on the same StepInputs, so every rank issues the same collectives in
+the same order; only rank 0 samples. The runner decides nothing: which tokens, positions and KV slots to
+compute come from the scheduler.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from itertools import accumulate
+from pathlib import Path
+
+import torch
+
+from shard_worker.model.attention import AttentionMetadata
+from shard_worker.model.config import ModelConfig
+from shard_worker.model.llama import LlamaModel
+from shard_worker.model.loader import load_weights
+from shard_worker.parallel import TensorParallel
+from shard_worker.sampler import Sampler
+from shard_worker.step import SequenceInit, StepInputs, StepOutputs
+
+# Rows of logits the memory profile allows for, beyond the batch's tokens: the most sequences one step
+# may sample (the scheduler's max_num_seqs default is 128).
+PROFILE_SAMPLED_ROWS = 256
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    # Parameters are created with the target dtype directly, so a large model is never materialised in
+    # float32 first; scoped to construction.
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+class ModelRunner:
+    def __init__(self, model_dir: str | Path, dtype: torch.dtype, device: torch.device, tp: TensorParallel):
+        self.model_dir = Path(model_dir)
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.tp = tp
+        self.config = ModelConfig.from_pretrained(self.model_dir)
+        with torch.device(self.device), _default_dtype(dtype):
+            self.model = LlamaModel(self.config, tp)
+        load_weights(self.model, self.model_dir, self.config.tie_word_embeddings)
+        self.model.eval()
+        self.kv_caches: list[torch.Tensor] = []
+        self.block_size = 0
+        self.sampler = Sampler(self.config.vocab_size, self.device) if tp.rank == 0 else None
+
+    def describe(self) -> dict:
+        params = {p.data_ptr(): p for p in self.model.parameters()}.values()  # tied weights once
+        return {
+            "model_name": self.model_dir.resolve().name,
+            "vocab_size": self.config.vocab_size,
+            "max_position_embeddings": self.config.max_position_embeddings,
+            "eos_token_ids": list(self.config.eos_token_ids),
+            "weight_bytes": sum(p.numel() * p.element_size() for p in params),
+        }
+
+    def kv_block_bytes(self, block_size: int) -> int:
+        """Bytes one KV block takes on this rank, over all layers."""
+        per_token = 2 * self.model.num_local_kv_heads * self.config.head_dim * self.dtype.itemsize
+        return self.config.num_layers * block_size * per_token
+
+    def profile_num_blocks(
+        self,
+        block_size: int,
+        max_num_batched_tokens: int,
+        gpu_memory_utilization: float,
+        cpu_kv_cache_gib: float,
+    ) -> int:
+        """KV blocks this rank can hold. On CUDA this runs a forward pass with collectives, so every rank
+        must profile at the same time."""
+        per_block = self.kv_block_bytes(block_size)
+        if self.device.type != "cuda":
+            budget = int(cpu_kv_cache_gib * 2**30)
+        else:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            free, total = torch.cuda.mem_get_info(self.device)
+            # The CUDA context, NCCL buffers and other processes: memory our allocator does not manage.
+            outside_torch = total - free - torch.cuda.memory_reserved(self.device)
+            self._dummy_step(block_size, max_num_batched_tokens)
+            peak = torch.cuda.max_memory_allocated(self.device)
+            torch.cuda.empty_cache()
+            budget = int(total * gpu_memory_utilization) - outside_torch - peak
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise RuntimeError(
+                f"no memory left for the KV cache: budget {budget / 2**20:.1f} MiB, one block needs "
+                f"{per_block / 2**20:.2f} MiB (raise gpu_memory_utilization or cpu_kv_cache_gib)"
+            )
+        return num_blocks
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> int:
+        """Allocates every layer's [2, blocks, block_size, local_kv_heads, head_dim] cache; returns bytes."""
+        shape = (2, num_blocks, block_size, self.model.num_local_kv_heads, self.config.head_dim)
+        self.kv_caches = []
+        # Zeros, not empty: padding slots are masked out of attention, but a NaN left in memory there
+        # would still poison the weighted sum (0 * NaN).
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.model.model.layers
+        ]
+        self.block_size = block_size
+        return num_blocks * self.kv_block_bytes(block_size)
+
+    def add_sequences(self, inits: list[SequenceInit]) -> None:
+        if self.sampler is not None:
+            for init in inits:
+                self.sampler.add(init)
+
+    def remove_sequences(self, seq_ids: list[int]) -> None:
+        if self.sampler is not None:
+            for seq_id in seq_ids:
+                self.sampler.remove(seq_id)
+
+    @torch.inference_mode()
+    def execute(self, inputs: StepInputs) -> StepOutputs:
+        if not self.kv_caches:
+            raise RuntimeError("allocate_kv_cache must be called before execute")
+        start = time.perf_counter()
+        self.tp.take_comm_seconds()  # count only this step's communication
+        self._check(inputs)
+        n = len(inputs.input_ids)
+        # One host-to-device copy for all per-token arrays and the block tables.
+        flat = torch.tensor(
+            inputs.input_ids + inputs.positions + inputs.slot_mapping + inputs.block_tables, dtype=torch.long
+        )
+        if self.device.type == "cuda":
+            flat = flat.pin_memory()
+        flat = flat.to(self.device, non_blocking=True)
+        input_ids, positions, slot_mapping, block_tables = flat.split([n, n, n, len(inputs.block_tables)])
+        metadata = AttentionMetadata.build(
+            inputs.query_lens,
+            inputs.context_lens,
+            inputs.block_table_lens,
+            block_tables,
+            slot_mapping,
+            self.block_size,
+            self.model.queries_per_kv,
+        )
+        hidden = self.model(input_ids, positions, metadata, self.kv_caches)
+
+        out = StepOutputs()
+        last_rows = [
+            end - 1
+            for end, sample in zip(accumulate(inputs.query_lens), inputs.do_sample, strict=True)
+            if sample
+        ]
+        if last_rows:
+            rows = torch.tensor(last_rows, dtype=torch.long, device=self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, rows))
+            if logits is not None:
+                seq_ids = [s for s, sample in zip(inputs.seq_ids, inputs.do_sample, strict=True) if sample]
+                result = self.sampler.sample(seq_ids, logits)
+                out.token_ids, out.logprobs = result.token_ids, result.logprobs
+                out.top_token_ids, out.top_logprobs = result.top_token_ids, result.top_logprobs
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        out.allreduce_seconds = self.tp.take_comm_seconds()
+        out.forward_seconds = time.perf_counter() - start
+        return out
+
+    def _check(self, inputs: StepInputs) -> None:
+        num_seqs = len(inputs.seq_ids)
+        for name in ("query_lens", "context_lens", "do_sample", "block_table_lens"):
+            if len(getattr(inputs, name)) != num_seqs:
+                raise ValueError(f"{name} has {len(getattr(inputs, name))} entries for {num_seqs} sequences")
+        num_tokens = sum(inputs.query_lens)
+        for name in ("input_ids", "positions", "slot_mapping"):
+            if len(getattr(inputs, name)) != num_tokens:
+                raise ValueError(f"{name} has {len(getattr(inputs, name))} entries for {num_tokens} tokens")
+        if sum(inputs.block_table_lens) != len(inputs.block_tables):
+            total = sum(inputs.block_table_lens)
+            raise ValueError(
+                f"block_tables has {len(inputs.block_tables)} entries, its lengths sum to {total}"
+            )
+        if num_tokens and max(inputs.positions) >= self.config.max_position_embeddings:
+            raise ValueError(
+                f"position {max(inputs.positions)} is beyond max_position_embeddings "
+                f"{self.config.max_position_embeddings}"
+            )
+
+    def _dummy_step(self, block_size: int, num_tokens: int) -> None:
+        """A forward pass as large as the biggest step, to measure peak activation memory."""
+        seq_len = min(num_tokens, self.config.max_position_embeddings)
+        lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
+        blocks = [-(-q // block_size) for q in lens]
+        saved_caches, saved_block_size = self.kv_caches, self.block_size
+        self.allocate_kv_cache(sum(blocks), block_size)
+        try:
+            tables = list(range(sum(blocks)))
+            starts = [0, *accumulate(blocks)]
+            inputs = StepInputs(
+                seq_ids=list(range(len(lens))),
+                query_lens=lens,
+                context_lens=lens,
+                do_sample=[False] * len(lens),
+                input_ids=[0] * num_tokens,
+                positions=[p for q in lens for p in range(q)],
+                slot_mapping=[
+                    s * block_size + p for q, s in zip(lens, starts[:-1], strict=True) for p in range(q)
+                ],
+                block_table_lens=blocks,
+                block_tables=tables,
+            )
+            with torch.inference_mode():
+                self.execute(inputs)
+                hidden = torch.zeros(min(PROFILE_SAMPLED_ROWS, num_tokens), self.config.hidden_size)
+                logits = self.model.compute_logits(hidden.to(self.device, self.dtype))
+                if logits is not None:
+                    torch.log_softmax(logits.float(), dim=-1).sort(dim=-1)  # the sampler's temporaries
+        finally:
+            self.kv_caches, self.block_size = saved_caches, saved_block_size

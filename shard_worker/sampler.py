@@ -1,0 +1,221 @@
+"""Chooses the next token of each sequence in a step from its logits (rank 0 only).
+
+The sampler keeps what a sequence's sampling needs between steps: its SamplingConfig, how many
+alternatives to report, which tokens it has seen (for the penalties) and how many tokens it has drawn.
+Everything else is vectorised over the batch.
+
+Randomness: a token is drawn as argmax(probs / E) with E ~ Exp(1) per vocab entry (the exponential race,
+which picks i with probability probs[i]). Unseeded sequences share one generator and get their noise in
+one call. A seeded sequence's n-th draw uses noise from a generator seeded with a mix of (seed, n), so it
+does not depend on what else is in the batch, and a sequence rebuilt with num_sampled=k continues exactly
+where it left off without replaying k draws.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from common.sampling import SamplingConfig
+from shard_worker.step import SequenceInit
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def draw_seed(seed: int, n: int) -> int:
+    """The generator seed for a seeded sequence's n-th draw (0-based). Mixed so that nearby (seed, n)
+    pairs give unrelated streams."""
+    return _splitmix64((seed & _MASK64) ^ _splitmix64(n))
+
+
+class SampleResult(NamedTuple):
+    token_ids: list[int]  # one per sequence, in the order asked
+    logprobs: list[float]  # the chosen tokens' logprobs; empty when no sequence asked for logprobs
+    top_token_ids: list[int]  # per sequence its top_logprobs best ids, concatenated
+    top_logprobs: list[float]
+
+
+@dataclass
+class _Sequence:
+    config: SamplingConfig
+    top_logprobs: int
+    num_sampled: int
+    penalty_slot: int | None  # its row in the penalty tables, if it has penalties
+    generator: torch.Generator | None  # seeded sequences only
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, device: torch.device | str = "cpu"):
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self._seqs: dict[int, _Sequence] = {}
+        # Shared by unseeded sequences; seeded from the OS, since they promise no reproducibility.
+        self._generator = torch.Generator(self.device)
+        self._generator.seed()
+        # Penalty tables, one row per sequence with penalties: output-token counts (presence/frequency)
+        # and whether a token occurred in the prompt or output (repetition). Rows are reused.
+        self._counts = torch.zeros(0, vocab_size, dtype=torch.int32, device=self.device)
+        self._seen = torch.zeros(0, vocab_size, dtype=torch.bool, device=self.device)
+        self._free_slots: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def __contains__(self, seq_id: int) -> bool:
+        return seq_id in self._seqs
+
+    def add(self, init: SequenceInit) -> None:
+        """Starts tracking a sequence (or rebuilds one: a known seq_id is replaced)."""
+        self.remove(init.seq_id)
+        cfg = init.sampling
+        slot = None
+        if cfg.has_penalties:
+            slot = self._take_slot()
+            tokens = torch.tensor(init.token_ids, dtype=torch.long, device=self.device)
+            self._seen[slot, tokens] = True
+            output = tokens[init.num_prompt_tokens :]
+            self._counts[slot] = torch.bincount(output, minlength=self.vocab_size).to(torch.int32)
+        generator = None
+        if cfg.seed is not None and not cfg.greedy:
+            generator = torch.Generator(self.device)
+        self._seqs[init.seq_id] = _Sequence(cfg, init.top_logprobs, init.num_sampled, slot, generator)
+
+    def remove(self, seq_id: int) -> None:
+        seq = self._seqs.pop(seq_id, None)
+        if seq is not None and seq.penalty_slot is not None:
+            self._free_slots.append(seq.penalty_slot)
+
+    @torch.inference_mode()
+    def sample(self, seq_ids: list[int], logits: torch.Tensor) -> SampleResult:
+        """logits: [len(seq_ids), vocab], one row per sequence. Records each chosen token in its
+        sequence's state."""
+        try:
+            seqs = [self._seqs[i] for i in seq_ids]
+        except KeyError as e:
+            raise KeyError(f"sequence {e.args[0]} was never added to the sampler") from None
+        if logits.shape != (len(seqs), self.vocab_size):
+            raise ValueError(f"logits shape {tuple(logits.shape)}, expected ({len(seqs)}, {self.vocab_size})")
+        logits = logits.to(self.device, torch.float32)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(s.top_logprobs for s in seqs) else None
+
+        logits = self._apply_penalties(seqs, logits)
+        all_greedy = all(s.config.greedy for s in seqs)
+        tokens = logits.argmax(dim=-1) if all_greedy else self._draw(seqs, logits)
+
+        self._record(seqs, tokens)
+        token_ids = tokens.tolist()
+        if raw_logprobs is None:
+            return SampleResult(token_ids, [], [], [])
+        chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+        top_ids, top_lps = [], []
+        n_max = max(s.top_logprobs for s in seqs)
+        values, ids = raw_logprobs.topk(n_max, dim=-1)
+        values, ids = values.tolist(), ids.tolist()
+        for i, s in enumerate(seqs):
+            top_ids.extend(ids[i][: s.top_logprobs])
+            top_lps.extend(values[i][: s.top_logprobs])
+        return SampleResult(token_ids, chosen, top_ids, top_lps)
+
+    def _apply_penalties(self, seqs: list[_Sequence], logits: torch.Tensor) -> torch.Tensor:
+        rows = [i for i, s in enumerate(seqs) if s.penalty_slot is not None]
+        if not rows:
+            return logits
+        cfgs = [seqs[i].config for i in rows]
+        slots = self._tensor([seqs[i].penalty_slot for i in rows], torch.long)
+        row_index = self._tensor(rows, torch.long)
+        sub = logits.index_select(0, row_index)
+        counts = self._counts.index_select(0, slots).to(sub.dtype)
+        seen = self._seen.index_select(0, slots)
+        # Repetition (transformers' rule): over prompt and output, shrink a logit towards zero.
+        rep = self._column([c.repetition_penalty for c in cfgs])
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+        # Presence and frequency (OpenAI's rule): over output tokens only.
+        sub = sub - self._column([c.frequency_penalty for c in cfgs]) * counts
+        sub = sub - self._column([c.presence_penalty for c in cfgs]) * (counts > 0).to(sub.dtype)
+        logits = logits.clone()
+        logits.index_copy_(0, row_index, sub)
+        return logits
+
+    def _draw(self, seqs: list[_Sequence], logits: torch.Tensor) -> torch.Tensor:
+        cfgs = [s.config for s in seqs]
+        greedy = self._tensor([c.greedy for c in cfgs], torch.bool)
+        # Greedy rows get temperature 1 and no filters: their draw is discarded below.
+        temperature = self._column([1.0 if c.greedy else c.temperature for c in cfgs])
+        scaled = logits / temperature
+        top_k = [c.top_k if not c.greedy and 0 < c.top_k < self.vocab_size else 0 for c in cfgs]
+        top_p = [c.top_p if not c.greedy else 1.0 for c in cfgs]
+        if any(top_k) or any(p < 1.0 for p in top_p):
+            scaled = self._top_k_top_p(scaled, top_k, top_p)
+        probs = torch.softmax(scaled, dim=-1)
+        min_p = [0.0 if c.greedy else c.min_p for c in cfgs]
+        if any(min_p):
+            # Relative to the most likely token, which every filter keeps, so renormalisation after
+            # top-k/top-p does not change which tokens survive.
+            floor = self._column(min_p) * probs.amax(dim=-1, keepdim=True)
+            probs = probs.masked_fill(probs < floor, 0.0)
+
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
+        if len(unseeded) == len(seqs):
+            noise.exponential_(generator=self._generator)
+        else:
+            if unseeded:
+                rows = torch.empty(len(unseeded), self.vocab_size, device=self.device)
+                noise[self._tensor(unseeded, torch.long)] = rows.exponential_(generator=self._generator)
+            for i, s in enumerate(seqs):
+                if s.generator is not None:
+                    # The one loop per sequence: each seeded sequence draws from its own stream.
+                    s.generator.manual_seed(draw_seed(s.config.seed, s.num_sampled))
+                    noise[i].exponential_(generator=s.generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+    def _top_k_top_p(self, scaled: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        rank = torch.arange(self.vocab_size, device=self.device)
+        k = self._tensor([k or self.vocab_size for k in top_k], torch.long)
+        sorted_logits = sorted_logits.masked_fill(rank >= k[:, None], float("-inf"))
+        # Keep the smallest prefix whose probability reaches top_p: a token stays if the tokens ranked
+        # above it (after the top-k cut) sum to less than top_p. The first token always stays.
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        sorted_logits = sorted_logits.masked_fill(before >= self._column(top_p), float("-inf"))
+        return torch.full_like(scaled, float("-inf")).scatter_(-1, order, sorted_logits)
+
+    def _record(self, seqs: list[_Sequence], tokens: torch.Tensor) -> None:
+        rows = [i for i, s in enumerate(seqs) if s.penalty_slot is not None]
+        if rows:
+            slots = self._tensor([seqs[i].penalty_slot for i in rows], torch.long)
+            chosen = tokens.index_select(0, self._tensor(rows, torch.long))
+            # Slots are distinct, so the pairs are too and plain indexed updates are exact.
+            self._counts[slots, chosen] += 1
+            self._seen[slots, chosen] = True
+        for s in seqs:
+            s.num_sampled += 1
+
+    def _take_slot(self) -> int:
+        if not self._free_slots:
+            old = self._counts.shape[0]
+            new = max(8, 2 * old)
+            self._counts = torch.cat([self._counts, self._counts.new_zeros(new - old, self.vocab_size)])
+            self._seen = torch.cat([self._seen, self._seen.new_zeros(new - old, self.vocab_size)])
+            self._free_slots.extend(range(new - 1, old - 1, -1))
+        slot = self._free_slots.pop()
+        self._counts[slot].zero_()
+        self._seen[slot].zero_()
+        return slot
+
+    def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device)
+
+    def _column(self, values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=self.device).unsqueeze(1)

@@ -1,0 +1,178 @@
+"""ModelRunner against transformers on the tiny model, in float64: the same greedy tokens, token for
+token, with prompts of different lengths batched together, a prompt chunked over two steps, sequences
+joining mid-way, and KV blocks handed out in a scrambled order."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from common.sampling import SamplingConfig
+from shard_worker.model.attention import AttentionMetadata
+from shard_worker.model_runner import ModelRunner
+from shard_worker.parallel import TensorParallel
+from shard_worker.step import SequenceInit, StepInputs
+
+torch.set_flush_denormal(True)
+
+BLOCK_SIZE = 4  # small, so that even short prompts span several blocks
+NUM_BLOCKS = 96
+GREEDY = SamplingConfig(temperature=0.0)
+
+
+@dataclass
+class Seq:
+    seq_id: int
+    tokens: list[int]  # prompt, then sampled tokens
+    prompt_len: int
+    num_computed: int = 0
+    blocks: list[int] = field(default_factory=list)
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+
+class BlockPool:
+    """Hands out blocks in a scrambled order, so a sequence's blocks are never contiguous."""
+
+    def __init__(self, num_blocks: int):
+        self.free = [(i * 37) % num_blocks for i in range(num_blocks)]
+
+    def grow(self, seq: Seq, num_tokens: int) -> None:
+        while len(seq.blocks) * BLOCK_SIZE < num_tokens:
+            seq.blocks.append(self.free.pop())
+
+
+def plan(pool: BlockPool, chunks: list[tuple[Seq, int]]) -> StepInputs:
+    """The StepInputs computing the next n tokens of each (seq, n)."""
+    inp = StepInputs([], [], [], [], [], [], [], [], [])
+    for seq, n in chunks:
+        start, end = seq.num_computed, seq.num_computed + n
+        pool.grow(seq, end)
+        inp.seq_ids.append(seq.seq_id)
+        inp.query_lens.append(n)
+        inp.context_lens.append(end)
+        inp.do_sample.append(end == len(seq.tokens))
+        inp.input_ids += seq.tokens[start:end]
+        inp.positions += range(start, end)
+        inp.slot_mapping += [
+            seq.blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start, end)
+        ]
+        inp.block_table_lens.append(len(seq.blocks))
+        inp.block_tables += seq.blocks
+    return inp
+
+
+def run_step(runner: ModelRunner, pool: BlockPool, chunks: list[tuple[Seq, int]]):
+    inp = plan(pool, chunks)
+    out = runner.execute(inp)
+    sampled = [seq for (seq, _), s in zip(chunks, inp.do_sample, strict=True) if s]
+    assert len(out.token_ids) == len(sampled)
+    for seq, n in chunks:
+        seq.num_computed += n
+    for seq, token in zip(sampled, out.token_ids, strict=True):
+        seq.tokens.append(token)
+    return out
+
+
+def prompt(length: int, salt: int) -> list[int]:
+    # Starts with <s> like a tokenised prompt; the rest spread over the vocab deterministically.
+    return [0] + [(salt * 131 + i * 97) % 1000 + 2 for i in range(length - 1)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    model = LlamaForCausalLM.from_pretrained(tiny_model, dtype=torch.float64)
+    model.generation_config.eos_token_id = None  # compare full lengths, even past an EOS
+    return model
+
+
+def reference_greedy(reference, tokens: list[int], new: int) -> list[int]:
+    out = reference.generate(torch.tensor([tokens]), do_sample=False, max_new_tokens=new)
+    return out[0, len(tokens) :].tolist()
+
+
+def new_runner(tiny_model) -> ModelRunner:
+    runner = ModelRunner(tiny_model, torch.float64, torch.device("cpu"), TensorParallel())
+    runner.allocate_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
+    return runner
+
+
+def test_continuous_batch_matches_transformers_greedy(tiny_model, reference):
+    runner = new_runner(tiny_model)
+    pool = BlockPool(NUM_BLOCKS)
+    seqs = [Seq(i, prompt(n, i), n) for i, n in enumerate([3, 7, 12, 21])]
+    chunked = Seq(10, prompt(30, 10), 30)
+    late = Seq(11, prompt(9, 11), 9)
+    runner.add_sequences(
+        [SequenceInit(s.seq_id, GREEDY, 0, s.tokens, s.prompt_len) for s in [*seqs, chunked]]
+    )
+    new_tokens = 12
+
+    # Step 0: four whole prompts and the first chunk of a fifth, in one batch.
+    run_step(runner, pool, [(s, s.prompt_len) for s in seqs] + [(chunked, 16)])
+    assert chunked.output == []  # a non-final chunk samples nothing
+    # Step 1: decodes plus the rest of the chunked prompt.
+    run_step(runner, pool, [(s, 1) for s in seqs] + [(chunked, 14)])
+    step = 2
+    while any(len(s.output) < new_tokens for s in [*seqs, chunked, late]):
+        if step == 4:
+            runner.add_sequences([SequenceInit(late.seq_id, GREEDY, 0, late.tokens, late.prompt_len)])
+            # Joining between decodes: the prefill group's tokens are not contiguous in the step.
+            decodes = [(s, 1) for s in [*seqs, chunked]]
+            run_step(runner, pool, [*decodes[:2], (late, late.prompt_len), *decodes[2:]])
+        else:
+            live = [s for s in [*seqs, chunked] + ([late] if step > 4 else []) if len(s.output) < new_tokens]
+            run_step(runner, pool, [(s, 1) for s in live])
+        step += 1
+
+    for s in [*seqs, chunked, late]:
+        expected = reference_greedy(reference, s.tokens[: s.prompt_len], new_tokens)
+        assert len(expected) == new_tokens
+        assert s.output == expected, f"sequence {s.seq_id} (prompt of {s.prompt_len})"
+
+
+def test_prefill_logits_and_logprobs_match_transformers(tiny_model, reference):
+    runner = new_runner(tiny_model)
+    pool = BlockPool(NUM_BLOCKS)
+    seqs = [Seq(i, prompt(n, 20 + i), n) for i, n in enumerate([5, 1, 13, 8])]
+    inp = plan(pool, [(s, s.prompt_len) for s in seqs])
+    ids, pos, slots, tables = (
+        torch.tensor(x) for x in (inp.input_ids, inp.positions, inp.slot_mapping, inp.block_tables)
+    )
+    with torch.inference_mode():
+        md = AttentionMetadata.build(
+            inp.query_lens,
+            inp.context_lens,
+            inp.block_table_lens,
+            tables,
+            slots,
+            BLOCK_SIZE,
+            runner.model.queries_per_kv,
+        )
+        logits = runner.model.compute_logits(runner.model(ids, pos, md, runner.kv_caches))
+    start = 0
+    for s in seqs:
+        with torch.no_grad():
+            want = reference(torch.tensor([s.tokens])).logits[0]
+        torch.testing.assert_close(logits[start : start + s.prompt_len], want, rtol=1e-7, atol=1e-7)
+        start += s.prompt_len
+
+    # Through execute: the chosen token's logprob and the top 5 are transformers' log_softmax.
+    runner2 = new_runner(tiny_model)
+    runner2.add_sequences([SequenceInit(s.seq_id, GREEDY, 5, s.tokens, s.prompt_len) for s in seqs])
+    out = runner2.execute(
+        plan(BlockPool(NUM_BLOCKS), [(Seq(s.seq_id, s.tokens, s.prompt_len), s.prompt_len) for s in seqs])
+    )
+    for i, s in enumerate(seqs):
+        with torch.no_grad():
+            want = torch.log_softmax(reference(torch.tensor([s.tokens])).logits[0, -1], dim=-1)
+        top = want.topk(5)
+        assert out.token_ids[i] == top.indices[0].item()
+        assert out.logprobs[i] == pytest.approx(top.values[0].item(), abs=1e-5)
+        assert out.top_token_ids[5 * i : 5 * i + 5] == top.indices.tolist()
+        assert out.top_logprobs[5 * i : 5 * i + 5] == pytest.approx(top.values.tolist(), abs=1e-5)
