@@ -107,7 +107,7 @@ class Sampler:
         logits = logits.to(self.device, torch.float32)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(s.top_logprobs for s in seqs) else None
 
-        logits = self._apply_penalties(seqs, logits)
+        logits = self._penalize(seqs, logits)
         all_greedy = all(s.config.greedy for s in seqs)
         tokens = logits.argmax(dim=-1) if all_greedy else self._draw(seqs, logits)
 
@@ -125,7 +125,12 @@ class Sampler:
             top_lps.extend(values[i][: s.top_logprobs])
         return SampleResult(token_ids, chosen, top_ids, top_lps)
 
-    def _apply_penalties(self, seqs: list[_Sequence], logits: torch.Tensor) -> torch.Tensor:
+    @torch.inference_mode()
+    def apply_penalties(self, seq_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """The logits after each sequence's repetition/presence/frequency penalties (a new tensor)."""
+        return self._penalize([self._seqs[i] for i in seq_ids], logits.to(self.device, torch.float32).clone())
+
+    def _penalize(self, seqs: list[_Sequence], logits: torch.Tensor) -> torch.Tensor:
         rows = [i for i, s in enumerate(seqs) if s.penalty_slot is not None]
         if not rows:
             return logits
