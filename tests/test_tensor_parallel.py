@@ -1,0 +1,138 @@
+"""Two ranks in real processes over torch.distributed (gloo) give the same greedy tokens and logprobs as
+one rank, on the tiny model and on a tiny model with a single KV head (replicated on both ranks)."""
+
+from __future__ import annotations
+
+import socket
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from common.model_builder import build_model
+from common.sampling import SamplingConfig
+from shard_worker.model_runner import ModelRunner
+from shard_worker.parallel import TensorParallel, init_tensor_parallel
+from shard_worker.step import SequenceInit, StepInputs
+
+BLOCK_SIZE = 4
+BLOCKS_PER_SEQ = 16
+PROMPTS = [[0, 11, 305, 72, 9], [0, 400, 3], [0, *range(500, 520)]]  # the last is prefilled in two chunks
+STEPS = 8
+TOP = 3  # logprobs alternatives asked for, to compare numbers and not only argmaxes
+JOIN_TIMEOUT_S = 120
+
+
+def run_greedy(runner: ModelRunner, tp: TensorParallel) -> tuple[list[list[int]], list[list[float]]]:
+    """Drives the runner like a scheduler would; rank 0's sampled tokens are broadcast so every rank
+    plans the same next step (the scheduler's job in the real system)."""
+    runner.allocate_kv_cache(BLOCKS_PER_SEQ * len(PROMPTS), BLOCK_SIZE)
+    greedy = SamplingConfig(temperature=0.0)
+    runner.add_sequences([SequenceInit(i, greedy, TOP, p, len(p)) for i, p in enumerate(PROMPTS)])
+    tokens = [list(p) for p in PROMPTS]
+    computed = [0] * len(PROMPTS)
+    logprobs: list[list[float]] = [[] for _ in PROMPTS]
+    for step in range(STEPS):
+        inp = StepInputs([], [], [], [], [], [], [], [], [])
+        for i, toks in enumerate(tokens):
+            n = len(toks) - computed[i]
+            if step == 0 and i == len(PROMPTS) - 1:
+                n //= 2
+            blocks = list(range(i * BLOCKS_PER_SEQ, (i + 1) * BLOCKS_PER_SEQ))
+            positions = range(computed[i], computed[i] + n)
+            inp.seq_ids.append(i)
+            inp.query_lens.append(n)
+            inp.context_lens.append(computed[i] + n)
+            inp.do_sample.append(computed[i] + n == len(toks))
+            inp.input_ids += toks[computed[i] : computed[i] + n]
+            inp.positions += positions
+            inp.slot_mapping += [blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in positions]
+            inp.block_table_lens.append(BLOCKS_PER_SEQ)
+            inp.block_tables += blocks
+            computed[i] += n
+        out = runner.execute(inp)
+        sampled = [i for i, s in zip(inp.seq_ids, inp.do_sample, strict=True) if s]
+        if tp.rank != 0:
+            assert out.token_ids == [] and out.logprobs == []
+        new = torch.tensor(out.token_ids if tp.rank == 0 else [0] * len(sampled))
+        if tp.world_size > 1:
+            dist.broadcast(new, src=0)
+        for k, (i, token) in enumerate(zip(sampled, new.tolist(), strict=True)):
+            tokens[i].append(token)
+            if tp.rank == 0:
+                logprobs[i] += [out.logprobs[k], *out.top_logprobs[TOP * k : TOP * (k + 1)]]
+    return [t[len(p) :] for t, p in zip(tokens, PROMPTS, strict=True)], logprobs
+
+
+def _rank_main(rank: int, world_size: int, addr: str, model_dirs: list[str], results) -> None:
+    try:
+        torch.set_num_threads(1)
+        torch.set_flush_denormal(True)
+        tp = init_tensor_parallel(rank, world_size, addr, torch.device("cpu"))
+        for model_dir in model_dirs:
+            runner = ModelRunner(model_dir, torch.float64, torch.device("cpu"), tp)
+            got = run_greedy(runner, tp)
+            if rank == 0:
+                results.put((model_dir, got))
+        dist.destroy_process_group()
+    except BaseException:
+        results.put((f"rank {rank} failed", traceback.format_exc()))
+        raise
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def one_kv_head_model(tmp_path_factory) -> Path:
+    return build_model("tiny", tmp_path_factory.mktemp("tiny-1kv"), num_kv_heads=1)
+
+
+@pytest.fixture(scope="module")
+def two_rank_results(tiny_model, one_kv_head_model) -> dict:
+    """Runs both models in one pair of processes (spawning is the slow part)."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    addr = f"127.0.0.1:{free_port()}"
+    model_dirs = [str(tiny_model), str(one_kv_head_model)]
+    procs = [ctx.Process(target=_rank_main, args=(r, 2, addr, model_dirs, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = {}
+        while len(got) < len(model_dirs):
+            key, value = results.get(timeout=JOIN_TIMEOUT_S)
+            if "failed" in key:
+                pytest.fail(f"{key}:\n{value}")
+            got[key] = value
+        for p in procs:
+            p.join(timeout=JOIN_TIMEOUT_S)
+            assert p.exitcode == 0, f"rank exited with {p.exitcode}"
+        return got
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=10)
+
+
+def single_rank(model_dir) -> tuple[list[list[int]], list[list[float]]]:
+    tp = TensorParallel()
+    return run_greedy(ModelRunner(model_dir, torch.float64, torch.device("cpu"), tp), tp)
+
+
+@pytest.mark.parametrize("which", ["tiny", "one_kv_head"])
+def test_two_ranks_match_one(which, tiny_model, one_kv_head_model, two_rank_results):
+    model_dir = tiny_model if which == "tiny" else one_kv_head_model
+    tokens, logprobs = two_rank_results[str(model_dir)]
+    want_tokens, want_logprobs = single_rank(model_dir)
+    assert tokens == want_tokens
+    assert all(len(t) == STEPS - (i == len(PROMPTS) - 1) for i, t in enumerate(tokens))
+    for got, want in zip(logprobs, want_logprobs, strict=True):
+        assert got == pytest.approx(want, abs=1e-9)
