@@ -52,7 +52,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             req = validate_request(request, self._ready_limits(context), self._tokenize)
         except ValidationError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{e.field}: {e}")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except SchedulerUnavailable as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         request_id = req.request_id or uuid.uuid4().hex

@@ -16,6 +16,7 @@ from common.pb.tpserve.v1 import generation_pb2_grpc
 from tests.conftest import ROOT, launch
 
 MAX_NEW = 24
+GREEDY = pb.SamplingParams(temperature=0.0)
 PROMPT_LENS = [1, 3, 7, 15, 16, 17, 40, 90, 130, 200]
 
 
@@ -57,7 +58,9 @@ def run_concurrently(stub, requests: list[dict]) -> list:
 
 
 def assert_matches_reference(stub, reference):
-    reqs = [dict(token_ids=ids, max_new_tokens=MAX_NEW, ignore_eos=True) for ids in reference]
+    reqs = [
+        dict(token_ids=ids, max_new_tokens=MAX_NEW, ignore_eos=True, sampling=GREEDY) for ids in reference
+    ]
     results = run_concurrently(stub, reqs)
     for ids, (tokens, _, reason, last) in zip(reference, results, strict=True):
         assert tokens == reference[ids], f"prompt of {len(ids)} tokens"
@@ -104,22 +107,24 @@ def test_text_prompt_streams_text_matching_tokens(server, tiny_model):
     assert chunks[-1].usage.prompt_tokens == len(tok("Hello there, héllo 日本")["input_ids"])
 
 
-def test_eos_stops_unless_ignored(server, reference):
-    # Find a prompt whose reference continuation contains a token; make it a stop token id.
+def test_stop_token_id_ends_generation_with_the_token(server, reference):
+    # A token the reference produces mid-way is made a stop token: generation ends right after it.
     ids, cont = next(iter(reference.items()))
     stop_at = cont[5]
     tokens, _, reason, _ = generate(
-        server, token_ids=list(ids), max_new_tokens=MAX_NEW, stop_token_ids=[stop_at]
+        server, token_ids=list(ids), max_new_tokens=MAX_NEW, stop_token_ids=[stop_at], sampling=GREEDY
     )
     assert reason == pb.FINISH_REASON_EOS and tokens == cont[: cont.index(stop_at) + 1]
 
 
 def test_stop_string_is_not_returned(server):
-    tokens, text, reason, _ = generate(server, text="abc", max_new_tokens=30, ignore_eos=True)
+    tokens, text, reason, _ = generate(
+        server, text="abc", max_new_tokens=30, ignore_eos=True, sampling=GREEDY
+    )
     assert reason == pb.FINISH_REASON_LENGTH and len(text) > 4
     stop = text[2:5]
     _, stopped_text, reason, last = generate(
-        server, text="abc", max_new_tokens=30, ignore_eos=True, stop=[stop]
+        server, text="abc", max_new_tokens=30, ignore_eos=True, stop=[stop], sampling=GREEDY
     )
     assert reason == pb.FINISH_REASON_STOP
     assert stopped_text == text[: text.index(stop)]
@@ -147,7 +152,9 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(server):
 
 def test_logprobs_are_returned_when_asked(server):
     chunks = list(
-        server.Generate(pb.GenerateRequest(text="hi", max_new_tokens=3, ignore_eos=True, top_logprobs=4))
+        server.Generate(
+            pb.GenerateRequest(text="hi", max_new_tokens=3, ignore_eos=True, top_logprobs=4, sampling=GREEDY)
+        )
     )
     lps = [lp for c in chunks for lp in c.logprobs]
     assert len(lps) == 3
