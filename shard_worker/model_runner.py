@@ -46,6 +46,9 @@ class ModelRunner:
         self.dtype = dtype
         self.device = torch.device(device)
         self.tp = tp
+        if self.device.type == "cpu":
+            # Denormal floats make CPU matmuls many times slower, and random or tiny weights produce them.
+            torch.set_flush_denormal(True)
         self.config = ModelConfig.from_pretrained(self.model_dir)
         with torch.device(self.device), _default_dtype(dtype):
             self.model = LlamaModel(self.config, tp)

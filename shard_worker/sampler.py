@@ -4,11 +4,11 @@ The sampler keeps what a sequence's sampling needs between steps: its SamplingCo
 alternatives to report, which tokens it has seen (for the penalties) and how many tokens it has drawn.
 Everything else is vectorised over the batch.
 
-Randomness: a token is drawn as argmax(probs / E) with E ~ Exp(1) per vocab entry (the exponential race,
-which picks i with probability probs[i]). Unseeded sequences share one generator and get their noise in
-one call. A seeded sequence's n-th draw uses noise from a generator seeded with a mix of (seed, n), so it
-does not depend on what else is in the batch, and a sequence rebuilt with num_sampled=k continues exactly
-where it left off without replaying k draws.
+Randomness: a token is drawn by inverse CDF from one uniform number per sequence (the CDF runs over the
+vocab in id order, row by row, so a row's result does not depend on the others). Unseeded sequences take
+their uniforms from one shared generator in one call. A seeded sequence's n-th uniform is a hash of
+(seed, n) computed in Python: it does not depend on what else is in the batch or on the device, and a
+sequence rebuilt with num_sampled=k continues exactly where it left off without replaying k draws.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from common.sampling import SamplingConfig
 from shard_worker.step import SequenceInit
 
 _MASK64 = (1 << 64) - 1
+# How many of a row's best tokens top-k/top-p look at before falling back to sorting the whole row.
+CANDIDATES = 256
 
 
 def _splitmix64(x: int) -> int:
@@ -29,6 +31,10 @@ def _splitmix64(x: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     return x ^ (x >> 31)
+
+
+def _uniform(bits: int) -> float:
+    return (bits >> 11) * 2.0**-53  # the top 53 bits as a float in [0, 1)
 
 
 def draw_seed(seed: int, n: int) -> int:
@@ -50,7 +56,6 @@ class _Sequence:
     top_logprobs: int
     num_sampled: int
     penalty_slot: int | None  # its row in the penalty tables, if it has penalties
-    generator: torch.Generator | None  # seeded sequences only
 
 
 class Sampler:
@@ -84,10 +89,7 @@ class Sampler:
             self._seen[slot, tokens] = True
             output = tokens[init.num_prompt_tokens :]
             self._counts[slot] = torch.bincount(output, minlength=self.vocab_size).to(torch.int32)
-        generator = None
-        if cfg.seed is not None and not cfg.greedy:
-            generator = torch.Generator(self.device)
-        self._seqs[init.seq_id] = _Sequence(cfg, init.top_logprobs, init.num_sampled, slot, generator)
+        self._seqs[init.seq_id] = _Sequence(cfg, init.top_logprobs, init.num_sampled, slot)
 
     def remove(self, seq_id: int) -> None:
         seq = self._seqs.pop(seq_id, None)
@@ -168,33 +170,62 @@ class Sampler:
             floor = self._column(min_p) * probs.amax(dim=-1, keepdim=True)
             probs = probs.masked_fill(probs < floor, 0.0)
 
-        noise = torch.empty_like(probs)
-        unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
-        if len(unseeded) == len(seqs):
-            noise.exponential_(generator=self._generator)
-        else:
-            if unseeded:
-                rows = torch.empty(len(unseeded), self.vocab_size, device=self.device)
-                noise[self._tensor(unseeded, torch.long)] = rows.exponential_(generator=self._generator)
-            for i, s in enumerate(seqs):
-                if s.generator is not None:
-                    # The one loop per sequence: each seeded sequence draws from its own stream.
-                    s.generator.manual_seed(draw_seed(s.config.seed, s.num_sampled))
-                    noise[i].exponential_(generator=s.generator)
-        sampled = (probs / noise).argmax(dim=-1)
+        # Inverse CDF: one uniform per sequence. searchsorted with right=True never lands on a token
+        # of probability zero, since the CDF does not rise there.
+        cdf = probs.cumsum(dim=-1)
+        u = torch.rand(len(seqs), device=self.device, generator=self._generator)
+        seeded = [i for i, s in enumerate(seqs) if s.config.seed is not None and not s.config.greedy]
+        if seeded:
+            # The one loop per sequence: a seeded sequence's uniform comes from its own (seed, n).
+            values = [_uniform(draw_seed(seqs[i].config.seed, seqs[i].num_sampled)) for i in seeded]
+            u.index_copy_(0, self._tensor(seeded, torch.long), self._tensor(values, u.dtype))
+        target = (u * cdf[:, -1]).unsqueeze(1)
+        sampled = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=self.vocab_size - 1)
+        if not any(c.greedy for c in cfgs):
+            return sampled
         return torch.where(greedy, logits.argmax(dim=-1), sampled)
 
     def _top_k_top_p(self, scaled: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-        sorted_logits, order = scaled.sort(dim=-1, descending=True)
-        rank = torch.arange(self.vocab_size, device=self.device)
+        """Sets the logits of tokens outside each row's top-k / top-p set to -inf.
+
+        Sorting a whole vocab row is the expensive part, and the kept set is usually small: the
+        CANDIDATES best tokens are used instead whenever they provably contain every row's kept set,
+        and the full sort only otherwise. Both give the same set.
+        """
+        filtered = self._tensor([k > 0 or p < 1.0 for k, p in zip(top_k, top_p, strict=True)], torch.bool)
         k = self._tensor([k or self.vocab_size for k in top_k], torch.long)
-        sorted_logits = sorted_logits.masked_fill(rank >= k[:, None], float("-inf"))
-        # Keep the smallest prefix whose probability reaches top_p: a token stays if the tokens ranked
-        # above it (after the top-k cut) sum to less than top_p. The first token always stays.
-        sorted_probs = torch.softmax(sorted_logits, dim=-1)
-        before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        sorted_logits = sorted_logits.masked_fill(before >= self._column(top_p), float("-inf"))
-        return torch.full_like(scaled, float("-inf")).scatter_(-1, order, sorted_logits)
+        p = self._column(top_p)
+        # The top-p mass is measured over the top-k set when there is one, else over the whole row.
+        needs_full_lse = any(kk == 0 and pp < 1.0 for kk, pp in zip(top_k, top_p, strict=True))
+        full_lse = torch.logsumexp(scaled, dim=-1) if needs_full_lse else scaled.new_zeros(len(top_k))
+        kept = None
+        if self.vocab_size > CANDIDATES:
+            values, order = scaled.topk(CANDIDATES, dim=-1)
+            kept, covered = self._keep_sorted(values, k, p, full_lse)
+            if not bool((covered | ~filtered).all()):
+                kept = None
+        if kept is None:
+            values, order = scaled.sort(dim=-1, descending=True)
+            kept, _ = self._keep_sorted(values, k, p, full_lse)
+        out = torch.full_like(scaled, float("-inf")).scatter_(-1, order, kept)
+        return torch.where(filtered.unsqueeze(1), out, scaled)
+
+    def _keep_sorted(
+        self, values: torch.Tensor, k: torch.Tensor, p: torch.Tensor, full_lse: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """values: each row's best n logits, descending. Returns them with the dropped ones at -inf, and
+        per row whether these n were enough to decide its kept set exactly."""
+        n = values.shape[1]
+        rank = torch.arange(n, device=self.device)
+        values = values.masked_fill(rank >= k[:, None], float("-inf"))
+        has_top_k = k < self.vocab_size
+        lse = torch.where(has_top_k, torch.logsumexp(values, dim=-1), full_lse)
+        probs = torch.exp(values - lse[:, None])
+        cum = probs.cumsum(dim=-1)
+        # A token stays if the tokens ranked above it sum to less than top_p; the first always stays.
+        values = values.masked_fill(cum - probs >= p, float("-inf"))
+        covered = (has_top_k & (k <= n)) | (~has_top_k & (cum[:, -1:] >= p).squeeze(1))
+        return values, covered
 
     def _record(self, seqs: list[_Sequence], tokens: torch.Tensor) -> None:
         rows = [i for i, s in enumerate(seqs) if s.penalty_slot is not None]

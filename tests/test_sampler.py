@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from common.sampling import SamplingConfig
+from shard_worker import sampler as sampler_module
 from shard_worker.sampler import Sampler
 from shard_worker.step import SequenceInit
 
@@ -174,3 +175,22 @@ def test_no_logprobs_unless_asked():
 def test_unknown_sequence_is_a_clear_error():
     with pytest.raises(KeyError, match="never added"):
         Sampler(VOCAB).sample([9], random_logits(1))
+
+
+# Peaked rows take the shortcut; flat rows, and a top_k beyond the candidates, need the full sort.
+@pytest.mark.parametrize(("spread", "big_k"), [(8.0, 40), (1.0, 40), (8.0, 300)])
+def test_candidate_shortcut_keeps_the_same_tokens_as_a_full_sort(monkeypatch, spread, big_k):
+    vocab = 2000
+    cases = [(0, 0.5), (0, 0.9), (5, 1.0), (5, 0.5), (big_k, 0.9), (0, 0.99), (40, 0.8), (0, 1.0)]
+    logits = torch.randn(len(cases), vocab, generator=torch.Generator().manual_seed(3)) * spread
+    top_k, top_p = [k for k, _ in cases], [p for _, p in cases]
+    sampler = Sampler(vocab)
+    fast = sampler._top_k_top_p(logits, top_k, top_p)
+    monkeypatch.setattr(sampler_module, "CANDIDATES", vocab)
+    slow = sampler._top_k_top_p(logits, top_k, top_p)
+    assert torch.equal(fast.isfinite(), slow.isfinite())
+    assert fast[-1].isfinite().all()  # a row without filters keeps everything
+    # Independent of the sampler's code: top_k 5 then top_p 0.5 by a plain sort.
+    probs = torch.softmax(logits[3].topk(5).values, dim=-1)
+    want = int((probs.cumsum(0) - probs < 0.5).sum())
+    assert int(fast[3].isfinite().sum()) == want
