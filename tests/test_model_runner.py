@@ -176,3 +176,66 @@ def test_prefill_logits_and_logprobs_match_transformers(tiny_model, reference):
         assert out.logprobs[i] == pytest.approx(top.values[0].item(), abs=1e-5)
         assert out.top_token_ids[5 * i : 5 * i + 5] == top.indices.tolist()
         assert out.top_logprobs[5 * i : 5 * i + 5] == pytest.approx(top.values.tolist(), abs=1e-5)
+
+
+def _save_random(tmp_path, arch: str):
+    from transformers import LlamaConfig, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    shape = dict(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+        eos_token_id=[1, 2],
+    )
+    if arch == "qwen2":  # q/k/v biases and tied embeddings
+        model = Qwen2ForCausalLM(Qwen2Config(**shape, tie_word_embeddings=True))
+    elif arch == "mistral":
+        model = MistralForCausalLM(MistralConfig(**shape, sliding_window=None))
+    else:  # Llama 3.1-style rope scaling, and biases on every attention projection
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+        model = LlamaForCausalLM(LlamaConfig(**shape, attention_bias=True, rope_parameters=rope))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)  # zero-initialised otherwise, which would not test that they load
+    model.save_pretrained(tmp_path)
+    return model.to(torch.float64)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "mistral", "llama3_rope"])
+def test_llama_family_variants_match_transformers(tmp_path, arch):
+    torch.manual_seed(0)
+    reference = _save_random(tmp_path, arch)
+    runner = ModelRunner(tmp_path, torch.float64, torch.device("cpu"), TensorParallel())
+    assert runner.describe()["eos_token_ids"] == [1, 2]
+    runner.allocate_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
+    # Positions past original_max_position_embeddings exercise the scaled rope frequencies.
+    seqs = [Seq(i, [t % 300 for t in prompt(n, i)], n) for i, n in enumerate([90, 7])]
+    inp = plan(BlockPool(NUM_BLOCKS), [(s, s.prompt_len) for s in seqs])
+    tensors = (torch.tensor(x) for x in (inp.input_ids, inp.positions, inp.slot_mapping, inp.block_tables))
+    ids, pos, slots, tables = tensors
+    with torch.inference_mode():
+        md = AttentionMetadata.build(
+            inp.query_lens,
+            inp.context_lens,
+            inp.block_table_lens,
+            tables,
+            slots,
+            BLOCK_SIZE,
+            runner.model.queries_per_kv,
+        )
+        logits = runner.model.compute_logits(runner.model(ids, pos, md, runner.kv_caches))
+        want = torch.cat([reference(torch.tensor([s.tokens])).logits[0] for s in seqs])
+    torch.testing.assert_close(logits, want, rtol=1e-7, atol=1e-7)
