@@ -239,3 +239,18 @@ def test_llama_family_variants_match_transformers(tmp_path, arch):
         logits = runner.model.compute_logits(runner.model(ids, pos, md, runner.kv_caches))
         want = torch.cat([reference(torch.tensor([s.tokens])).logits[0] for s in seqs])
     torch.testing.assert_close(logits, want, rtol=1e-7, atol=1e-7)
+
+
+def test_missing_checkpoint_tensor_is_named(tiny_model, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    for f in tiny_model.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, tmp_path / f.name)
+    tensors = load_file(tiny_model / "model.safetensors")
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"no tensor model\.layers\.1\.self_attn\.k_proj\.weight"):
+        ModelRunner(tmp_path, torch.float32, torch.device("cpu"), TensorParallel())

@@ -52,9 +52,10 @@ def load_weights(model: nn.Module, model_dir: str | Path, tie_word_embeddings: b
                 loaded.add((name, part))
     missing = sorted(expected - loaded, key=str)
     if missing:
-        name, part = missing[0]
-        what = name if part is None else f"{name} (part {part})"
-        raise ValueError(f"checkpoint {model_dir} has no tensor for {what}; {len(missing)} missing in all")
+        raise ValueError(
+            f"checkpoint {model_dir} has no tensor {_checkpoint_name(*missing[0])} "
+            f"({len(missing)} missing in all)"
+        )
 
 
 def _param_name(ckpt_name: str) -> tuple[str, int | None]:
@@ -64,6 +65,15 @@ def _param_name(ckpt_name: str) -> tuple[str, int | None]:
             merged, index = PACKED_MODULES[piece]
             return ".".join([*parts[:i], merged, *parts[i + 1 :]]), index
     return ckpt_name, None
+
+
+def _checkpoint_name(name: str, part: int | None) -> str:
+    if part is None:
+        return name
+    for ckpt_piece, (merged, index) in PACKED_MODULES.items():
+        if index == part and f".{merged}." in name:
+            return name.replace(f".{merged}.", f".{ckpt_piece}.")
+    return f"{name} (part {part})"
 
 
 def _load_whole(param: nn.Parameter, source, ckpt_name: str) -> None:
