@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 import grpc
@@ -34,6 +33,9 @@ class SchedulerLink:
         self._channel = grpc.aio.insecure_channel(target, options=OPTIONS)
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
         self._call = None
+        # gRPC allows one outstanding write per stream: every request handler puts its message here
+        # and the stream's request iterator is the single writer.
+        self._outbox: asyncio.Queue = asyncio.Queue()
         self._queues: dict[str, asyncio.Queue] = {}
         self._task: asyncio.Task | None = None
 
@@ -52,29 +54,21 @@ class SchedulerLink:
     def in_flight(self, request_id: str) -> bool:
         return request_id in self._queues
 
-    async def submit(self, add: scheduler_pb2.AddRequest) -> asyncio.Queue:
+    def submit(self, add: scheduler_pb2.AddRequest) -> asyncio.Queue:
+        """Queues the request for the scheduler; its outputs arrive on the returned queue."""
         if not self.ready:
             raise SchedulerUnavailable("the scheduler is not ready")
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[add.request_id] = queue
-        try:
-            await self._call.write(scheduler_pb2.RouterMessage(add=add))
-        except (grpc.RpcError, asyncio.InvalidStateError) as e:
-            self._queues.pop(add.request_id, None)
-            raise SchedulerUnavailable(f"the scheduler stream broke: {e}") from None
+        self._outbox.put_nowait(scheduler_pb2.RouterMessage(add=add))
         return queue
 
-    async def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str) -> None:
         """The router no longer wants request_id (finished by stop string, cancelled, disconnected)."""
-        if self._queues.pop(request_id, None) is None:
-            return
-        call = self._call
-        if call is not None:
-            # If the stream is gone, the scheduler drops everything of this router anyway.
-            with contextlib.suppress(grpc.RpcError, asyncio.InvalidStateError):
-                await call.write(
-                    scheduler_pb2.RouterMessage(abort=scheduler_pb2.AbortRequest(request_id=request_id))
-                )
+        if self._queues.pop(request_id, None) is not None and self.ready:
+            # If the stream breaks first, the scheduler drops everything of this router anyway.
+            abort = scheduler_pb2.AbortRequest(request_id=request_id)
+            self._outbox.put_nowait(scheduler_pb2.RouterMessage(abort=abort))
 
     def done(self, request_id: str) -> None:
         """The request ended normally: stop routing to it."""
@@ -86,7 +80,8 @@ class SchedulerLink:
                 self.model_info = await self._stub.GetModelInfo(
                     generation_pb2.ModelInfoRequest(), wait_for_ready=True, timeout=5.0
                 )
-                self._call = self._stub.Connect()
+                self._outbox = asyncio.Queue()
+                self._call = self._stub.Connect(self._drain(self._outbox))
                 self.on_ready(True)
                 log.info("connected to the scheduler at %s", self.target)
                 async for msg in self._call:
@@ -103,6 +98,11 @@ class SchedulerLink:
             self.on_ready(False)
             self._fail_all("the scheduler is unavailable")
             await asyncio.sleep(self.retry_s)
+
+    @staticmethod
+    async def _drain(outbox: asyncio.Queue):
+        while True:
+            yield await outbox.get()
 
     def _fail_all(self, message: str) -> None:
         queues, self._queues = self._queues, {}

@@ -70,7 +70,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             top_logprobs=req.top_logprobs,
         )
         try:
-            queue = await self.link.submit(add)
+            queue = self.link.submit(add)
         except SchedulerUnavailable as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
 
@@ -112,14 +112,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                         )
                     )
                     if stopped:
-                        await self.link.abort(request_id)
+                        self.link.abort(request_id)
                     else:
                         self.link.done(request_id)
                 yield resp
         finally:
             if not finished:
                 # Cancelled, disconnected or past its deadline: free its KV blocks now.
-                await self.link.abort(request_id)
+                self.link.abort(request_id)
 
     def _with_text(self, lp: generation_pb2.Logprobs) -> generation_pb2.Logprobs:
         lp.chosen.text = self.tokenizer.decode([lp.chosen.token_id])
