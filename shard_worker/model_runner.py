@@ -129,6 +129,8 @@ class ModelRunner:
     def execute(self, inputs: StepInputs) -> StepOutputs:
         if not self.kv_caches:
             raise RuntimeError("allocate_kv_cache must be called before execute")
+        if not inputs.seq_ids:
+            return StepOutputs()  # the same on every rank, so no rank is left waiting in a collective
         start = time.perf_counter()
         self.tp.take_comm_seconds()  # count only this step's communication
         self._check(inputs)

@@ -77,6 +77,8 @@ def _rank_main(rank: int, world_size: int, addr: str, model_dirs: list[str], res
             got = run_greedy(runner, tp)
             if rank == 0:
                 results.put((model_dir, got))
+        # Neither rank may tear its connections down while the other still uses them (gloo aborts).
+        dist.barrier()
         dist.destroy_process_group()
     except BaseException:
         results.put((f"rank {rank} failed", traceback.format_exc()))

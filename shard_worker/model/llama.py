@@ -46,24 +46,22 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin for every position, computed once in float32 like transformers, looked up per step."""
+    """cos/sin for a step's positions, computed once per step in float32 exactly as transformers does
+    (rather than a table over every position, which is large for long-context models)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        inv_freq = torch.tensor(config.rope_inv_freq, dtype=torch.float32)
-        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        scale = config.rope_attention_scaling
-        self.register_buffer("cos", emb.cos() * scale, persistent=False)
-        self.register_buffer("sin", emb.sin() * scale, persistent=False)
+        self.register_buffer(
+            "inv_freq", torch.tensor(config.rope_inv_freq, dtype=torch.float32), persistent=False
+        )
+        self.scale = config.rope_attention_scaling
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, 1, head_dim] cos and sin for the step's positions (broadcast over heads)."""
-        return (
-            self.cos.index_select(0, positions).to(dtype).unsqueeze(1),
-            self.sin.index_select(0, positions).to(dtype).unsqueeze(1),
-        )
+        freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos() * self.scale, emb.sin() * self.scale
+        return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
