@@ -304,4 +304,10 @@ class Engine:
             num_running=len(s.running),
             num_waiting=len(s.waiting),
             num_preemptions_total=s.num_preemptions,
+            num_steps_total=self.totals.steps,
+            batched_seqs_total=self.totals.batched_seqs,
+            batched_tokens_total=self.totals.batched_tokens,
+            step_seconds_total=self.totals.step_seconds,
+            forward_seconds_total=self.totals.forward_seconds,
+            allreduce_seconds_total=self.totals.allreduce_seconds,
         )
