@@ -19,7 +19,7 @@ from common.grpc_util import OPTIONS
 from common.pb.tpserve.internal.v1 import scheduler_pb2, worker_pb2, worker_pb2_grpc
 from common.pb.tpserve.v1 import generation_pb2
 from scheduler.batch import StepBuilder, StepPlan
-from scheduler.block_manager import BlockManager
+from scheduler.block_manager import BlockManager, blocks_for
 from scheduler.config import SchedulerConfig
 from scheduler.scheduler import Scheduler, SchedulerOutput, SequenceUpdate
 from scheduler.sequence import FinishReason, Sequence
@@ -121,6 +121,11 @@ class Engine:
         )
         info = infos[0]
         max_model_len = cfg.max_model_len or info.max_position_embeddings
+        # More blocks than max_num_seqs full-length sequences can use would only take memory.
+        useful = cfg.max_num_seqs * blocks_for(max_model_len, cfg.block_size)
+        if num_blocks > useful:
+            log.info("capping the pool at %d blocks: max_num_seqs sequences of max_model_len", useful)
+            num_blocks = useful
         if num_blocks * cfg.block_size < max_model_len:
             log.warning(
                 "the KV pool holds %d tokens, fewer than max_model_len %d: capping max_model_len",
