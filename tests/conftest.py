@@ -33,14 +33,22 @@ def launch(model: Path, *flags: str, startup_timeout: float = 180.0):
     ready = tmp / f"tpserve-ready-{os.getpid()}-{time.monotonic_ns()}.json"
     cmd = [sys.executable, "-m", "common.cli", "--log-level", "WARNING", "launch", "--model", str(model)]
     cmd += ["--port", "0", "--ready-file", str(ready), *flags]
-    proc = subprocess.Popen(cmd, cwd=ROOT)
+    log_path = ready.with_suffix(".log")
+    log = log_path.open("wb")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+
+    def log_tail() -> str:
+        return log_path.read_text(errors="replace")[-3000:]
+
     try:
         deadline = time.monotonic() + startup_timeout
         while not ready.exists():
             if proc.poll() is not None:
-                raise RuntimeError(f"tpserve launch exited with {proc.returncode} before serving")
+                raise RuntimeError(
+                    f"tpserve launch exited with {proc.returncode} before serving:\n{log_tail()}"
+                )
             if time.monotonic() > deadline:
-                raise TimeoutError(f"tpserve launch not ready after {startup_timeout}s")
+                raise TimeoutError(f"tpserve launch not ready after {startup_timeout}s:\n{log_tail()}")
             time.sleep(0.1)
         info = json.loads(ready.read_text())
         yield info["target"], info
@@ -53,3 +61,5 @@ def launch(model: Path, *flags: str, startup_timeout: float = 180.0):
                 proc.kill()
                 proc.wait()
         ready.unlink(missing_ok=True)
+        log.close()
+        log_path.unlink(missing_ok=True)

@@ -5,67 +5,19 @@ from __future__ import annotations
 import random
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-import torch
 
 from common.pb.tpserve.v1 import generation_pb2 as pb
 from common.pb.tpserve.v1 import generation_pb2_grpc
 from tests.conftest import ROOT, launch
-
-MAX_NEW = 24
-GREEDY = pb.SamplingParams(temperature=0.0)
-PROMPT_LENS = [1, 3, 7, 15, 16, 17, 40, 90, 130, 200]
-
-
-def prompts(vocab_size: int) -> list[list[int]]:
-    rng = random.Random(1234)
-    return [[rng.randrange(2, vocab_size) for _ in range(n)] for n in PROMPT_LENS]
+from tests.reference import GREEDY, MAX_NEW, assert_matches_reference, generate, hf_greedy, run_concurrently
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_model):
-    """Greedy continuations from transformers' own generate, in float64, EOS ignored."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float64)
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    out = {}
-    for ids in prompts(model.config.vocab_size):
-        gen = model.generate(
-            torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False, min_new_tokens=MAX_NEW
-        )
-        out[tuple(ids)] = gen[0, len(ids) :].tolist()
-    return out
-
-
-def generate(stub, **kw) -> tuple[list[int], str, int, pb.GenerateResponse]:
-    """Runs one request to the end; returns (tokens, text, finish_reason, last message)."""
-    tokens, text, last = [], "", None
-    for resp in stub.Generate(pb.GenerateRequest(**kw), timeout=120):
-        tokens += resp.token_ids
-        text += resp.text
-        last = resp
-    return tokens, text, last.finish_reason, last
-
-
-def run_concurrently(stub, requests: list[dict]) -> list:
-    with ThreadPoolExecutor(len(requests)) as pool:
-        return list(pool.map(lambda kw: generate(stub, **kw), requests))
-
-
-def assert_matches_reference(stub, reference):
-    reqs = [
-        dict(token_ids=ids, max_new_tokens=MAX_NEW, ignore_eos=True, sampling=GREEDY) for ids in reference
-    ]
-    results = run_concurrently(stub, reqs)
-    for ids, (tokens, _, reason, last) in zip(reference, results, strict=True):
-        assert tokens == reference[ids], f"prompt of {len(ids)} tokens"
-        assert reason == pb.FINISH_REASON_LENGTH
-        assert last.usage.prompt_tokens == len(ids) and last.usage.completion_tokens == MAX_NEW
+    return hf_greedy(tiny_model)
 
 
 @pytest.fixture(scope="module")
