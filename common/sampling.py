@@ -26,9 +26,7 @@ class SamplingConfig:
 
     @property
     def has_penalties(self) -> bool:
-        return (
-            self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-        )
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @classmethod
     def from_proto(cls, msg) -> SamplingConfig:

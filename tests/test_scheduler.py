@@ -187,7 +187,9 @@ def test_request_too_long_for_max_model_len_is_refused():
 
 
 def test_every_block_free_after_all_finish():
-    sched = make(SchedulingPolicy(max_num_batched_tokens=64, max_num_seqs=5, max_model_len=512), num_blocks=40)
+    sched = make(
+        SchedulingPolicy(max_num_batched_tokens=64, max_num_seqs=5, max_model_len=512), num_blocks=40
+    )
     for i in range(25):
         sched.add(seq(i, 1 + (i * 37) % 200, max_new=1 + (i * 13) % 30))
     outputs, _ = run_to_completion(sched)
@@ -196,7 +198,9 @@ def test_every_block_free_after_all_finish():
 
 
 def test_static_mode_admits_no_one_until_the_batch_finishes():
-    policy = SchedulingPolicy(batching="static", static_batch_size=3, max_model_len=1024, static_batch_timeout_s=1)
+    policy = SchedulingPolicy(
+        batching="static", static_batch_size=3, max_model_len=1024, static_batch_timeout_s=1
+    )
     sched = make(policy)
     sched.add(Sequence(0, "r0", [10] * 4, 4, 2, arrival_time=0.0))
     # Not full and not waited long enough: nothing runs yet, and the engine knows when to look again.
