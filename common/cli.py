@@ -7,6 +7,7 @@ import asyncio
 import logging
 import sys
 
+from bench import cli as bench_cli
 from router import config as router_config
 from scheduler import config as scheduler_config
 from shard_worker import config as worker_config
@@ -50,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     scheduler_config.add_arguments(sub.add_parser("scheduler", help="the batch planner and KV block owner"))
     worker_config.add_arguments(sub.add_parser("shard-worker", help="one tensor-parallel rank of the model"))
     _generate_parser(sub.add_parser("generate", help="stream a completion from a running server"))
+    bench_cli.add_arguments(sub.add_parser("bench", help="load a server, report latency and throughput"))
     return parser
 
 
@@ -132,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
             serve(worker_config.from_args(a))
         elif a.command == "generate":
             return _generate(a)
+        elif a.command == "bench":
+            return bench_cli.main(a)
     except ValueError as e:  # configuration errors: say what is wrong, no traceback
         print(f"tpserve {a.command}: {e}", file=sys.stderr)
         return 2
