@@ -160,28 +160,37 @@ def poisson_rate(runs: dict[str, dict], details_: dict[str, dict], fraction: flo
     return None
 
 
-def run_suite(cfg: SuiteConfig) -> tuple[list[dict], dict[str, dict], dict]:
+def run_suite(cfg: SuiteConfig, checkpoint=None) -> tuple[list[dict], dict[str, dict], dict]:
+    """Both phases; checkpoint(runs, details, meta), when given, is called after every run so a long
+    suite that is interrupted still leaves what it measured."""
     runs: dict[str, dict] = {}
     extras: dict[str, dict] = {}
-    for system in cfg.systems:
-        runs[f"{system}/burst"], extras[f"{system}/burst"] = run_one(cfg, system, "burst", math.inf)
-    rate = poisson_rate(runs, extras, cfg.rate_fraction)
-    if rate is not None:
-        for system in cfg.systems:
-            runs[f"{system}/poisson"], extras[f"{system}/poisson"] = run_one(cfg, system, "poisson", rate)
     meta = {
         "model": cfg.model,
         "spec": dataclasses.asdict(cfg.spec),
         "num_requests": cfg.num_requests,
         "seed": cfg.seed,
         "static_batch_size": cfg.static_batch_size,
-        "poisson_rate": rate,
+        "poisson_rate": None,
         "rate_fraction_of_static": cfg.rate_fraction,
         "slo_ttft_ms": cfg.slo_ttft_ms,
         "slo_tpot_ms": cfg.slo_tpot_ms,
         "dtype": cfg.dtype,
         "cpu_count": os.cpu_count(),
     }
+
+    def one(system: str, phase: str, rate: float) -> None:
+        name = f"{system}/{phase}"
+        runs[name], extras[name] = run_one(cfg, system, phase, rate)
+        if checkpoint is not None:
+            checkpoint(list(runs.values()), extras, meta)
+
+    for system in cfg.systems:
+        one(system, "burst", math.inf)
+    meta["poisson_rate"] = rate = poisson_rate(runs, extras, cfg.rate_fraction)
+    if rate is not None:
+        for system in cfg.systems:
+            one(system, "poisson", rate)
     return list(runs.values()), extras, meta
 
 
@@ -223,11 +232,14 @@ def main(argv: list[str] | None = None) -> int:
         systems=systems,
         launch_timeout_s=a.launch_timeout,
     )
+    out = Path(a.out_dir) / f"bench-{time.strftime('%Y%m%d-%H%M%S')}"
     started = time.monotonic()
-    runs, extras, meta = run_suite(cfg)
+
+    def checkpoint(runs, extras, meta):
+        write_json(out.with_suffix(".json"), runs, extras, {**meta, "wall_s": time.monotonic() - started})
+
+    runs, extras, meta = run_suite(cfg, checkpoint)
     meta["wall_s"] = time.monotonic() - started
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    out = Path(a.out_dir) / f"bench-{stamp}"
     write_json(out.with_suffix(".json"), runs, extras, meta)
     plot(out.with_suffix(".png"), runs, extras)
     print()
