@@ -3,6 +3,7 @@ one rank, on the tiny model and on a tiny model with a single KV head (replicate
 
 from __future__ import annotations
 
+import gc
 import socket
 import traceback
 from pathlib import Path
@@ -67,7 +68,7 @@ def run_greedy(runner: ModelRunner, tp: TensorParallel) -> tuple[list[list[int]]
     return [t[len(p) :] for t, p in zip(tokens, PROMPTS, strict=True)], logprobs
 
 
-def _rank_main(rank: int, world_size: int, addr: str, model_dirs: list[str], results) -> None:
+def _rank_main(rank: int, world_size: int, addr: str, model_dirs: list[str], results, release) -> None:
     try:
         torch.set_num_threads(1)
         torch.set_flush_denormal(True)
@@ -77,9 +78,16 @@ def _rank_main(rank: int, world_size: int, addr: str, model_dirs: list[str], res
             got = run_greedy(runner, tp)
             if rank == 0:
                 results.put((model_dir, got))
-        # Neither rank may tear its connections down while the other still uses them (gloo aborts).
+        # Neither rank may tear its connections down while the other still uses them, and rank 0, which
+        # serves the rendezvous store, leaves last. The group must be destroyed by its last owner: one
+        # still referenced (by tp) is destroyed at interpreter exit instead, where gloo's threads abort
+        # the process now and then ("terminate called without an active exception").
         dist.barrier()
+        del runner, tp
+        gc.collect()
         dist.destroy_process_group()
+        if rank == 0:
+            release.wait(JOIN_TIMEOUT_S)
     except BaseException:
         results.put((f"rank {rank} failed", traceback.format_exc()))
         raise
@@ -103,7 +111,9 @@ def two_rank_results(tiny_model, one_kv_head_model) -> dict:
     results = ctx.Queue()
     addr = f"127.0.0.1:{free_port()}"
     model_dirs = [str(tiny_model), str(one_kv_head_model)]
-    procs = [ctx.Process(target=_rank_main, args=(r, 2, addr, model_dirs, results)) for r in range(2)]
+    release = ctx.Event()
+    args = (addr, model_dirs, results, release)
+    procs = [ctx.Process(target=_rank_main, args=(r, 2, *args)) for r in range(2)]
     for p in procs:
         p.start()
     try:
@@ -113,9 +123,10 @@ def two_rank_results(tiny_model, one_kv_head_model) -> dict:
             if "failed" in key:
                 pytest.fail(f"{key}:\n{value}")
             got[key] = value
-        for p in procs:
-            p.join(timeout=JOIN_TIMEOUT_S)
-            assert p.exitcode == 0, f"rank exited with {p.exitcode}"
+        for rank in (1, 0):
+            procs[rank].join(timeout=JOIN_TIMEOUT_S)
+            release.set()
+            assert procs[rank].exitcode == 0, f"rank {rank} exited with {procs[rank].exitcode}"
         return got
     finally:
         for p in procs:
