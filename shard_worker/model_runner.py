@@ -106,7 +106,7 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> int:
         """Allocates every layer's [2, blocks, block_size, local_kv_heads, head_dim] cache; returns bytes."""
         shape = (2, num_blocks, block_size, self.model.num_local_kv_heads, self.config.head_dim)
-        self.kv_caches = []
+        self.kv_caches = []  # frees an old cache first, so reallocating never needs room for both
         # Zeros, not empty: padding slots are masked out of attention, but a NaN left in memory there
         # would still poison the weighted sum (0 * NaN).
         self.kv_caches = [
