@@ -476,7 +476,11 @@ def test_autoscaler_reads_kv_usage_at_80_percent_and_targets_an_existing_workloa
     assert {m["external"]["metric"]["name"] for m in hpa["spec"]["metrics"]} <= served
     assert all(name.startswith("tpserve_") for name in served)
     # Once the processes export metrics, the names must be theirs.
-    exported = "".join(p.read_text() for p in ROOT.glob("*/metrics.py"))
+    exported = "".join(
+        p.read_text()
+        for d in ("router", "scheduler", "shard_worker")
+        if (p := ROOT / d / "metrics.py").exists()
+    )
     if exported:
         for name in served:
             assert f'"{name}"' in exported, f"no process exports {name}"
