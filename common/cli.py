@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
 
 from bench import cli as bench_cli
+from common import logs, tracing
 from router import config as router_config
 from scheduler import config as scheduler_config
 from shard_worker import config as worker_config
@@ -23,6 +23,10 @@ def _launch_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ready-file", default=None, help="write {target, pids} as JSON here once serving")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for SERVING")
     scheduler_config.add_policy_arguments(p)
+    p.add_argument(
+        "--metrics-port", type=int, default=None, help="router /metrics port; the others' are logged (0: any)"
+    )
+    tracing.add_arguments(p)
 
 
 def _generate_parser(p: argparse.ArgumentParser) -> None:
@@ -45,6 +49,9 @@ def _generate_parser(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tpserve", description=__doc__)
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument(
+        "--log-format", default="text", choices=["text", "json"], help="json: one object a line"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     _launch_parser(sub.add_parser("launch", help="run router, scheduler and shard workers on this machine"))
     router_config.add_arguments(sub.add_parser("router", help="the public gRPC entry point"))
@@ -94,11 +101,7 @@ def _generate(a: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=a.log_level,
-        format=f"%(asctime)s %(levelname)s {a.command} %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    logs.setup(a.log_level, a.log_format, a.command)
     try:
         if a.command == "launch":
             from common.launcher import LaunchConfig, launch
@@ -117,7 +120,10 @@ def main(argv: list[str] | None = None) -> int:
                     ready_file=a.ready_file,
                     startup_timeout_s=a.startup_timeout,
                     log_level=a.log_level,
+                    log_format=a.log_format,
                     scheduler_args=tuple(passthrough),
+                    metrics_port=a.metrics_port,
+                    tracing=tracing.from_args(a),
                 )
             )
         if a.command == "router":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import time
@@ -26,22 +27,22 @@ OPTIONS = [
 SERVER_OPTIONS = OPTIONS + [("grpc.http2.min_ping_interval_without_data_ms", 5_000)]
 
 
-def write_port_file(path: str | None, port: int) -> None:
-    """Tells whoever started us which port we bound (we bind port 0 to avoid races over free ports)."""
+def write_port_file(path: str | None, port: int, metrics_port: int | None = None) -> None:
+    """Tells whoever started us which ports we bound (we bind port 0 to avoid races over free ports)."""
     if not path:
         return
     tmp = Path(f"{path}.tmp")
-    tmp.write_text(str(port))
+    tmp.write_text(json.dumps({"port": port, "metrics_port": metrics_port}))
     os.replace(tmp, path)
 
 
-def read_port_file(path: str | Path, timeout: float, alive=lambda: True) -> int:
+def read_port_file(path: str | Path, timeout: float, alive=lambda: True) -> dict:
     """Waits for a port file written by write_port_file; alive() false means the writer died."""
     deadline = time.monotonic() + timeout
     path = Path(path)
     while time.monotonic() < deadline:
         if path.exists():
-            return int(path.read_text())
+            return json.loads(path.read_text())
         if not alive():
             raise RuntimeError(f"process died before writing {path}")
         time.sleep(0.05)

@@ -20,7 +20,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common import tracing
 from common.grpc_util import free_port, read_port_file, wait_for_health
+from common.tracing import TracingConfig
 
 log = logging.getLogger("tpserve.launch")
 
@@ -48,7 +50,10 @@ class LaunchConfig:
     ready_file: str | None = None
     startup_timeout_s: float = 600.0
     log_level: str = "INFO"
+    log_format: str = "text"
     scheduler_args: tuple[str, ...] = field(default_factory=tuple)  # passed through unchanged
+    metrics_port: int | None = None  # the router's; the others bind free ports and are logged
+    tracing: TracingConfig = field(default_factory=TracingConfig)
 
     def __post_init__(self):
         if self.tp < 1:
@@ -71,10 +76,23 @@ class Stack:
     def __init__(self, config: LaunchConfig):
         self.config = config
         self.children: list[Child] = []
+        self.metrics: dict[str, int] = {}  # child name -> its /metrics port
         self.tmp = Path(tempfile.mkdtemp(prefix="tpserve-"))
 
     def _spawn(self, name: str, args: list[str]) -> Child:
-        cmd = [sys.executable, "-m", "common.cli", "--log-level", self.config.log_level, *args]
+        cfg = self.config
+        cmd = [
+            sys.executable,
+            "-m",
+            "common.cli",
+            "--log-level",
+            cfg.log_level,
+            "--log-format",
+            cfg.log_format,
+        ]
+        cmd += [*args, *tracing.flags(cfg.tracing)]
+        if cfg.metrics_port is not None:
+            cmd += ["--metrics-port", str(cfg.metrics_port if name == "router" else 0)]
         proc = subprocess.Popen(cmd, preexec_fn=_die_with_parent)
         child = Child(name, proc)
         self.children.append(child)
@@ -83,11 +101,15 @@ class Stack:
 
     def _port_of(self, child: Child, port_file: Path) -> int:
         try:
-            return read_port_file(port_file, self.config.startup_timeout_s, lambda: child.alive)
+            ports = read_port_file(port_file, self.config.startup_timeout_s, lambda: child.alive)
         except RuntimeError:
             raise RuntimeError(
                 f"{child.name} exited with code {child.proc.returncode} while starting"
             ) from None
+        if ports.get("metrics_port") is not None:
+            self.metrics[child.name] = ports["metrics_port"]
+            log.info("%s metrics on http://127.0.0.1:%d/metrics", child.name, ports["metrics_port"])
+        return ports["port"]
 
     def start(self) -> str:
         cfg = self.config
@@ -154,7 +176,11 @@ def launch(config: LaunchConfig) -> int:
             return 1
         log.info("tpserve serving on %s (tensor_parallel_size %d); Ctrl-C stops it", target, config.tp)
         if config.ready_file:
-            info = {"target": target, "pids": {c.name: c.proc.pid for c in stack.children}}
+            info = {
+                "target": target,
+                "pids": {c.name: c.proc.pid for c in stack.children},
+                "metrics_ports": stack.metrics,
+            }
             tmp = Path(f"{config.ready_file}.tmp")
             tmp.write_text(json.dumps(info))
             os.replace(tmp, config.ready_file)

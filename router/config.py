@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from common import metrics, tracing
+from common.tracing import TracingConfig
+
 
 @dataclass(frozen=True)
 class RouterConfig:
@@ -14,6 +17,8 @@ class RouterConfig:
     port: int = 50051
     port_file: str | None = None
     scheduler_retry_s: float = 0.5
+    metrics_port: int | None = None
+    tracing: TracingConfig = TracingConfig()
 
     def __post_init__(self):
         if ":" not in self.scheduler:
@@ -26,7 +31,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind; 0.0.0.0 to serve other hosts")
     p.add_argument("--port", type=int, default=50051, help="0: any free port (see --port-file)")
     p.add_argument("--port-file", default=None, help="write the bound port here once serving")
+    metrics.add_arguments(p)
+    tracing.add_arguments(p)
 
 
 def from_args(a: argparse.Namespace) -> RouterConfig:
-    return RouterConfig(scheduler=a.scheduler, model=a.model, host=a.host, port=a.port, port_file=a.port_file)
+    return RouterConfig(
+        scheduler=a.scheduler,
+        model=a.model,
+        host=a.host,
+        port=a.port,
+        port_file=a.port_file,
+        metrics_port=a.metrics_port,
+        tracing=tracing.from_args(a),
+    )

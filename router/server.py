@@ -9,16 +9,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 import uuid
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from common import metrics, tracing
 from common.grpc_util import OPTIONS, SERVER_OPTIONS, write_port_file
 from common.pb.tpserve.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
 from common.pb.tpserve.v1 import generation_pb2, generation_pb2_grpc
 from router.config import RouterConfig
 from router.detokenizer import IncrementalDetokenizer
+from router.metrics import RouterMetrics
 from router.scheduler_link import SchedulerLink, SchedulerUnavailable
 from router.stop_strings import StopStringMatcher
 from router.validation import Limits, ValidationError, validate_request
@@ -29,8 +33,10 @@ FINISH_STOP = generation_pb2.FINISH_REASON_STOP
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, config: RouterConfig, tokenizer, link: SchedulerLink):
+    def __init__(self, config: RouterConfig, tokenizer, link: SchedulerLink, metrics: RouterMetrics):
         self.config = config
+        self.metrics = metrics
+        self._tracer = tracing.tracer("tpserve.router")
         self.tokenizer = tokenizer
         self.link = link
         self._limits: Limits | None = None
@@ -48,17 +54,39 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def _tokenize(self, text: str) -> list[int]:
         return self.tokenizer(text)["input_ids"]
 
+    async def _abort(self, context, span, code: grpc.StatusCode, message: str):
+        """Ends the call with a status; counted and put on the request's span first."""
+        self.metrics.failed.labels(code=code.name).inc()
+        span.set_status(Status(StatusCode.ERROR, f"{code.name}: {message}"))
+        await context.abort(code, message)
+
     async def Generate(self, request, context):
+        start = time.perf_counter()
+        parent = tracing.context_from_metadata(context.invocation_metadata())
+        span = self._tracer.start_span("tpserve.Generate", context=parent, kind=SpanKind.SERVER)
+        try:
+            async for resp in self._generate(request, context, span, start):
+                yield resp
+        finally:
+            span.end()
+
+    async def _generate(self, request, context, span, start: float):
         try:
             req = validate_request(request, self._ready_limits(context), self._tokenize)
         except ValidationError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await self._abort(context, span, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except SchedulerUnavailable as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            await self._abort(context, span, grpc.StatusCode.UNAVAILABLE, str(e))
         request_id = req.request_id or uuid.uuid4().hex
+        span.set_attributes(
+            {"tpserve.request_id": request_id, "tpserve.prompt_tokens": len(req.prompt_token_ids)}
+        )
         if self.link.in_flight(request_id):
-            await context.abort(
-                grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already in flight"
+            await self._abort(
+                context,
+                span,
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"request_id {request_id!r} is already in flight",
             )
         add = scheduler_pb2.AddRequest(
             request_id=request_id,
@@ -68,15 +96,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             stop_token_ids=req.stop_token_ids,
             ignore_eos=req.ignore_eos,
             top_logprobs=req.top_logprobs,
+            trace_context=tracing.carrier(span),
         )
         try:
             queue = self.link.submit(add)
         except SchedulerUnavailable as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            await self._abort(context, span, grpc.StatusCode.UNAVAILABLE, str(e))
 
         detok = IncrementalDetokenizer(self.tokenizer, list(req.prompt_token_ids))
         stops = StopStringMatcher(req.stop) if req.stop else None
         num_generated = 0
+        first_token_at = last_token_at = None
         finished = False
         try:
             while not finished:
@@ -84,7 +114,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 if out.error:
                     finished = True
                     code = getattr(grpc.StatusCode, out.error_code, grpc.StatusCode.INTERNAL)
-                    await context.abort(code, out.error)
+                    await self._abort(context, span, code, out.error)
+                now = time.perf_counter()
+                if first_token_at is None:
+                    first_token_at = now
+                    self.metrics.ttft.observe(now - start)
+                else:
+                    self.metrics.itl.observe(now - last_token_at)
+                last_token_at = now
                 num_generated += len(out.token_ids)
                 text = detok.push(list(out.token_ids))
                 reason = out.finish_reason
@@ -115,11 +152,43 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                         self.link.abort(request_id)
                     else:
                         self.link.done(request_id)
+                    self._record_finish(
+                        span, request_id, req, reason, num_generated, start, first_token_at, now
+                    )
                 yield resp
         finally:
             if not finished:
                 # Cancelled, disconnected or past its deadline: free its KV blocks now.
                 self.link.abort(request_id)
+                span.add_event("cancelled")
+
+    def _record_finish(
+        self, span, request_id, req, reason, num_generated, start, first_token_at, now
+    ) -> None:
+        m = self.metrics
+        name = generation_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
+        e2e = now - start
+        m.e2e.observe(e2e)
+        if num_generated > 1:
+            m.tpot.observe((now - first_token_at) / (num_generated - 1))
+        m.prompt_len.observe(len(req.prompt_token_ids))
+        m.generation_len.observe(num_generated)
+        m.prompt_tokens.inc(len(req.prompt_token_ids))
+        m.generation_tokens.inc(num_generated)
+        m.finished.labels(reason=name).inc()
+        span.set_attributes({"tpserve.completion_tokens": num_generated, "tpserve.finish_reason": name})
+        log.info(
+            "request finished",
+            extra={
+                "request_id": request_id,
+                "trace_id": format(span.get_span_context().trace_id, "032x"),
+                "finish_reason": name,
+                "prompt_tokens": len(req.prompt_token_ids),
+                "completion_tokens": num_generated,
+                "ttft_s": round(first_token_at - start, 6),
+                "e2e_s": round(e2e, 6),
+            },
+        )
 
     def _with_text(self, lp: generation_pb2.Logprobs) -> generation_pb2.Logprobs:
         lp.chosen.text = self.tokenizer.decode([lp.chosen.token_id])
@@ -142,6 +211,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 async def serve(config: RouterConfig) -> None:
     from transformers import AutoTokenizer
 
+    provider = tracing.setup(config.tracing, "router")
+    router_metrics = RouterMetrics()
     tokenizer = AutoTokenizer.from_pretrained(config.model)
     server = grpc.aio.server(options=SERVER_OPTIONS)
     health_servicer = health.aio.HealthServicer()
@@ -156,12 +227,16 @@ async def serve(config: RouterConfig) -> None:
 
     on_ready(False)
     link = SchedulerLink(config.scheduler, on_ready, config.scheduler_retry_s)
-    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(config, tokenizer, link), server)
+    servicer = GenerationServicer(config, tokenizer, link, router_metrics)
+    generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     await server.start()
     link.start()
-    write_port_file(config.port_file, port)
+    metrics_port = metrics.serve(router_metrics.registry, config.host, config.metrics_port)
+    write_port_file(config.port_file, port, metrics_port)
     log.info("router serving tpserve.v1.Generation on %s:%d", config.host, port)
+    if metrics_port is not None:
+        log.info("router metrics on http://%s:%d/metrics", config.host, metrics_port)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -170,3 +245,5 @@ async def serve(config: RouterConfig) -> None:
     await stop.wait()
     await server.stop(grace=2.0)
     await link.close()
+    if provider is not None:
+        provider.shutdown()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from common import metrics, tracing
+from common.tracing import TracingConfig
 from scheduler.scheduler import SchedulingPolicy
 
 
@@ -25,6 +27,8 @@ class SchedulerConfig:
     static_batch_size: int = 32
     static_batch_timeout_ms: float = 50.0
     worker_connect_timeout_s: float = 300.0
+    metrics_port: int | None = None
+    tracing: TracingConfig = TracingConfig()
 
     def __post_init__(self):
         if not self.workers:
@@ -53,6 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=0, help="0: any free port (see --port-file)")
     p.add_argument("--port-file", default=None, help="write the bound port here once serving")
     add_policy_arguments(p)
+    metrics.add_arguments(p)
+    tracing.add_arguments(p)
 
 
 def add_policy_arguments(p: argparse.ArgumentParser) -> None:
@@ -89,5 +95,7 @@ def from_args(a: argparse.Namespace) -> SchedulerConfig:
         host=a.host,
         port=a.port,
         port_file=a.port_file,
+        metrics_port=a.metrics_port,
+        tracing=tracing.from_args(a),
         **{name: getattr(a, name) for name in POLICY_FLAGS},
     )

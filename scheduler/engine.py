@@ -14,13 +14,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry import trace
 
+from common import tracing
 from common.grpc_util import OPTIONS
 from common.pb.tpserve.internal.v1 import scheduler_pb2, worker_pb2, worker_pb2_grpc
 from common.pb.tpserve.v1 import generation_pb2
 from scheduler.batch import StepBuilder, StepPlan
 from scheduler.block_manager import BlockManager, blocks_for
 from scheduler.config import SchedulerConfig
+from scheduler.metrics import SchedulerMetrics
 from scheduler.scheduler import Scheduler, SchedulerOutput, SequenceUpdate
 from scheduler.sequence import FinishReason, Sequence
 
@@ -33,6 +36,14 @@ class RequestError(Exception):
     def __init__(self, code: grpc.StatusCode, message: str):
         super().__init__(message)
         self.code = code
+
+
+@dataclass
+class RequestTrace:
+    """A traced request's spans in the scheduler: its whole stay, and its wait before the first step."""
+
+    span: object
+    queue_span: object | None
 
 
 @dataclass
@@ -88,6 +99,9 @@ class Engine:
         self._pending_forget: list[int] = []
         self._streams: list = []
         self._channels: list[grpc.aio.Channel] = []
+        self.metrics = SchedulerMetrics(self)
+        self._tracer = tracing.tracer("tpserve.scheduler")
+        self._traces: dict[str, RequestTrace] = {}
 
     # ---- workers ----
 
@@ -191,12 +205,22 @@ class Engine:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         self._next_seq_id += 1
         self._sinks[msg.request_id] = sink
+        parent = tracing.context_from_carrier(msg.trace_context)
+        if parent is not None:  # only requests the router traces get spans here
+            span = self._tracer.start_span(
+                "scheduler.request",
+                context=parent,
+                attributes={"tpserve.request_id": msg.request_id, "tpserve.seq_id": seq.seq_id},
+            )
+            queue = self._tracer.start_span("scheduler.queue", context=trace.set_span_in_context(span))
+            self._traces[msg.request_id] = RequestTrace(span, queue)
         self._wakeup.set()
 
     def abort(self, request_id: str) -> None:
         """Frees the request's blocks now; the workers forget it with the next step."""
         if self.scheduler is not None and self.scheduler.abort(request_id) is not None:
             self._sinks.pop(request_id, None)
+            self._end_trace(request_id, "aborted")
 
     def abort_sink(self, sink: Sink) -> None:
         """The router behind sink went away: drop everything it asked for."""
@@ -209,8 +233,10 @@ class Engine:
         await self.ready.wait()
         while True:
             self._wakeup.clear()  # cleared before scheduling, so an add during the step is not missed
-            out = self.scheduler.schedule(time.monotonic())
+            now = time.monotonic()
+            out = self.scheduler.schedule(now)
             self._pending_forget.extend(out.forgotten_seq_ids)
+            self._note_admissions(out, now)
             if out.is_empty:
                 timeout = None if out.wake_at is None else max(0.0, out.wake_at - time.monotonic())
                 with contextlib.suppress(TimeoutError):
@@ -223,25 +249,82 @@ class Engine:
                 await self._lost_workers(e)
                 return
 
+    def _note_admissions(self, out: SchedulerOutput, now: float) -> None:
+        for seq in out.admitted:
+            if seq.num_preemptions == 0:
+                self.metrics.queue_time.observe(now - seq.arrival_time)
+            rt = self._traces.get(seq.request_id)
+            if rt is not None:
+                if rt.queue_span is not None:
+                    rt.queue_span.end()
+                    rt.queue_span = None
+                rt.span.add_event("admitted", {"tpserve.num_preemptions": seq.num_preemptions})
+        for seq in out.preempted:
+            self.metrics.preemptions.labels(kind="recompute").inc()
+            rt = self._traces.get(seq.request_id)
+            if rt is not None:
+                rt.span.add_event("preempted", {"tpserve.kind": "recompute"})
+
+    def _step_span(self, out: SchedulerOutput):
+        """A span for this step when a traced request rides it: a child of the oldest traced request,
+        linked from the others (one step serves many traces)."""
+        traced = [rt.span for s in out.scheduled if (rt := self._traces.get(s.seq.request_id)) is not None]
+        if not traced:
+            return None
+        links = [trace.Link(span.get_span_context()) for span in traced[1:]]
+        return self._tracer.start_span(
+            "scheduler.step",
+            context=trace.set_span_in_context(traced[0]),
+            links=links,
+            attributes={
+                "tpserve.batch_size": len(out.scheduled),
+                "tpserve.batch_tokens": out.num_batched_tokens,
+            },
+        )
+
     async def _step(self, out: SchedulerOutput) -> None:
         start = time.perf_counter()
         request = step_request(self._builder.build(out))
-        for stream in self._streams:
-            await stream.write(request)
-        responses = [await stream.read() for stream in self._streams]
+        span = self._step_span(out)
+        if span is not None:
+            request.trace_context.update(tracing.carrier(span))
+        try:
+            for stream in self._streams:
+                await stream.write(request)
+            responses = [await stream.read() for stream in self._streams]
+        finally:
+            if span is not None:
+                span.end()
         for r in responses:
             if r is grpc.aio.EOF or r.step_id != request.step_id:
                 raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, "worker stream ended")
         first = responses[0]
         updates = self.scheduler.update(out, list(first.token_ids))
         self._dispatch(out, updates, first)
+        step_seconds = time.perf_counter() - start
+        forward = max(r.forward_seconds for r in responses)
+        allreduce = max(r.allreduce_seconds for r in responses)
         t = self.totals
         t.steps += 1
         t.batched_seqs += len(out.scheduled)
         t.batched_tokens += out.num_batched_tokens
-        t.step_seconds += time.perf_counter() - start
-        t.forward_seconds += max(r.forward_seconds for r in responses)
-        t.allreduce_seconds += max(r.allreduce_seconds for r in responses)
+        t.step_seconds += step_seconds
+        t.forward_seconds += forward
+        t.allreduce_seconds += allreduce
+        m = self.metrics
+        m.step_duration.observe(step_seconds)
+        m.forward_duration.observe(forward)
+        m.allreduce_duration.observe(allreduce)
+        m.batch_size.observe(len(out.scheduled))
+        m.batch_tokens.observe(out.num_batched_tokens)
+
+    def _end_trace(self, request_id: str, reason: str) -> None:
+        rt = self._traces.pop(request_id, None)
+        if rt is not None:
+            if rt.queue_span is not None:
+                rt.queue_span.end()
+            rt.span.add_event("finished", {"tpserve.finish_reason": reason})
+            rt.span.end()
 
     def _dispatch(self, out: SchedulerOutput, updates: list[SequenceUpdate], resp) -> None:
         # Logprobs arrive flat over every sampled sequence; walk them in the same order.
@@ -275,6 +358,7 @@ class Engine:
             if u.finished:
                 output.finish_reason = int(seq.finish_reason)
                 del self._sinks[seq.request_id]
+                self._end_trace(seq.request_id, seq.finish_reason.name.lower())
             batches.setdefault(id(sink), (sink, []))[1].append(output)
         for sink, outputs in batches.values():
             sink(outputs)
@@ -285,6 +369,7 @@ class Engine:
         self.ready.clear()
         sinks, self._sinks = self._sinks, {}
         for request_id, sink in sinks.items():
+            self._end_trace(request_id, "unavailable")
             sink(
                 [
                     scheduler_pb2.RequestOutput(

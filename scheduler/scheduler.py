@@ -48,6 +48,8 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # Sequences admitted from the waiting queue this step (first time, or back after a preemption).
+    admitted: list[Sequence] = field(default_factory=list)
     # Sequences the workers may forget (finished or aborted since the last step).
     forgotten_seq_ids: list[int] = field(default_factory=list)
     # Static mode: nothing to run now, but a batch may start at this time even if not full.
@@ -166,6 +168,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            out.admitted.append(seq)
             out.scheduled.append(self._scheduled(seq, num_new))
             budget -= num_new
 

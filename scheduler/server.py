@@ -7,7 +7,9 @@ import logging
 import signal
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from common import metrics, tracing
 from common.grpc_util import SERVER_OPTIONS, write_port_file
 from common.pb.tpserve.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler.config import SchedulerConfig
@@ -60,13 +62,22 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
 
 async def serve(config: SchedulerConfig) -> None:
+    provider = tracing.setup(config.tracing, "scheduler")
     engine = Engine(config)
     server = grpc.aio.server(options=SERVER_OPTIONS)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(engine), server)
+    # Standard health (Kubernetes probes): SERVING once every rank has been described and the step
+    # streams are open; NOT_SERVING before, and after a rank is lost.
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     await server.start()
-    write_port_file(config.port_file, port)
+    metrics_port = metrics.serve(engine.metrics.registry, config.host, config.metrics_port)
+    write_port_file(config.port_file, port, metrics_port)
     log.info("scheduler serving on %s:%d; workers %s", config.host, port, ", ".join(config.workers))
+    if metrics_port is not None:
+        log.info("scheduler metrics on http://%s:%d/metrics", config.host, metrics_port)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -75,7 +86,11 @@ async def serve(config: SchedulerConfig) -> None:
 
     async def run_engine():
         await engine.connect_workers()
-        await engine.run()
+        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        try:
+            await engine.run()
+        finally:
+            await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
 
     engine_task = asyncio.create_task(run_engine())
     stop_task = asyncio.create_task(stop.wait())
@@ -86,3 +101,5 @@ async def serve(config: SchedulerConfig) -> None:
         raise SystemExit("the step loop ended: a shard worker was lost")
     engine_task.cancel()
     await engine.close()
+    if provider is not None:
+        provider.shutdown()

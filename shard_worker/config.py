@@ -6,6 +6,9 @@ import argparse
 import os
 from dataclasses import dataclass
 
+from common import metrics, tracing
+from common.tracing import TracingConfig
+
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
@@ -21,6 +24,8 @@ class WorkerConfig:
     device: str = "cpu"  # cpu or cuda (the rank picks cuda:<local rank>)
     dtype: str = "float32"
     num_threads: int = 0  # CPU threads for torch; 0: the cores divided among the ranks
+    metrics_port: int | None = None
+    tracing: TracingConfig = TracingConfig()
 
     def __post_init__(self):
         if not 0 <= self.rank < self.world_size:
@@ -50,6 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0: cores / world size)")
+    metrics.add_arguments(p)
+    tracing.add_arguments(p)
 
 
 def from_args(a: argparse.Namespace) -> WorkerConfig:
@@ -64,4 +71,6 @@ def from_args(a: argparse.Namespace) -> WorkerConfig:
         device=a.device,
         dtype=a.dtype,
         num_threads=a.num_threads,
+        metrics_port=a.metrics_port,
+        tracing=tracing.from_args(a),
     )

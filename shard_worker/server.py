@@ -9,11 +9,14 @@ from concurrent import futures
 
 import grpc
 import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from common import metrics, tracing
 from common.grpc_util import SERVER_OPTIONS, write_port_file
 from common.pb.tpserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from common.sampling import SamplingConfig
 from shard_worker.config import WorkerConfig
+from shard_worker.metrics import WorkerMetrics
 from shard_worker.step import SequenceInit, StepInputs
 
 log = logging.getLogger("tpserve.shard_worker")
@@ -45,9 +48,12 @@ def sequence_init(msg: worker_pb2.SequenceInit) -> SequenceInit:
 
 
 class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
-    def __init__(self, runner, config: WorkerConfig):
+    def __init__(self, runner, config: WorkerConfig, metrics: WorkerMetrics):
         self.runner = runner
         self.config = config
+        self.metrics = metrics
+        self._tracer = tracing.tracer("tpserve.shard_worker")
+        self.on_failure = lambda: None
         # One scheduler drives this worker; a second stream at once would interleave steps.
         self._step_lock = threading.Lock()
 
@@ -89,7 +95,22 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
                     self.runner.remove_sequences(list(req.finished_seq_ids))
                 if req.new_sequences:
                     self.runner.add_sequences([sequence_init(m) for m in req.new_sequences])
-                out = self.runner.execute(step_inputs(req))
+                parent = tracing.context_from_carrier(req.trace_context)
+                if parent is None:
+                    out = self.runner.execute(step_inputs(req))
+                else:
+                    with self._tracer.start_as_current_span("shard_worker.forward", context=parent) as span:
+                        out = self.runner.execute(step_inputs(req))
+                        span.set_attributes(
+                            {
+                                "tpserve.rank": self.config.rank,
+                                "tpserve.batch_size": len(req.seq_ids),
+                                "tpserve.batch_tokens": len(req.input_ids),
+                                "tpserve.allreduce_seconds": out.allreduce_seconds,
+                            }
+                        )
+                self.metrics.forward.observe(out.forward_seconds)
+                self.metrics.allreduce.observe(out.allreduce_seconds)
                 yield worker_pb2.StepResponse(
                     step_id=req.step_id,
                     token_ids=out.token_ids,
@@ -99,12 +120,18 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
                     forward_seconds=out.forward_seconds,
                     allreduce_seconds=out.allreduce_seconds,
                 )
+        except Exception:
+            log.exception("rank %d: step failed", self.config.rank)
+            self.on_failure()
+            raise
         finally:
             self._step_lock.release()
 
 
 def serve(config: WorkerConfig) -> None:
     from shard_worker.model_runner import ModelRunner
+
+    provider = tracing.setup(config.tracing, f"shard-worker-{config.rank}")
     from shard_worker.parallel import init_tensor_parallel
 
     torch.set_num_threads(config.threads)
@@ -119,10 +146,18 @@ def serve(config: WorkerConfig) -> None:
     runner = ModelRunner(config.model, getattr(torch, config.dtype), device, tp)
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=SERVER_OPTIONS)
-    worker_pb2_grpc.add_ShardWorkerServicer_to_server(ShardWorkerServicer(runner, config), server)
+    worker_metrics = WorkerMetrics(device, config.rank)
+    servicer = ShardWorkerServicer(runner, config, worker_metrics)
+    worker_pb2_grpc.add_ShardWorkerServicer_to_server(servicer, server)
+    # Standard health (Kubernetes probes): the server starts only once the process group is up and
+    # this rank's shard is loaded, so it is SERVING from the first probe; a failed step flips it.
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    servicer.on_failure = lambda: health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     server.start()
-    write_port_file(config.port_file, port)
+    metrics_port = metrics.serve(worker_metrics.registry, config.host, config.metrics_port)
+    write_port_file(config.port_file, port, metrics_port)
     log.info("shard worker rank %d/%d serving on %s:%d", config.rank, config.world_size, config.host, port)
 
     stop = threading.Event()
@@ -130,3 +165,5 @@ def serve(config: WorkerConfig) -> None:
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     server.stop(grace=1.0).wait()
+    if provider is not None:
+        provider.shutdown()

@@ -48,6 +48,7 @@ def test_fcfs_order_of_admission():
         sched.add(seq(i, 5))
     out = sched.schedule()
     assert [s.seq.request_id for s in out.scheduled] == ["r0", "r1"]
+    assert [s.request_id for s in out.admitted] == ["r0", "r1"]
     assert [s.request_id for s in sched.waiting] == ["r2", "r3"]
 
 
@@ -116,7 +117,7 @@ def test_preemption_takes_the_newest_running_sequence():
     sched.update(out, [fake_model(a), fake_model(b)])
     # a now has 33 tokens and needs a third block: b, the newer, is preempted.
     out = sched.schedule()
-    assert out.preempted == [b]
+    assert out.preempted == [b] and out.admitted == []
     assert b.status is SequenceStatus.WAITING and b.block_table == [] and b.num_computed_tokens == 0
     assert [s.seq for s in out.scheduled] == [a]
     assert sched.waiting[0] is b

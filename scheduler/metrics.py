@@ -1,0 +1,78 @@
+"""The scheduler's Prometheus metrics. Queue and KV gauges are read at scrape time, not per step."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+from common.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS
+
+
+class _StateCollector:
+    """Running/waiting counts and KV occupancy, read from the engine when Prometheus scrapes."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        s = self.engine.scheduler
+        running = waiting = used = total = 0
+        if s is not None:
+            running, waiting = len(s.running), len(s.waiting)
+            total = s.blocks.num_blocks
+            used = total - s.blocks.num_free_blocks
+        yield GaugeMetricFamily(
+            "tpserve_num_requests_running", "Sequences in the running batch.", value=running
+        )
+        yield GaugeMetricFamily(
+            "tpserve_num_requests_waiting", "Sequences waiting in the scheduler.", value=waiting
+        )
+        yield GaugeMetricFamily(
+            "tpserve_num_requests_swapped", "Sequences swapped to host memory (no swap yet: 0).", value=0
+        )
+        yield GaugeMetricFamily("tpserve_kv_blocks_total", "KV-cache blocks in the pool.", value=total)
+        yield GaugeMetricFamily("tpserve_kv_blocks_used", "KV-cache blocks held by sequences.", value=used)
+        yield GaugeMetricFamily(
+            "tpserve_kv_usage_ratio",
+            "Share of KV-cache blocks in use (0..1).",
+            value=used / total if total else 0.0,
+        )
+
+
+class SchedulerMetrics:
+    def __init__(self, engine):
+        r = self.registry = CollectorRegistry()
+        self.queue_time = Histogram(
+            "tpserve_queue_time_seconds",
+            "Time from arrival at the scheduler to the request's first step.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.step_duration = Histogram(
+            "tpserve_step_duration_seconds",
+            "Scheduler wall time per iteration: plan, send to ranks, forward, apply results.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.forward_duration = Histogram(
+            "tpserve_forward_duration_seconds",
+            "Slowest rank's forward pass (sampling included) per iteration.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.allreduce_duration = Histogram(
+            "tpserve_allreduce_duration_seconds",
+            "Slowest rank's time in all-reduce and gather per iteration.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "tpserve_batch_size", "Sequences per iteration.", buckets=TOKEN_BUCKETS, registry=r
+        )
+        self.batch_tokens = Histogram(
+            "tpserve_batch_tokens", "Tokens computed per iteration.", buckets=TOKEN_BUCKETS, registry=r
+        )
+        self.preemptions = Counter(
+            "tpserve_preemptions", "Running sequences preempted, by kind.", ["kind"], registry=r
+        )
+        r.register(_StateCollector(engine))

@@ -1,0 +1,69 @@
+"""A shard worker's Prometheus metrics: its forward pass, its all-reduce, its device memory."""
+
+from __future__ import annotations
+
+import resource
+
+import torch
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+from common.metrics import LATENCY_BUCKETS
+
+
+class _DeviceCollector:
+    """Device memory (and GPU utilisation through NVML when present), read at scrape time."""
+
+    def __init__(self, device: torch.device, rank: int):
+        self.device = device
+        self.rank = str(rank)
+        self._nvml = None
+        if device.type == "cuda":
+            try:
+                import pynvml
+
+                pynvml.nvmlInit()
+                self._nvml = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+            except Exception:  # NVML is optional: no library, no driver access
+                self._nvml = None
+
+    def collect(self):
+        mem = GaugeMetricFamily(
+            "tpserve_device_memory_used_bytes",
+            "Memory this rank holds: CUDA allocator bytes, or the process's peak RSS on CPU.",
+            labels=["rank", "device"],
+        )
+        if self.device.type == "cuda":
+            used = torch.cuda.memory_reserved(self.device)
+        else:
+            used = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        mem.add_metric([self.rank, str(self.device)], used)
+        yield mem
+        if self._nvml is not None:
+            import pynvml
+
+            util = GaugeMetricFamily(
+                "tpserve_gpu_utilization_ratio",
+                "GPU busy share over NVML's last sample period.",
+                labels=["rank"],
+            )
+            util.add_metric([self.rank], pynvml.nvmlDeviceGetUtilizationRates(self._nvml).gpu / 100.0)
+            yield util
+
+
+class WorkerMetrics:
+    def __init__(self, device: torch.device, rank: int):
+        r = self.registry = CollectorRegistry()
+        self.forward = Histogram(
+            "tpserve_worker_forward_duration_seconds",
+            "This rank's forward pass per step (sampling included on rank 0).",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.allreduce = Histogram(
+            "tpserve_worker_allreduce_duration_seconds",
+            "This rank's time in all-reduce and gather per step.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        r.register(_DeviceCollector(device, rank))
