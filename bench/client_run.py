@@ -108,14 +108,27 @@ def read_peak_rss_mb(pids: dict[str, int]) -> dict[str, float]:
     return out
 
 
-def mean_batch_size_from_stats(before: generation_pb2.Stats, after: generation_pb2.Stats) -> float | None:
-    """Mean sequences per engine step over the run, from two GetStats snapshots.
-
-    None for now: Stats carries no batch-size figure yet. What this needs is two cumulative counters in
-    Stats (engine steps run, and sequences summed over those steps); the mean over the run is then the
-    ratio of their deltas between `before` and `after`, unaffected by what ran before the bench.
-    """
-    return None
+def step_figures(before: generation_pb2.Stats, after: generation_pb2.Stats) -> dict:
+    """What the engine did between two GetStats snapshots: mean batch size (sequences per step), tokens,
+    step and forward time per step, and the share of the step spent outside the forward pass (scheduling,
+    gRPC, applying results). The counters are cumulative, so earlier traffic (the warm-up) drops out."""
+    steps = after.num_steps_total - before.num_steps_total
+    if steps <= 0:
+        return {"num_steps": 0, "mean_batch_size": None, "engine_overhead_pct": None}
+    step_s = after.step_seconds_total - before.step_seconds_total
+    forward_s = after.forward_seconds_total - before.forward_seconds_total
+    return {
+        "num_steps": steps,
+        "mean_batch_size": (after.batched_seqs_total - before.batched_seqs_total) / steps,
+        "mean_tokens_per_step": (after.batched_tokens_total - before.batched_tokens_total) / steps,
+        "mean_step_ms": 1000.0 * step_s / steps,
+        "mean_forward_ms": 1000.0 * forward_s / steps,
+        "mean_allreduce_ms": 1000.0
+        * (after.allreduce_seconds_total - before.allreduce_seconds_total)
+        / steps,
+        "engine_overhead_pct": engine_overhead_pct(step_s, forward_s),
+        "preemptions": after.num_preemptions_total - before.num_preemptions_total,
+    }
 
 
 async def get_stats(target: str) -> generation_pb2.Stats | None:
@@ -171,6 +184,8 @@ async def bench_server(
     finally:
         bar.close()
     after = await get_stats(target)
+    engine = step_figures(before, after) if before and after else {"mean_batch_size": None}
+    engine.setdefault("engine_overhead_pct", None)
     run = summarize(
         name,
         spec.name,
@@ -178,10 +193,10 @@ async def bench_server(
         slo_ttft_ms=slo_ttft_ms,
         slo_tpot_ms=slo_tpot_ms,
         peak_rss_mb=read_peak_rss_mb(pids or {}),
-        mean_batch_size=mean_batch_size_from_stats(before, after) if before and after else None,
+        mean_batch_size=engine["mean_batch_size"],
     )
     extra = details(results, [r.max_new_tokens for r in requests])
     extra["samples_ms"] = latency_samples_ms(results)
-    extra["mean_batch_size_note"] = "not reported: the server's Stats has no batch-size counters yet"
-    extra["engine_overhead_pct"] = engine_overhead_pct(None, None)
+    extra["engine"] = engine
+    extra["engine_overhead_pct"] = engine["engine_overhead_pct"]
     return run, extra, results

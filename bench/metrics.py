@@ -152,11 +152,8 @@ def details(results: list[RequestResult], expected_output_tokens: list[int] | No
 
 
 def engine_overhead_pct(step_wall_s: float | None, forward_s: float | None) -> float | None:
-    """Share of the engine's step time not spent in the bare forward pass (scheduling, gRPC, sampling).
-
-    The hook for the engine-efficiency figure: the server does not report its per-step wall time or the
-    batch shapes it ran yet, so callers pass None and get None until it does.
-    """
+    """Share of the engine's step time not spent in the forward pass (scheduling, gRPC, applying results),
+    from the server's step counters; None when there were no steps to measure."""
     if not step_wall_s or forward_s is None:
         return None
     return max(0.0, 100.0 * (step_wall_s - forward_s) / step_wall_s)

@@ -26,7 +26,7 @@ def format_table(
     details = details or {}
     by_name = {r["name"]: r for r in runs}
     head = ["run", "ok/n", "out tok/s", "req/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "ITL p99"]
-    head += ["E2E p50", "E2E p99", "goodput", "batch", "peak RSS MB"]
+    head += ["E2E p50", "E2E p99", "goodput", "batch", "overhead%", "peak RSS MB"]
     if reference:
         head.append("x ref")
     rows = []
@@ -50,6 +50,7 @@ def format_table(
             _fmt(r["e2e_ms"]["p99"]),
             _fmt(r["goodput_rps"], 2),
             _fmt(r["mean_batch_size"], 1),
+            _fmt(d.get("engine_overhead_pct"), 1),
             _fmt(sum(v for v in r["peak_rss_mb"].values() if v is not None) or None),
         ]
         if reference:
@@ -75,7 +76,10 @@ def format_table(
                 for i, (c, w) in enumerate(zip(row, widths, strict=True))
             )
         )
-    lines.append("latencies in ms; goodput in req/s meeting every SLO given; batch = mean sequences per step")
+    lines.append(
+        "latencies in ms; goodput in req/s meeting every SLO given; batch = mean sequences per step; "
+        "overhead% = share of the server's step time outside the forward pass"
+    )
     return "\n".join(lines)
 
 

@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 
 from bench import cli as bench_cli
-from bench.client_run import bench_server
+from bench.client_run import bench_server, step_figures
 from bench.metrics import RUN_KEYS, STAT_KEYS, RequestResult, meets_slo, stats_ms, summarize
 from bench.report import SCHEMA, format_table, plot, write_json
 from bench.workload import WORKLOADS, WorkloadSpec, build_requests, sample_arrivals, sample_lengths
+from common.pb.tpserve.v1 import generation_pb2
 from tests.conftest import launch
 
 CHAT = WORKLOADS["chat"]
@@ -146,6 +147,19 @@ def test_duration_runs_from_first_send_to_last_completion():
     assert run["e2e_ms"]["p50"] == pytest.approx(1250.0)
 
 
+def test_step_figures_diff_two_stats_snapshots():
+    before = generation_pb2.Stats(num_steps_total=10, batched_seqs_total=40, batched_tokens_total=400)
+    before.step_seconds_total, before.forward_seconds_total = 1.0, 0.5
+    after = generation_pb2.Stats(num_steps_total=30, batched_seqs_total=120, batched_tokens_total=1000)
+    after.step_seconds_total, after.forward_seconds_total = 3.0, 2.1
+    fig = step_figures(before, after)
+    assert fig["mean_batch_size"] == pytest.approx(4.0)  # 80 sequences over 20 steps
+    assert fig["mean_tokens_per_step"] == pytest.approx(30.0)
+    assert fig["mean_step_ms"] == pytest.approx(100.0)
+    assert fig["engine_overhead_pct"] == pytest.approx(20.0)  # 0.4 s of 2 s outside the forward
+    assert step_figures(after, after)["mean_batch_size"] is None
+
+
 # ---- results schema -----------------------------------------------------------------------------------
 
 
@@ -252,7 +266,9 @@ def test_short_bench_against_a_tiny_stack(tiny_model, tmp_path):
     assert run["goodput_rps"] == pytest.approx(run["requests_per_s"])  # a 60 s SLO everything meets
     assert run["ttft_ms"]["p50"] <= run["e2e_ms"]["p50"] and run["ttft_ms"]["p99"] <= run["e2e_ms"]["p99"]
     assert set(run["peak_rss_mb"]) == set(info["pids"]) and all(v > 0 for v in run["peak_rss_mb"].values())
-    assert run["mean_batch_size"] is None  # the server does not report it yet
+    assert 1 <= run["mean_batch_size"] <= 6  # six requests at most in a step
+    assert extra["engine"]["num_steps"] >= max(r.max_new_tokens for r in want)
+    assert 0 <= extra["engine_overhead_pct"] <= 100
     doc = _no_nan(out.read_text())
     assert [tuple(r) for r in doc["runs"]] == [RUN_KEYS]
     assert doc["details"]["tpserve"]["completed"] == 4
