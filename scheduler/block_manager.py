@@ -1,11 +1,36 @@
-"""The pool of KV-cache blocks and which sequence holds which.
+"""The pool of KV-cache blocks, which sequence holds which, and (optionally) which full blocks can be reused.
 
 Plain Python: the workers hold the tensors; this decides which block a token's key and value go to.
+
+Automatic prefix caching (enable_prefix_caching=True): a block whose block_size tokens are all computed is
+registered under a hash chained over its parent block's hash and its own tokens, so the hash names the
+whole prefix up to and including the block. A sequence being admitted reuses the registered blocks of its
+longest cached prefix instead of computing them again. Blocks are reference-counted: a block held by any
+sequence is never evicted nor handed out for other content. When its count drops to 0 a registered block
+stays cached and evictable; a fresh block is taken first from blocks that hold nothing reusable, then by
+evicting the least recently freed cached block (of those freed together, a sequence's tail before its head,
+because the head is the part other requests are likelier to share).
+
+How the scheduler drives it:
+- admission (a waiting sequence, which holds no blocks):
+      num_cached = match_prefix(seq)
+      num_new = min(seq.num_tokens - num_cached, budget)
+      if can_allocate(seq, num_cached + num_new, reserve, num_cached_tokens=num_cached):
+          allocate(seq, num_cached + num_new, num_cached_tokens=num_cached)
+          seq.num_computed_tokens = num_cached
+- running sequences: allocate(seq, num_tokens) as before.
+- after each step, for every scheduled sequence still holding its blocks, right after its
+  num_computed_tokens has been advanced by the step and before it may be freed for finishing:
+      register_full_blocks(seq)
+- preemption, finish and abort: free(seq), as before.
+With caching off, match_prefix returns 0 and register_full_blocks does nothing, so the same calls work.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+import struct
+from collections import OrderedDict, deque
 
 from scheduler.sequence import Sequence
 
@@ -14,37 +39,194 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
+    """The key of a full block: SHA-256 over the parent block's key and this block's tokens.
+
+    Cryptographic rather than Python's hash(): a collision would hand a request another prompt's KV and
+    silently change its output, and hash() of ints is trivially invertible (ints hash to themselves), so a
+    client could craft one on purpose. SHA-256 collisions are not a practical concern, so a hit needs no
+    token comparison. The first block's parent is b"". Tokens are packed as little-endian int64 so the key
+    does not depend on the platform."""
+    return hashlib.sha256(parent + struct.pack(f"<{len(token_ids)}q", *token_ids)).digest()
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        # FIFO reuse: a block freed long ago is handed out before one freed just now.
+        self.enable_prefix_caching = enable_prefix_caching
+        # Blocks held by no sequence and holding nothing reusable. FIFO reuse: a block freed long ago is
+        # handed out before one freed just now.
         self._free: deque[int] = deque(range(num_blocks))
+        # Cached blocks held by no sequence, in eviction order (first = next to evict).
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._ref_count = [0] * num_blocks
+        self._block_hash: list[bytes | None] = [None] * num_blocks
+        self._cached: dict[bytes, int] = {}  # hash -> the block holding that prefix's last block of KV
+        # Per live sequence (seq_id): keys of its full blocks computed so far (tokens only grow, so they stay
+        # valid), and how many of its leading blocks register_full_blocks has already handled.
+        self._seq_hashes: dict[int, list[bytes]] = {}
+        self._seq_registered: dict[int, int] = {}
+        # Metrics: tokens looked up at admission, and how many of them were found cached.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks that can be handed out now: empty ones plus cached ones that nobody holds."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """Extra blocks seq needs so that its first num_tokens tokens have a slot."""
         return max(0, blocks_for(num_tokens, self.block_size) - len(seq.block_table))
 
-    def can_allocate(self, seq: Sequence, num_tokens: int, reserve: int = 0) -> bool:
-        return self.blocks_needed(seq, num_tokens) + reserve <= len(self._free)
+    # ---- prefix cache ----
 
-    def allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        """Gives seq slots for its first num_tokens tokens; all or nothing."""
-        needed = self.blocks_needed(seq, num_tokens)
-        if needed > len(self._free):
+    def match_prefix(self, seq: Sequence) -> int:
+        """How many leading tokens of seq (which holds no blocks yet) already have their KV cached.
+
+        Full blocks only, and never every token: the last one is always computed so that the step
+        yields logits to sample from. Changes nothing."""
+        if not self.enable_prefix_caching or seq.block_table:
+            return 0
+        return len(self._matched_blocks(seq)) * self.block_size
+
+    def _matched_blocks(self, seq: Sequence) -> list[int]:
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        matched = []
+        for h in self._hashes(seq, max_blocks):
+            block = self._cached.get(h)
+            if block is None:
+                break
+            matched.append(block)
+        return matched
+
+    def _hashes(self, seq: Sequence, num_full_blocks: int) -> list[bytes]:
+        hashes = self._seq_hashes.setdefault(seq.seq_id, [])
+        bs = self.block_size
+        for i in range(len(hashes), num_full_blocks):
+            hashes.append(hash_block(hashes[-1] if hashes else b"", seq.token_ids[i * bs : (i + 1) * bs]))
+        return hashes[:num_full_blocks]
+
+    def _cached_blocks_for(self, seq: Sequence, num_cached_tokens: int) -> list[int]:
+        """The blocks behind the scheduler's claim that num_cached_tokens of seq are cached."""
+        if num_cached_tokens == 0:
+            return []
+        if not self.enable_prefix_caching or seq.block_table or num_cached_tokens % self.block_size:
+            raise ValueError(
+                f"num_cached_tokens={num_cached_tokens} needs prefix caching on, a sequence holding no "
+                f"blocks, and a multiple of block_size ({self.block_size})"
+            )
+        blocks = self._matched_blocks(seq)[: num_cached_tokens // self.block_size]
+        if len(blocks) * self.block_size != num_cached_tokens:
+            raise ValueError(f"only {len(blocks) * self.block_size} tokens of seq {seq.seq_id} are cached")
+        return blocks
+
+    def register_full_blocks(self, seq: Sequence, num_computed_tokens: int | None = None) -> None:
+        """Makes seq's full, computed blocks reusable by later requests.
+
+        Call after a step's results are applied (num_computed_tokens advanced by the step, so the KV of
+        those tokens is written) and before seq's blocks are freed. Only blocks whose block_size tokens all
+        lie below num_computed_tokens (default: seq.num_computed_tokens) are registered: their tokens and
+        KV never change again. A block whose prefix another block already caches (two requests computed
+        it at once) stays unregistered and is freed as plain memory."""
+        if not self.enable_prefix_caching:
+            return
+        if num_computed_tokens is None:
+            num_computed_tokens = seq.num_computed_tokens
+        num_full = min(num_computed_tokens // self.block_size, len(seq.block_table))
+        start = self._seq_registered.get(seq.seq_id, 0)
+        if num_full <= start:
+            return
+        hashes = self._hashes(seq, num_full)
+        for i in range(start, num_full):
+            block, h = seq.block_table[i], hashes[i]
+            if self._block_hash[block] is None and h not in self._cached:
+                self._block_hash[block] = h
+                self._cached[h] = block
+        self._seq_registered[seq.seq_id] = num_full
+
+    def reset_prefix_cache(self) -> int:
+        """Forgets every cached prefix (the workers restarted, so their KV is gone); returns how many
+        blocks were dropped. Blocks still held stay held but are no longer reusable; the scheduler must
+        recompute (preempt) the sequences holding them anyway, since their KV is gone too."""
+        dropped = len(self._cached)
+        for block in self._cached.values():
+            self._block_hash[block] = None
+        self._cached.clear()
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+        return dropped
+
+    # ---- allocation ----
+
+    def can_allocate(
+        self, seq: Sequence, num_tokens: int, reserve: int = 0, num_cached_tokens: int = 0
+    ) -> bool:
+        """Whether seq can get slots for its first num_tokens tokens and still leave reserve blocks free.
+
+        num_cached_tokens: at admission, the leading tokens to be taken from the prefix cache
+        (match_prefix's answer); those blocks cost nothing new, but a cached block that nobody holds
+        stops counting as free once it is reused."""
+        return self._fits(seq, num_tokens, reserve, self._cached_blocks_for(seq, num_cached_tokens))
+
+    def _fits(self, seq: Sequence, num_tokens: int, reserve: int, cached: list[int]) -> bool:
+        taken_from_free = sum(1 for b in cached if self._ref_count[b] == 0)
+        fresh = self.blocks_needed(seq, num_tokens) - len(cached)
+        return fresh + reserve <= self.num_free_blocks - taken_from_free
+
+    def allocate(self, seq: Sequence, num_tokens: int, num_cached_tokens: int = 0) -> bool:
+        """Gives seq slots for its first num_tokens tokens; all or nothing.
+
+        num_cached_tokens (admission only, see can_allocate): seq's block table starts with the cached
+        blocks of that prefix, and the scheduler sets seq.num_computed_tokens to it."""
+        cached = self._cached_blocks_for(seq, num_cached_tokens)
+        if not self._fits(seq, num_tokens, 0, cached):
             return False
-        seq.block_table.extend(self._free.popleft() for _ in range(needed))
+        if self.enable_prefix_caching and not seq.block_table:
+            self.prefix_cache_queries += seq.num_tokens
+            self.prefix_cache_hits += num_cached_tokens
+            self._seq_registered[seq.seq_id] = len(cached)
+        # Reused blocks leave the evictable set before any fresh block is taken, so taking fresh blocks
+        # can never evict the very blocks this sequence is about to reuse.
+        for block in cached:
+            if self._ref_count[block] == 0:
+                del self._evictable[block]
+            self._ref_count[block] += 1
+        seq.block_table.extend(cached)
+        for _ in range(self.blocks_needed(seq, num_tokens)):
+            seq.block_table.append(self._take_fresh_block())
         return True
 
+    def _take_fresh_block(self) -> int:
+        if self._free:
+            block = self._free.popleft()
+        else:
+            block, _ = self._evictable.popitem(last=False)
+            del self._cached[self._block_hash[block]]
+            self._block_hash[block] = None
+        self._ref_count[block] = 1
+        return block
+
     def free(self, seq: Sequence) -> None:
-        self._free.extend(seq.block_table)
+        """Releases seq's hold on its blocks (finish, abort or preemption). Cached blocks that nobody holds
+        any more stay reusable until evicted; the sequence's tail goes first in eviction order."""
+        for block in reversed(seq.block_table):
+            self._ref_count[block] -= 1
+            if self._ref_count[block] == 0 and self._block_hash[block] is not None:
+                self._evictable[block] = None
+        self._free.extend(
+            b for b in seq.block_table if self._ref_count[b] == 0 and self._block_hash[b] is None
+        )
         seq.block_table = []
+        self._seq_hashes.pop(seq.seq_id, None)
+        self._seq_registered.pop(seq.seq_id, None)
 
     def slot(self, seq: Sequence, position: int) -> int:
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
