@@ -12,7 +12,9 @@ import copy
 import functools
 import math
 import re
+import sys
 import tomllib
+import types
 from pathlib import Path
 
 import kubernetes_validate
@@ -38,12 +40,15 @@ FROM_ARGS = {
 }
 # Placeholder values for what only a running pod knows: enough to parse and validate the flags.
 POD_INDEX_FIELD = "metadata.labels['apps.kubernetes.io/pod-index']"
+POD_FIELDS = {POD_INDEX_FIELD: "0", "metadata.name": "tpserve-pod", "metadata.namespace": "tpserve"}
 SEED_KNOBS = {  # DESIGN.md "Knobs", the seed's values
     "TPSERVE_MAX_NUM_SEQS": "128",
     "TPSERVE_BLOCK_SIZE": "16",
     "TPSERVE_GPU_MEMORY_UTILIZATION": "0.85",
     "TPSERVE_SWAP_SPACE_GIB": "4",
 }
+# A worker's gRPC port opens only once its shard is loaded: how long its startup probe must allow.
+WORKER_STARTUP_BUDGET_S = 30 * 60
 # ConfigMap keys that no process takes yet, and the flag that will take them.
 UNWIRED_KNOBS = {"TPSERVE_SWAP_SPACE_GIB": "--swap-space"}
 
@@ -175,8 +180,8 @@ def _env(container: dict, objects) -> dict[str, str]:
             assert ref["key"] in configmaps[ref["name"]], f"{var['name']}: no {ref['key']} in {ref['name']}"
             assert not ref.get("optional"), f"{var['name']}: a knob must not silently fall back to a default"
             env[var["name"]] = configmaps[ref["name"]][ref["key"]]
-        elif source.get("fieldRef", {}).get("fieldPath") == POD_INDEX_FIELD:
-            env[var["name"]] = "0"
+        elif source.get("fieldRef", {}).get("fieldPath") in POD_FIELDS:
+            env[var["name"]] = POD_FIELDS[source["fieldRef"]["fieldPath"]]
         elif "resourceFieldRef" in source:
             ref = source["resourceFieldRef"]
             assert ref["containerName"] == container["name"] and ref["resource"] == "requests.cpu", ref
@@ -223,6 +228,98 @@ def _flag_values(args: list[str], flag: str) -> list[str]:
         elif a == flag:
             values.append(args[i + 1])
     return values
+
+
+# ---------------------------------------------------------------- metrics, scraping, PromQL
+
+SCRAPE_CONFIG = K8S / "prometheus" / "scrape-config.yaml"
+# What each metric family type puts on the wire after its name (prometheus_client's exposition).
+SAMPLE_SUFFIXES = {
+    "counter": ("_total", "_created"),
+    "histogram": ("_bucket", "_sum", "_count", "_created"),
+    "summary": ("", "_sum", "_count", "_created"),
+    "gauge": ("",),
+}
+PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless"}
+PROMQL_WORDS |= {"offset", "inf", "nan"}
+
+
+@pytest.fixture(scope="module")
+def exported_metric_names() -> frozenset[str]:
+    """Every series name the router, the scheduler and a shard worker can expose, from their real
+    registries (metric families with no sample yet, such as labelled counters, count by their type)."""
+    import torch
+
+    from router.metrics import RouterMetrics
+    from scheduler.metrics import SchedulerMetrics
+    from shard_worker import metrics as worker_metrics
+
+    no_engine = types.SimpleNamespace(scheduler=None)  # what the scheduler's gauges read before start
+    registries = (
+        RouterMetrics().registry,
+        SchedulerMetrics(no_engine).registry,
+        worker_metrics.WorkerMetrics(torch.device("cpu"), 0).registry,
+    )
+    families = [f for r in registries for f in r.collect()]
+    # GPU utilisation is collected only on CUDA with NVML: collect it once with NVML stood in.
+    collector = worker_metrics._DeviceCollector(torch.device("cpu"), 0)
+    collector._nvml = object()
+    nvml = types.SimpleNamespace(nvmlDeviceGetUtilizationRates=lambda handle: types.SimpleNamespace(gpu=50))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, "pynvml", nvml)
+        families += list(collector.collect())
+    names = set()
+    for family in families:
+        names |= {sample.name for sample in family.samples}
+        names |= {family.name + suffix for suffix in SAMPLE_SUFFIXES.get(family.type, ("",))}
+    assert "tpserve_gpu_utilization_ratio" in names and "tpserve_generation_tokens_total" in names
+    return frozenset(names)
+
+
+def promql_metric_names(expr: str) -> set[str]:
+    """The metric names a PromQL expression selects: identifiers outside strings, label matchers, ranges
+    and grouping clauses that are not called as functions and are not keywords."""
+    s = re.sub(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'', '""', expr)
+    s = re.sub(r"\{[^}]*\}", " ", s)
+    s = re.sub(r"\[[^\]]*\]", " ", s)
+    s = re.sub(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", s)
+    names = set()
+    for m in re.finditer(r"(?<![\w.$])([A-Za-z_:][\w:]*)(\s*\()?", s):
+        if not m.group(2) and m.group(1).lower() not in PROMQL_WORDS:
+            names.add(m.group(1))
+    return names
+
+
+def test_promql_metric_names_reads_what_the_dashboard_writes():
+    expr = (
+        'histogram_quantile(0.99, sum by (namespace, le) (rate(tpserve_ttft_bucket{namespace=~"$ns", '
+        'x="a{b}"}[$__rate_interval]))) / on (pod) group_left sum(up offset 5m) > bool 1e3'
+    )
+    assert promql_metric_names(expr) == {"tpserve_ttft_bucket", "up"}
+
+
+def _scrape_job() -> dict:
+    (job,) = yaml.safe_load(SCRAPE_CONFIG.read_text())["scrape_configs"]
+    return job
+
+
+def _scrape_target_labels() -> set[str]:
+    return {r["target_label"] for r in _scrape_job()["relabel_configs"] if "target_label" in r}
+
+
+def _sanitize(name: str) -> str:
+    return re.sub(r"[^a-zA-Z0-9_]", "_", name)
+
+
+def _pod_discovery_labels(workload: dict, port_name: str) -> dict[str, str]:
+    """The __meta_kubernetes_pod_* labels Prometheus' pod discovery gives this pod's port."""
+    meta = workload["spec"]["template"]["metadata"]
+    out = {"__meta_kubernetes_pod_container_port_name": port_name}
+    for key, value in meta.get("labels", {}).items():
+        out[f"__meta_kubernetes_pod_label_{_sanitize(key)}"] = value
+    for key, value in meta.get("annotations", {}).items():
+        out[f"__meta_kubernetes_pod_annotation_{_sanitize(key)}"] = value
+    return out
 
 
 # ---------------------------------------------------------------- the checks
@@ -315,6 +412,8 @@ def test_rendezvous_can_happen_before_any_rank_is_ready(directory):
     # Ranks resolve rank 0 while none is ready; OrderedReady would wait for rank 0 forever.
     assert headless["spec"]["publishNotReadyAddresses"] is True
     assert shards["spec"]["podManagementPolicy"] == "Parallel"
+    # Ranks restart together: one new rank cannot join the old ones' group, so a rolling update would stall.
+    assert shards["spec"]["updateStrategy"]["type"] == "OnDelete"
     _, worker = _tpserve(shards, objects)
     dist_port = int(worker.dist_init.rpartition(":")[2])
     assert dist_port in {p["containerPort"] for p in _main_container(shards)["ports"]}
@@ -355,7 +454,12 @@ def test_only_the_router_is_exposed(directory):
 
 @pytest.mark.parametrize("directory", KUSTOMIZATIONS)
 def test_servers_bind_every_interface_and_probe_the_port_they_serve(directory):
-    """The processes default to loopback, where neither Services nor the kubelet's probes reach them."""
+    """The processes default to loopback, where neither Services nor the kubelet's probes reach them.
+
+    Every process serves grpc.health.v1 on --port, and readiness asks it. Liveness only asks whether the
+    port is open: the health status is NOT_SERVING while the shards load (router, scheduler) or once a
+    worker's group is broken, and restarting that one process would fix neither. A worker opens its port
+    only once its shard is loaded, so its startup probe holds liveness off for a large checkpoint."""
     objects = render(directory)
     for workload in [o for o in objects if o["kind"] in WORKLOADS]:
         _, config = _tpserve(workload, objects)
@@ -364,15 +468,49 @@ def test_servers_bind_every_interface_and_probe_the_port_they_serve(directory):
         assert config.host == "0.0.0.0", name
         named = {p.get("name"): p["containerPort"] for p in container["ports"]}
         assert config.port in named.values(), f"{name}: --port {config.port} is not a containerPort"
-        probes = [container.get(k) for k in ("startupProbe", "readinessProbe", "livenessProbe")]
-        assert container.get("readinessProbe") and container.get("livenessProbe"), name
-        for probe in filter(None, probes):
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            if (probe := container.get(kind)) is None:
+                continue
             (handler,) = {"grpc", "tcpSocket", "httpGet", "exec"} & probe.keys()
             assert handler in ("grpc", "tcpSocket"), f"{name}: the processes serve gRPC only"
             port = probe[handler]["port"]
-            assert named.get(port, port) == config.port, f"{name}: {handler} probe on {port}, not --port"
-            if handler == "grpc":  # only the router has grpc.health.v1 today
-                assert _labels(workload)["app.kubernetes.io/component"] == "router", name
+            assert named.get(port, port) == config.port, f"{name}: {handler} {kind} on {port}, not --port"
+            if handler == "grpc":  # the kubelet takes no port name here, and we set only the overall status
+                assert isinstance(port, int) and not probe["grpc"].get("service"), f"{name}: {kind}"
+        assert "grpc" in container["readinessProbe"], f"{name}: readiness must ask grpc.health.v1"
+        assert "tcpSocket" in container["livenessProbe"], f"{name}: liveness must not restart on NOT_SERVING"
+        if _labels(workload)["app.kubernetes.io/component"] == "shard-worker":
+            startup = container["startupProbe"]
+            assert "grpc" in startup
+            budget = startup["periodSeconds"] * startup["failureThreshold"]
+            assert budget >= WORKER_STARTUP_BUDGET_S, f"{name}: {budget} s to load a shard"
+
+
+@pytest.mark.parametrize("directory", KUSTOMIZATIONS)
+def test_every_process_serves_metrics_where_prometheus_looks_and_logs_json(directory):
+    objects = render(directory)
+    (configmap,) = _by_kind(objects, "ConfigMap")
+    keep_rules = [r for r in _scrape_job()["relabel_configs"] if r.get("action") == "keep"]
+    for workload in [o for o in objects if o["kind"] in WORKLOADS]:
+        ns, config = _tpserve(workload, objects)
+        container = _main_container(workload)
+        name = workload["metadata"]["name"]
+        named = {p.get("name"): p["containerPort"] for p in container["ports"]}
+        assert config.metrics_port is not None and config.metrics_port != config.port, name
+        assert named.get("metrics") == config.metrics_port, f"{name}: no containerPort `metrics` for /metrics"
+        annotations = workload["spec"]["template"]["metadata"].get("annotations", {})
+        assert annotations.get("prometheus.io/scrape") == "true", name
+        assert annotations.get("prometheus.io/port") == str(config.metrics_port), name
+        assert annotations.get("prometheus.io/path") == "/metrics", name
+        # The scrape job in k8s/prometheus keeps this pod's metrics port and drops its other ports.
+        for port_name in named:
+            meta = _pod_discovery_labels(workload, port_name)
+            values = [";".join(meta.get(label, "") for label in r["source_labels"]) for r in keep_rules]
+            kept = all(re.fullmatch(r["regex"], v) for r, v in zip(keep_rules, values, strict=True))
+            assert kept == (port_name == "metrics"), f"{name}: scrape job and port {port_name}"
+        assert ns.log_format == "json", f"{name}: one JSON object a line, for the cluster's log pipeline"
+        assert config.tracing.exporter == configmap["data"]["TPSERVE_TRACE_EXPORTER"], name
+        assert config.tracing.otlp_endpoint == configmap["data"]["TPSERVE_OTLP_ENDPOINT"], name
 
 
 @pytest.mark.parametrize("directory", KUSTOMIZATIONS)
@@ -462,7 +600,7 @@ def test_tp8_overlay_is_one_replica_of_eight_ranks():
     assert shards["spec"]["replicas"] == 8 and len(scheduler.workers) == 8
 
 
-def test_autoscaler_reads_kv_usage_at_80_percent_and_targets_an_existing_workload():
+def test_autoscaler_reads_kv_usage_at_80_percent_and_targets_an_existing_workload(exported_metric_names):
     objects = render("autoscaling")
     (hpa,) = _by_kind(objects, "HorizontalPodAutoscaler")
     ref = hpa["spec"]["scaleTargetRef"]
@@ -475,15 +613,12 @@ def test_autoscaler_reads_kv_usage_at_80_percent_and_targets_an_existing_workloa
     served = {r["name"]["as"] for r in rules["rules"]["external"]}
     assert {m["external"]["metric"]["name"] for m in hpa["spec"]["metrics"]} <= served
     assert all(name.startswith("tpserve_") for name in served)
-    # Once the processes export metrics, the names must be theirs.
-    exported = "".join(
-        p.read_text()
-        for d in ("router", "scheduler", "shard_worker")
-        if (p := ROOT / d / "metrics.py").exists()
-    )
-    if exported:
-        for name in served:
-            assert f'"{name}"' in exported, f"no process exports {name}"
+    # The adapter's queries select metrics the scheduler exports, by the namespace label the scrape sets.
+    for rule in rules["rules"]["external"]:
+        for query in (rule["seriesQuery"], rule["metricsQuery"].replace("<<.Series>>", rule["name"]["as"])):
+            assert promql_metric_names(query) == {rule["name"]["as"]}, query
+        assert rule["name"]["as"] in exported_metric_names, f"no process exports {rule['name']['as']}"
+        assert set(rule["resources"]["overrides"]) <= _scrape_target_labels()
 
 
 def test_dockerfile_installs_like_the_makefile():
