@@ -110,11 +110,19 @@ def plot(path: str | Path, runs: list[dict], details: dict[str, dict]) -> None:
     axes[0].invert_yaxis()
     axes[0].set_xlabel("output tokens/s")
     axes[0].set_title("throughput")
+    # One colour per system, one line style per arrival phase ("system/phase" names; others solid).
+    systems = list(dict.fromkeys(n.split("/")[0] for n in names))
+    phases = list(dict.fromkeys(n.split("/")[1] if "/" in n else "" for n in names))
     for ax, key, label in zip(axes[1:], ("ttft", "tpot", "e2e"), ("TTFT", "TPOT", "end-to-end"), strict=True):
         for r in shown:
             samples = np.sort(details.get(r["name"], {}).get("samples_ms", {}).get(key, []))
+            system, _, phase = r["name"].partition("/")
+            style = {
+                "color": f"C{systems.index(system) % 10}",
+                "linestyle": ("-", "--", ":")[phases.index(phase) % 3],
+            }
             if len(samples):
-                ax.plot(samples, np.arange(1, len(samples) + 1) / len(samples), label=r["name"])
+                ax.plot(samples, np.arange(1, len(samples) + 1) / len(samples), label=r["name"], **style)
         ax.set_xscale("log")
         ax.set_xlabel(f"{label} (ms, log)")
         ax.set_ylabel("fraction of requests")
