@@ -22,6 +22,12 @@ def _launch_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=worker_config.DTYPES)
     p.add_argument("--ready-file", default=None, help="write {target, pids} as JSON here once serving")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for SERVING")
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="restart a dead scheduler or worker group this many times (0: a death stops the launch)",
+    )
     scheduler_config.add_policy_arguments(p)
     p.add_argument(
         "--metrics-port", type=int, default=None, help="router /metrics port; the others' are logged (0: any)"
@@ -124,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                     scheduler_args=tuple(passthrough),
                     metrics_port=a.metrics_port,
                     tracing=tracing.from_args(a),
+                    max_restarts=a.max_restarts,
                 )
             )
         if a.command == "router":

@@ -27,6 +27,8 @@ from common.tracing import TracingConfig
 log = logging.getLogger("tpserve.launch")
 
 PR_SET_PDEATHSIG = 1
+# The router's default --drain-timeout-s: the launcher waits that long (and its own grace) for it.
+ROUTER_DRAIN_S = 30.0
 
 
 def _die_with_parent() -> None:
@@ -53,6 +55,8 @@ class LaunchConfig:
     log_format: str = "text"
     scheduler_args: tuple[str, ...] = field(default_factory=tuple)  # passed through unchanged
     metrics_port: int | None = None  # the router's; the others bind free ports and are logged
+    # A scheduler or worker group that dies is started again this many times (0: the launch ends).
+    max_restarts: int = 0
     tracing: TracingConfig = field(default_factory=TracingConfig)
 
     def __post_init__(self):
@@ -66,6 +70,8 @@ class LaunchConfig:
 class Child:
     name: str
     proc: subprocess.Popen
+    args: list[str]  # to start it again on the same port
+    port_file: Path
 
     @property
     def alive(self) -> bool:
@@ -79,7 +85,7 @@ class Stack:
         self.metrics: dict[str, int] = {}  # child name -> its /metrics port
         self.tmp = Path(tempfile.mkdtemp(prefix="tpserve-"))
 
-    def _spawn(self, name: str, args: list[str]) -> Child:
+    def _spawn(self, name: str, args: list[str], port_file: Path) -> Child:
         cfg = self.config
         cmd = [
             sys.executable,
@@ -93,15 +99,17 @@ class Stack:
         cmd += [*args, *tracing.flags(cfg.tracing)]
         if cfg.metrics_port is not None:
             cmd += ["--metrics-port", str(cfg.metrics_port if name == "router" else 0)]
-        proc = subprocess.Popen(cmd, preexec_fn=_die_with_parent)
-        child = Child(name, proc)
+        port_file.unlink(missing_ok=True)
+        # Own session: a Ctrl-C in the terminal reaches only the launcher, which stops children in order.
+        proc = subprocess.Popen(cmd, preexec_fn=_die_with_parent, start_new_session=True)
+        child = Child(name, proc, args, port_file)
         self.children.append(child)
         log.info("started %s (pid %d)", name, proc.pid)
         return child
 
-    def _port_of(self, child: Child, port_file: Path) -> int:
+    def _port_of(self, child: Child) -> int:
         try:
-            ports = read_port_file(port_file, self.config.startup_timeout_s, lambda: child.alive)
+            ports = read_port_file(child.port_file, self.config.startup_timeout_s, lambda: child.alive)
         except RuntimeError:
             raise RuntimeError(
                 f"{child.name} exited with code {child.proc.returncode} while starting"
@@ -111,43 +119,61 @@ class Stack:
             log.info("%s metrics on http://127.0.0.1:%d/metrics", child.name, ports["metrics_port"])
         return ports["port"]
 
-    def start(self) -> str:
+    def _worker_args(self, rank: int, dist_init: str, port: int) -> list[str]:
         cfg = self.config
+        args = ["shard-worker", "--model", cfg.model, "--rank", str(rank), "--world-size", str(cfg.tp)]
+        args += ["--dist-init", dist_init, "--device", cfg.device, "--dtype", cfg.dtype]
+        return args + ["--port", str(port), "--port-file", str(self.tmp / f"worker{rank}.port")]
+
+    def _start_workers(self, ports: list[int]) -> list[int]:
+        # A fresh rendezvous port each time: a restarted group must not meet the old store.
         dist_init = f"127.0.0.1:{free_port()}"
         workers = []
-        for rank in range(cfg.tp):
-            port_file = self.tmp / f"worker{rank}.port"
-            args = ["shard-worker", "--model", cfg.model, "--rank", str(rank), "--world-size", str(cfg.tp)]
-            args += ["--dist-init", dist_init, "--device", cfg.device, "--dtype", cfg.dtype]
-            args += ["--port", "0", "--port-file", str(port_file)]
-            workers.append((self._spawn(f"shard-worker rank {rank}", args), port_file))
-        worker_addrs = [f"127.0.0.1:{self._port_of(c, f)}" for c, f in workers]
+        for rank, port in enumerate(ports):
+            args = self._worker_args(rank, dist_init, port)
+            workers.append(self._spawn(f"shard-worker rank {rank}", args, self.tmp / f"worker{rank}.port"))
+        return [self._port_of(c) for c in workers]
+
+    def start(self) -> str:
+        cfg = self.config
+        self.worker_ports = self._start_workers([0] * cfg.tp)
+        worker_addrs = [f"127.0.0.1:{port}" for port in self.worker_ports]
 
         port_file = self.tmp / "scheduler.port"
         args = ["scheduler", "--port", "0", "--port-file", str(port_file), *cfg.scheduler_args]
         for addr in worker_addrs:
             args += ["--worker", addr]
-        scheduler = self._spawn("scheduler", args)
-        scheduler_addr = f"127.0.0.1:{self._port_of(scheduler, port_file)}"
+        scheduler = self._spawn("scheduler", args, port_file)
+        self.scheduler_port = self._port_of(scheduler)
+        scheduler_addr = f"127.0.0.1:{self.scheduler_port}"
 
         port_file = self.tmp / "router.port"
         args = ["router", "--scheduler", scheduler_addr, "--model", cfg.model]
         args += ["--host", cfg.host, "--port", str(cfg.port), "--port-file", str(port_file)]
-        router = self._spawn("router", args)
-        router_addr = (
-            f"{'127.0.0.1' if cfg.host == '0.0.0.0' else cfg.host}:{self._port_of(router, port_file)}"
-        )
+        router = self._spawn("router", args, port_file)
+        router_addr = f"{'127.0.0.1' if cfg.host == '0.0.0.0' else cfg.host}:{self._port_of(router)}"
 
         dead = self.first_dead
         wait_for_health(router_addr, cfg.startup_timeout_s, alive=lambda: dead() is None)
         return router_addr
 
-    def first_dead(self) -> Child | None:
-        return next((c for c in self.children if not c.alive), None)
+    def restart(self, dead: Child) -> None:
+        """Starts a dead scheduler, or the whole worker group after any rank died (a process group
+        cannot take a new member), on the same ports, so the others reconnect by themselves."""
+        self.children.remove(dead)
+        if dead.name == "scheduler":
+            args = list(dead.args)
+            args[args.index("--port") + 1] = str(self.scheduler_port)
+            self._port_of(self._spawn("scheduler", args, dead.port_file))
+            return
+        workers = [c for c in self.children if c.name.startswith("shard-worker")]
+        self._terminate(workers, grace_s=5.0)
+        for c in workers:
+            self.children.remove(c)
+        self._start_workers(self.worker_ports)
 
-    def stop(self, grace_s: float = 10.0) -> None:
-        """Router first (it drains), then the scheduler, then the workers."""
-        for child in reversed(self.children):
+    def _terminate(self, children: list[Child], grace_s: float) -> None:
+        for child in children:
             if child.alive:
                 child.proc.send_signal(signal.SIGTERM)
                 try:
@@ -156,6 +182,14 @@ class Stack:
                     log.warning("%s did not stop in %.0fs: killing it", child.name, grace_s)
                     child.proc.kill()
                     child.proc.wait()
+
+    def first_dead(self) -> Child | None:
+        return next((c for c in self.children if not c.alive), None)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Router first (it drains: its own timeout bounds that), then the scheduler, then the workers."""
+        for child in reversed(self.children):
+            self._terminate([child], grace_s + (ROUTER_DRAIN_S if child.name == "router" else 0.0))
         for f in self.tmp.iterdir():
             f.unlink()
         self.tmp.rmdir()
@@ -184,15 +218,21 @@ def launch(config: LaunchConfig) -> int:
             tmp = Path(f"{config.ready_file}.tmp")
             tmp.write_text(json.dumps(info))
             os.replace(tmp, config.ready_file)
+        restarts = 0
         while not stop.wait(0.2):
             dead = stack.first_dead()
-            if dead is not None:
-                log.error(
-                    "%s (pid %d) exited with code %s: stopping",
-                    dead.name,
-                    dead.proc.pid,
-                    dead.proc.returncode,
-                )
+            if dead is None:
+                continue
+            what = f"{dead.name} (pid {dead.proc.pid}) exited with code {dead.proc.returncode}"
+            if dead.name == "router" or restarts >= config.max_restarts:
+                log.error("%s: stopping", what)
+                return 1
+            restarts += 1
+            log.warning("%s: restarting it (restart %d of %d)", what, restarts, config.max_restarts)
+            try:
+                stack.restart(dead)
+            except (RuntimeError, TimeoutError) as e:
+                log.error("restart failed: %s", e)
                 return 1
         log.info("stopping")
         return 0

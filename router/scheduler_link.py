@@ -38,10 +38,13 @@ class SchedulerLink:
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._queues: dict[str, asyncio.Queue] = {}
         self._task: asyncio.Task | None = None
+        # The scheduler says whether every rank is serving; while one is lost, requests in flight
+        # wait for it (the scheduler recomputes them) and new ones get UNAVAILABLE.
+        self._shards_ready = False
 
     @property
     def ready(self) -> bool:
-        return self._call is not None and self.model_info is not None
+        return self._call is not None and self.model_info is not None and self._shards_ready
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())
@@ -65,7 +68,7 @@ class SchedulerLink:
 
     def abort(self, request_id: str) -> None:
         """The router no longer wants request_id (finished by stop string, cancelled, disconnected)."""
-        if self._queues.pop(request_id, None) is not None and self.ready:
+        if self._queues.pop(request_id, None) is not None and self._call is not None:
             # If the stream breaks first, the scheduler drops everything of this router anyway.
             abort = scheduler_pb2.AbortRequest(request_id=request_id)
             self._outbox.put_nowait(scheduler_pb2.RouterMessage(abort=abort))
@@ -82,9 +85,16 @@ class SchedulerLink:
                 )
                 self._outbox = asyncio.Queue()
                 self._call = self._stub.Connect(self._drain(self._outbox))
-                self.on_ready(True)
                 log.info("connected to the scheduler at %s", self.target)
                 async for msg in self._call:
+                    if msg.HasField("shards_ready") and msg.shards_ready != self._shards_ready:
+                        self._shards_ready = msg.shards_ready
+                        self.on_ready(msg.shards_ready)
+                        log.log(
+                            logging.INFO if msg.shards_ready else logging.WARNING,
+                            "shards %s",
+                            "ready" if msg.shards_ready else "lost: new requests get UNAVAILABLE",
+                        )
                     for out in msg.outputs:
                         queue = self._queues.get(out.request_id)
                         if queue is not None:
@@ -95,6 +105,7 @@ class SchedulerLink:
                 if self.ready:
                     log.warning("lost the scheduler at %s: %s", self.target, e.code())
             self._call = None
+            self._shards_ready = False
             self.on_ready(False)
             self._fail_all("the scheduler is unavailable")
             await asyncio.sleep(self.retry_s)

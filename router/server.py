@@ -243,7 +243,10 @@ async def serve(config: RouterConfig) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    await server.stop(grace=2.0)
+    # Drain: probes see NOT_SERVING, new calls are refused (UNAVAILABLE), calls in flight may finish.
+    log.info("draining: up to %.0fs for requests in flight", config.drain_timeout_s)
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(grace=config.drain_timeout_s)
     await link.close()
     if provider is not None:
         provider.shutdown()

@@ -27,6 +27,11 @@ class SchedulerConfig:
     static_batch_size: int = 32
     static_batch_timeout_ms: float = 50.0
     worker_connect_timeout_s: float = 300.0
+    # A step not answered by every rank within this is a lost rank (a hang, not only a crash).
+    step_timeout_s: float = 120.0
+    # After losing a rank, requests wait this long for it to return (then recompute and go on) before
+    # they get UNAVAILABLE.
+    worker_recovery_timeout_s: float = 60.0
     metrics_port: int | None = None
     tracing: TracingConfig = TracingConfig()
 
@@ -56,6 +61,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (loopback unless told otherwise)")
     p.add_argument("--port", type=int, default=0, help="0: any free port (see --port-file)")
     p.add_argument("--port-file", default=None, help="write the bound port here once serving")
+    p.add_argument("--step-timeout-s", type=float, default=120.0, help="a rank silent this long is lost")
+    p.add_argument(
+        "--worker-recovery-timeout-s",
+        type=float,
+        default=60.0,
+        help="how long requests wait for a lost rank to return before they get UNAVAILABLE",
+    )
     add_policy_arguments(p)
     metrics.add_arguments(p)
     tracing.add_arguments(p)
@@ -97,5 +109,7 @@ def from_args(a: argparse.Namespace) -> SchedulerConfig:
         port_file=a.port_file,
         metrics_port=a.metrics_port,
         tracing=tracing.from_args(a),
+        step_timeout_s=a.step_timeout_s,
+        worker_recovery_timeout_s=a.worker_recovery_timeout_s,
         **{name: getattr(a, name) for name in POLICY_FLAGS},
     )

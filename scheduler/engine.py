@@ -25,7 +25,7 @@ from scheduler.block_manager import BlockManager, blocks_for
 from scheduler.config import SchedulerConfig
 from scheduler.metrics import SchedulerMetrics
 from scheduler.scheduler import Scheduler, SchedulerOutput, SequenceUpdate
-from scheduler.sequence import FinishReason, Sequence
+from scheduler.sequence import Sequence
 
 log = logging.getLogger("tpserve.scheduler")
 
@@ -102,6 +102,8 @@ class Engine:
         self.metrics = SchedulerMetrics(self)
         self._tracer = tracing.tracer("tpserve.scheduler")
         self._traces: dict[str, RequestTrace] = {}
+        self._status_listeners: set = set()
+        self._expiry: asyncio.Task | None = None
 
     # ---- workers ----
 
@@ -153,9 +155,11 @@ class Engine:
                 for s in stubs
             )
         )
-        self.scheduler = Scheduler(
-            cfg.policy(max_model_len), BlockManager(num_blocks, cfg.block_size), info.eos_token_ids
-        )
+        blocks = BlockManager(num_blocks, cfg.block_size)
+        if self.scheduler is None:
+            self.scheduler = Scheduler(cfg.policy(max_model_len), blocks, info.eos_token_ids)
+        else:  # the ranks came back: same requests, fresh caches
+            self.scheduler.replace_blocks(blocks)
         self.model_info = generation_pb2.ModelInfo(
             model_name=info.model_name,
             vocab_size=info.vocab_size,
@@ -165,6 +169,7 @@ class Engine:
             block_size=cfg.block_size,
         )
         self._streams = [s.Step() for s in stubs]
+        self._builder.forget_all()
         log.info(
             "model %s on %d rank(s) (%s), max_model_len %d",
             info.model_name,
@@ -172,7 +177,23 @@ class Engine:
             ", ".join(i.device for i in infos),
             max_model_len,
         )
-        self.ready.set()
+        self._set_ready(True)
+
+    def _set_ready(self, ready: bool) -> None:
+        if ready:
+            self.ready.set()
+        else:
+            self.ready.clear()
+        for listener in list(self._status_listeners):
+            listener(ready)
+
+    def watch_status(self, listener) -> None:
+        """listener(ready) now and whenever the shards' state changes (a router's stream)."""
+        self._status_listeners.add(listener)
+        listener(self.ready.is_set())
+
+    def unwatch_status(self, listener) -> None:
+        self._status_listeners.discard(listener)
 
     async def close(self) -> None:
         for stream in self._streams:
@@ -229,8 +250,27 @@ class Engine:
 
     # ---- the loop ----
 
-    async def run(self) -> None:
-        await self.ready.wait()
+    async def serve_forever(self) -> None:
+        """Connects to the ranks and runs the step loop. When a rank is lost, every request keeps its
+        tokens here; once the ranks are back they are recomputed and go on. Requests still waiting
+        after worker_recovery_timeout_s get UNAVAILABLE: none is dropped silently."""
+        while True:
+            try:
+                await self.connect_workers()
+            except (grpc.RpcError, TimeoutError) as e:
+                log.warning("shard workers not reachable (%s); retrying", e)
+                await self.close()
+                await asyncio.sleep(1.0)
+                continue
+            if self._expiry is not None:
+                self._expiry.cancel()
+                self._expiry = None
+            try:
+                await self._loop()
+            except (grpc.RpcError, TimeoutError) as e:
+                await self._workers_lost(e)
+
+    async def _loop(self) -> None:
         while True:
             self._wakeup.clear()  # cleared before scheduling, so an add during the step is not missed
             now = time.monotonic()
@@ -243,11 +283,7 @@ class Engine:
                     await asyncio.wait_for(self._wakeup.wait(), timeout)
                 continue
             out.forgotten_seq_ids, self._pending_forget = self._pending_forget, []
-            try:
-                await self._step(out)
-            except grpc.RpcError as e:
-                await self._lost_workers(e)
-                return
+            await self._step(out)
 
     def _note_admissions(self, out: SchedulerOutput, now: float) -> None:
         for seq in out.admitted:
@@ -291,7 +327,8 @@ class Engine:
         try:
             for stream in self._streams:
                 await stream.write(request)
-            responses = [await stream.read() for stream in self._streams]
+            timeout = self.config.step_timeout_s
+            responses = [await asyncio.wait_for(stream.read(), timeout) for stream in self._streams]
         finally:
             if span is not None:
                 span.end()
@@ -363,24 +400,33 @@ class Engine:
         for sink, outputs in batches.values():
             sink(outputs)
 
-    async def _lost_workers(self, error: grpc.RpcError) -> None:
-        """A rank failed: every request in flight gets UNAVAILABLE, nothing is dropped silently."""
-        log.error("lost a shard worker: %s", error)
-        self.ready.clear()
+    async def _workers_lost(self, error: Exception) -> None:
+        """A rank failed or went silent. Its peers' caches are useless too (the group must re-form), so
+        every running sequence is requeued for recompute while the ranks are restarted."""
+        detail = error.details() if isinstance(error, grpc.RpcError) else "step timed out"
+        log.error("lost a shard worker (%s): waiting for the ranks to return", detail)
+        self._set_ready(False)
+        await self.close()
+        self.scheduler.requeue_all()
+        self._pending_forget = []
+        self._expiry = asyncio.create_task(self._expire_after(self.config.worker_recovery_timeout_s))
+
+    async def _expire_after(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+        log.error("shard workers still lost after %.0fs: failing %d request(s)", seconds, len(self._sinks))
         sinks, self._sinks = self._sinks, {}
         for request_id, sink in sinks.items():
+            self.scheduler.abort(request_id)
             self._end_trace(request_id, "unavailable")
             sink(
                 [
                     scheduler_pb2.RequestOutput(
                         request_id=request_id,
-                        finish_reason=int(FinishReason.ABORTED),
-                        error="a shard worker was lost",
+                        error="a shard worker was lost and did not return in time",
                         error_code="UNAVAILABLE",
                     )
                 ]
             )
-        await self.close()
 
     # ---- introspection ----
 

@@ -185,6 +185,24 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    def requeue_all(self) -> None:
+        """The workers lost their KV caches (a rank restarted): every running sequence goes back to the
+        front of the queue, in order, to be recomputed from the tokens kept here."""
+        for seq in reversed(self.running):
+            self.blocks.free(seq)
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
+        self.running = []
+        self._forgotten = []  # the new workers know nothing to forget
+
+    def replace_blocks(self, block_manager: BlockManager) -> None:
+        """A fresh pool after the workers came back (their capacity may differ)."""
+        if self.running:
+            raise RuntimeError("requeue_all() first: running sequences hold blocks of the old pool")
+        self.blocks = block_manager
+        self._watermark_blocks = int(self.policy.admission_watermark * block_manager.num_blocks)
+
     # ---- results of the iteration ----
 
     def update(self, out: SchedulerOutput, sampled_token_ids: list[int]) -> list[SequenceUpdate]:

@@ -28,6 +28,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         def sink(outputs):
             queue.put_nowait(scheduler_pb2.SchedulerMessage(outputs=outputs))
 
+        def status(ready: bool):
+            queue.put_nowait(scheduler_pb2.SchedulerMessage(shards_ready=ready))
+
         async def pump():
             async for msg in request_iterator:
                 if msg.HasField("add"):
@@ -45,11 +48,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     self.engine.abort(msg.abort.request_id)
 
         reader = asyncio.create_task(pump())
+        self.engine.watch_status(status)
         try:
             while True:
                 yield await queue.get()
         finally:
             reader.cancel()
+            self.engine.unwatch_status(status)
             self.engine.abort_sink(sink)
 
     async def GetModelInfo(self, request, context):
@@ -84,13 +89,16 @@ async def serve(config: SchedulerConfig) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
 
+    def on_status(ready: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        asyncio.ensure_future(health_servicer.set("", status))
+
+    engine.watch_status(on_status)
+
     async def run_engine():
-        await engine.connect_workers()
-        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-        try:
-            await engine.run()
-        finally:
-            await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        await engine.serve_forever()
 
     engine_task = asyncio.create_task(run_engine())
     stop_task = asyncio.create_task(stop.wait())
@@ -98,7 +106,6 @@ async def serve(config: SchedulerConfig) -> None:
     await server.stop(grace=1.0)
     if engine_task in done:
         engine_task.result()  # re-raises what stopped the engine
-        raise SystemExit("the step loop ended: a shard worker was lost")
     engine_task.cancel()
     await engine.close()
     if provider is not None:

@@ -51,6 +51,7 @@ def launch(model: Path, *flags: str, startup_timeout: float = 180.0):
                 raise TimeoutError(f"tpserve launch not ready after {startup_timeout}s:\n{log_tail()}")
             time.sleep(0.1)
         info = json.loads(ready.read_text())
+        info["launcher"] = proc
         yield info["target"], info
     finally:
         if proc.poll() is None:

@@ -242,3 +242,26 @@ def test_step_builder_flat_arrays_and_slots():
     plan = builder.build(sched.schedule())
     assert plan.new_sequences == []  # sampling state goes to the workers once
     assert plan.positions == [18, 2, 3, 4]
+
+
+def test_requeue_all_after_losing_the_workers_recomputes_with_same_output():
+    def go(lose_at):
+        sched = make(SchedulingPolicy(max_model_len=256), num_blocks=64)
+        for i in range(5):
+            sched.add(seq(i, 10 + 9 * i, max_new=12))
+        outputs: dict[str, list[int]] = {}
+        step = 0
+        while sched.has_unfinished:
+            if step == lose_at:
+                sched.requeue_all()
+                assert sched.blocks.num_free_blocks == 64 and not sched.running
+                sched.replace_blocks(BlockManager(40, BS))
+            out = sched.schedule()
+            tokens = [fake_model(s.seq) for s in out.scheduled if s.do_sample]
+            for u in sched.update(out, tokens):
+                outputs.setdefault(u.seq.request_id, []).append(u.new_token)
+            step += 1
+        assert sched.blocks.num_free_blocks == sched.blocks.num_blocks
+        return outputs
+
+    assert go(lose_at=4) == go(lose_at=-1)
