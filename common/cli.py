@@ -114,7 +114,11 @@ def main(argv: list[str] | None = None) -> int:
 
             passthrough = []
             for name in scheduler_config.POLICY_FLAGS:
-                passthrough += [f"--{name.replace('_', '-')}", str(getattr(a, name))]
+                flag, value = name.replace("_", "-"), getattr(a, name)
+                if isinstance(value, bool):
+                    passthrough.append(f"--{flag}" if value else f"--no-{flag}")
+                else:
+                    passthrough += [f"--{flag}", str(value)]
             return launch(
                 LaunchConfig(
                     model=a.model,

@@ -26,6 +26,7 @@ class SchedulerConfig:
     batching: str = "continuous"
     static_batch_size: int = 32
     static_batch_timeout_ms: float = 50.0
+    enable_prefix_caching: bool = False
     worker_connect_timeout_s: float = 300.0
     # A step not answered by every rank within this is a lost rank (a hang, not only a crash).
     step_timeout_s: float = 120.0
@@ -85,6 +86,12 @@ def add_policy_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batching", choices=["continuous", "static"], default="continuous")
     p.add_argument("--static-batch-size", type=int, default=32)
     p.add_argument("--static-batch-timeout-ms", type=float, default=50.0)
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="reuse the KV blocks of prompt prefixes already computed",
+    )
 
 
 POLICY_FLAGS = (
@@ -98,6 +105,7 @@ POLICY_FLAGS = (
     "batching",
     "static_batch_size",
     "static_batch_timeout_ms",
+    "enable_prefix_caching",
 )
 
 

@@ -155,7 +155,7 @@ class Engine:
                 for s in stubs
             )
         )
-        blocks = BlockManager(num_blocks, cfg.block_size)
+        blocks = BlockManager(num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)
         if self.scheduler is None:
             self.scheduler = Scheduler(cfg.policy(max_model_len), blocks, info.eos_token_ids)
         else:  # the ranks came back: same requests, fresh caches
@@ -394,6 +394,7 @@ class Engine:
                 output.logprobs.append(logprob_of[seq.seq_id])
             if u.finished:
                 output.finish_reason = int(seq.finish_reason)
+                output.cached_tokens = seq.num_cached_tokens
                 del self._sinks[seq.request_id]
                 self._end_trace(seq.request_id, seq.finish_reason.name.lower())
             batches.setdefault(id(sink), (sink, []))[1].append(output)

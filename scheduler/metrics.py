@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from common.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS
 
@@ -32,6 +32,19 @@ class _StateCollector:
         )
         yield GaugeMetricFamily("tpserve_kv_blocks_total", "KV-cache blocks in the pool.", value=total)
         yield GaugeMetricFamily("tpserve_kv_blocks_used", "KV-cache blocks held by sequences.", value=used)
+        queries = hits = cached = 0
+        if s is not None:
+            queries, hits = s.blocks.prefix_cache_queries, s.blocks.prefix_cache_hits
+            cached = s.blocks.num_cached_blocks
+        yield CounterMetricFamily(
+            "tpserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", value=queries
+        )
+        yield CounterMetricFamily(
+            "tpserve_prefix_cache_hits", "Prompt tokens found in the prefix cache.", value=hits
+        )
+        yield GaugeMetricFamily(
+            "tpserve_prefix_cache_blocks", "Blocks holding cached prefixes.", value=cached
+        )
         yield GaugeMetricFamily(
             "tpserve_kv_usage_ratio",
             "Share of KV-cache blocks in use (0..1).",

@@ -160,11 +160,17 @@ class Scheduler:
             seq = self.waiting[0]
             if static and seq.seq_id not in self._static_batch:
                 break
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            # A waiting sequence holds no blocks and has computed nothing: its longest cached prefix
+            # (whole blocks, never its last token) is reused and only the rest is computed.
+            num_cached = self.blocks.match_prefix(seq)
+            num_new = min(seq.num_tokens - num_cached, budget)
             reserve = self._watermark_blocks if self.running else 0
-            if not self.blocks.can_allocate(seq, seq.num_computed_tokens + num_new, reserve):
+            if not self.blocks.can_allocate(seq, num_cached + num_new, reserve, num_cached_tokens=num_cached):
                 break  # first come, first served: nobody jumps the queue
-            self.blocks.allocate(seq, seq.num_computed_tokens + num_new)
+            self.blocks.allocate(seq, num_cached + num_new, num_cached_tokens=num_cached)
+            seq.num_computed_tokens = num_cached
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = num_cached
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -217,6 +223,8 @@ class Scheduler:
             if seq.is_finished:
                 continue
             seq.num_computed_tokens += item.num_new_tokens
+            # Blocks whose every token is now computed become reusable by later prompts.
+            self.blocks.register_full_blocks(seq)
             if token is None:
                 continue
             seq.token_ids.append(token)

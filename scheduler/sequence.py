@@ -41,6 +41,8 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    # Prompt tokens whose KV came from the prefix cache at first admission (Usage.cached_tokens).
+    num_cached_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

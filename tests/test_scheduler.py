@@ -265,3 +265,27 @@ def test_requeue_all_after_losing_the_workers_recomputes_with_same_output():
         return outputs
 
     assert go(lose_at=4) == go(lose_at=-1)
+
+
+def test_prefix_caching_reuses_blocks_and_keeps_outputs():
+    system = [10 + j % 40 for j in range(50)]  # a shared 50-token prefix: 3 full blocks
+
+    def go(caching: bool):
+        sched = Scheduler(
+            SchedulingPolicy(max_model_len=512, max_num_seqs=2),
+            BlockManager(40, BS, enable_prefix_caching=caching),
+            eos_token_ids=[EOS],
+        )
+        seqs = [Sequence(i, f"r{i}", system + [60 + i] * (3 + i), 53 + i, 10) for i in range(6)]
+        for s in seqs:
+            sched.add(s)
+        outputs, _ = run_to_completion(sched)
+        assert sched.blocks.num_free_blocks == 40
+        return outputs, [s.num_cached_tokens for s in seqs]
+
+    plain, no_hits = go(False)
+    cached, hits = go(True)
+    assert cached == plain
+    assert no_hits == [0] * 6
+    # The first two are admitted together, before anything is cached; later ones reuse 3 blocks.
+    assert hits[:2] == [0, 0] and hits[2:] == [48] * 4

@@ -210,3 +210,17 @@ def test_cli_generate_streams_text(target):
     )
     assert out.returncode == 0, out.stderr
     assert len(out.stdout.strip()) > 0
+
+
+def test_prefix_caching_reports_cached_tokens_and_keeps_outputs(tiny_model, reference):
+    shared = list(next(iter(k for k in reference if len(k) == 200)))
+    flags = ("--dtype", "float64", "--enable-prefix-caching")
+    with launch(tiny_model, *flags) as (target, _), grpc.insecure_channel(target) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        assert_matches_reference(stub, reference)
+        # The 200-token prompt again: its 12 full blocks (192 tokens) come from the cache.
+        tokens, _, _, last = generate(
+            stub, token_ids=shared, max_new_tokens=MAX_NEW, ignore_eos=True, sampling=GREEDY
+        )
+        assert tokens == reference[tuple(shared)]
+        assert last.usage.cached_tokens == 192
