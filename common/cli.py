@@ -29,6 +29,7 @@ def _launch_parser(p: argparse.ArgumentParser) -> None:
         help="restart a dead scheduler or worker group this many times (0: a death stops the launch)",
     )
     scheduler_config.add_policy_arguments(p)
+    router_config.add_policy_arguments(p)
     p.add_argument(
         "--metrics-port", type=int, default=None, help="router /metrics port; the others' are logged (0: any)"
     )
@@ -112,13 +113,19 @@ def main(argv: list[str] | None = None) -> int:
         if a.command == "launch":
             from common.launcher import LaunchConfig, launch
 
-            passthrough = []
-            for name in scheduler_config.POLICY_FLAGS:
-                flag, value = name.replace("_", "-"), getattr(a, name)
-                if isinstance(value, bool):
-                    passthrough.append(f"--{flag}" if value else f"--no-{flag}")
-                else:
-                    passthrough += [f"--{flag}", str(value)]
+            passthrough = {"scheduler": [], "router": []}
+            for process, names in (
+                ("scheduler", scheduler_config.POLICY_FLAGS),
+                ("router", router_config.POLICY_FLAGS),
+            ):
+                for name in names:
+                    flag, value = name.replace("_", "-"), getattr(a, name)
+                    if isinstance(value, bool):
+                        passthrough[process].append(f"--{flag}" if value else f"--no-{flag}")
+                    elif isinstance(value, tuple):
+                        passthrough[process] += [f"--{flag}", ",".join(map(str, value))]
+                    else:
+                        passthrough[process] += [f"--{flag}", str(value)]
             return launch(
                 LaunchConfig(
                     model=a.model,
@@ -131,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
                     startup_timeout_s=a.startup_timeout,
                     log_level=a.log_level,
                     log_format=a.log_format,
-                    scheduler_args=tuple(passthrough),
+                    scheduler_args=tuple(passthrough["scheduler"]),
+                    router_args=tuple(passthrough["router"]),
+                    router_drain_s=a.drain_timeout_s,
                     metrics_port=a.metrics_port,
                     tracing=tracing.from_args(a),
                     max_restarts=a.max_restarts,

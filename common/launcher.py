@@ -27,8 +27,6 @@ from common.tracing import TracingConfig
 log = logging.getLogger("tpserve.launch")
 
 PR_SET_PDEATHSIG = 1
-# The router's default --drain-timeout-s: the launcher waits that long (and its own grace) for it.
-ROUTER_DRAIN_S = 30.0
 
 
 def _die_with_parent() -> None:
@@ -54,6 +52,8 @@ class LaunchConfig:
     log_level: str = "INFO"
     log_format: str = "text"
     scheduler_args: tuple[str, ...] = field(default_factory=tuple)  # passed through unchanged
+    router_args: tuple[str, ...] = field(default_factory=tuple)
+    router_drain_s: float = 30.0  # the router's --drain-timeout-s: stopping waits that long for it
     metrics_port: int | None = None  # the router's; the others bind free ports and are logged
     # A scheduler or worker group that dies is started again this many times (0: the launch ends).
     max_restarts: int = 0
@@ -149,7 +149,7 @@ class Stack:
 
         port_file = self.tmp / "router.port"
         args = ["router", "--scheduler", scheduler_addr, "--model", cfg.model]
-        args += ["--host", cfg.host, "--port", str(cfg.port), "--port-file", str(port_file)]
+        args += ["--host", cfg.host, "--port", str(cfg.port), "--port-file", str(port_file), *cfg.router_args]
         router = self._spawn("router", args, port_file)
         router_addr = f"{'127.0.0.1' if cfg.host == '0.0.0.0' else cfg.host}:{self._port_of(router)}"
 
@@ -189,7 +189,9 @@ class Stack:
     def stop(self, grace_s: float = 10.0) -> None:
         """Router first (it drains: its own timeout bounds that), then the scheduler, then the workers."""
         for child in reversed(self.children):
-            self._terminate([child], grace_s + (ROUTER_DRAIN_S if child.name == "router" else 0.0))
+            self._terminate(
+                [child], grace_s + (self.config.router_drain_s if child.name == "router" else 0.0)
+            )
         for f in self.tmp.iterdir():
             f.unlink()
         self.tmp.rmdir()

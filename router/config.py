@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from common import metrics, tracing
 from common.tracing import TracingConfig
+from router.buckets import check_edges
 
 
 @dataclass(frozen=True)
@@ -19,10 +20,19 @@ class RouterConfig:
     scheduler_retry_s: float = 0.5
     # SIGTERM: stop taking requests, let those in flight finish for up to this long, then exit.
     drain_timeout_s: float = 30.0
+    # Length buckets (prompt tokens) and admission control: see router/buckets.py.
+    bucket_edges: tuple[int, ...] = (512, 2048)
+    max_queued_requests: int = 1024
+    max_queue_wait_ms: float = 2000.0
     metrics_port: int | None = None
     tracing: TracingConfig = TracingConfig()
 
     def __post_init__(self):
+        check_edges(self.bucket_edges)
+        if self.max_queued_requests < 1:
+            raise ValueError(f"--max-queued-requests must be at least 1, got {self.max_queued_requests}")
+        if not 0 <= self.max_queue_wait_ms < float("inf"):
+            raise ValueError(f"--max-queue-wait-ms must be finite and >= 0, got {self.max_queue_wait_ms}")
         if ":" not in self.scheduler:
             raise ValueError(f"--scheduler must be HOST:PORT, got {self.scheduler!r}")
 
@@ -33,14 +43,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind; 0.0.0.0 to serve other hosts")
     p.add_argument("--port", type=int, default=50051, help="0: any free port (see --port-file)")
     p.add_argument("--port-file", default=None, help="write the bound port here once serving")
+    add_policy_arguments(p)
+    metrics.add_arguments(p)
+    tracing.add_arguments(p)
+
+
+def add_policy_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags that `tpserve launch` passes through to the router unchanged."""
+    p.add_argument(
+        "--bucket-edges",
+        type=lambda t: tuple(int(x) for x in t.split(",") if x),
+        default=(512, 2048),
+        help="prompt-length bucket edges in tokens, comma-separated (shortest bucket admitted first)",
+    )
+    p.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=1024,
+        help="requests waiting in the router at most; past that new ones get RESOURCE_EXHAUSTED",
+    )
+    p.add_argument(
+        "--max-queue-wait-ms",
+        type=float,
+        default=2000.0,
+        help="a request waiting longer than this is admitted before any newer one (no starvation)",
+    )
     p.add_argument(
         "--drain-timeout-s",
         type=float,
         default=30.0,
         help="on SIGTERM, how long requests in flight may finish",
     )
-    metrics.add_arguments(p)
-    tracing.add_arguments(p)
+
+
+POLICY_FLAGS = ("bucket_edges", "max_queued_requests", "max_queue_wait_ms", "drain_timeout_s")
 
 
 def from_args(a: argparse.Namespace) -> RouterConfig:
@@ -53,4 +89,7 @@ def from_args(a: argparse.Namespace) -> RouterConfig:
         metrics_port=a.metrics_port,
         tracing=tracing.from_args(a),
         drain_timeout_s=a.drain_timeout_s,
+        bucket_edges=a.bucket_edges,
+        max_queued_requests=a.max_queued_requests,
+        max_queue_wait_ms=a.max_queue_wait_ms,
     )

@@ -2,14 +2,39 @@
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
 
 from common.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS
 
 
+class _BucketCollector:
+    """Waiting requests and the oldest wait per length bucket, read at scrape time."""
+
+    def __init__(self, admission):
+        self.admission = admission
+
+    def collect(self):
+        waiting = GaugeMetricFamily(
+            "tpserve_router_queue_waiting_requests", "Requests waiting per length bucket.", labels=["bucket"]
+        )
+        oldest = GaugeMetricFamily(
+            "tpserve_router_queue_oldest_wait_seconds", "Oldest wait per length bucket.", labels=["bucket"]
+        )
+        for b in self.admission.stats(time.monotonic()):
+            waiting.add_metric([b.name], b.waiting)
+            oldest.add_metric([b.name], b.oldest_wait_s)
+        yield waiting
+        yield oldest
+
+
 class RouterMetrics:
-    def __init__(self):
+    def __init__(self, admission=None):
         r = self.registry = CollectorRegistry()
+        if admission is not None:
+            r.register(_BucketCollector(admission))
         self.ttft = Histogram(
             "tpserve_time_to_first_token_seconds",
             "From the request's arrival at the router to its first token leaving it.",
@@ -53,6 +78,12 @@ class RouterMetrics:
             "tpserve_requests_finished",
             "Requests that ended normally, by finish reason.",
             ["reason"],
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "tpserve_router_queue_time_seconds",
+            "Time a request waited in the router's length buckets for the scheduler's credit.",
+            buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.failed = Counter(

@@ -20,10 +20,11 @@ from common import metrics, tracing
 from common.grpc_util import OPTIONS, SERVER_OPTIONS, write_port_file
 from common.pb.tpserve.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
 from common.pb.tpserve.v1 import generation_pb2, generation_pb2_grpc
+from router.buckets import AdmissionQueue
 from router.config import RouterConfig
 from router.detokenizer import IncrementalDetokenizer
 from router.metrics import RouterMetrics
-from router.scheduler_link import SchedulerLink, SchedulerUnavailable
+from router.scheduler_link import QueueFull, SchedulerLink, SchedulerUnavailable
 from router.stop_strings import StopStringMatcher
 from router.validation import Limits, ValidationError, validate_request
 
@@ -102,6 +103,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             queue = self.link.submit(add)
         except SchedulerUnavailable as e:
             await self._abort(context, span, grpc.StatusCode.UNAVAILABLE, str(e))
+        except QueueFull as e:
+            await self._abort(context, span, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
 
         detok = IncrementalDetokenizer(self.tokenizer, list(req.prompt_token_ids))
         stops = StopStringMatcher(req.stop) if req.stop else None
@@ -203,16 +206,30 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def GetStats(self, request, context):
         try:
-            return await self._stats_stub.GetStats(request, timeout=5.0)
+            stats = await self._stats_stub.GetStats(request, timeout=5.0)
         except grpc.RpcError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the scheduler did not answer: {e.code().name}")
+        admission = self.link.admission
+        stats.num_waiting += len(admission)
+        for b in admission.stats(time.monotonic()):
+            stats.buckets.add(
+                name=b.name,
+                lower=b.lower,
+                upper=b.upper or 0,
+                waiting=b.waiting,
+                oldest_wait_seconds=b.oldest_wait_s,
+            )
+        return stats
 
 
 async def serve(config: RouterConfig) -> None:
     from transformers import AutoTokenizer
 
     provider = tracing.setup(config.tracing, "router")
-    router_metrics = RouterMetrics()
+    admission = AdmissionQueue(
+        config.bucket_edges, config.max_queued_requests, config.max_queue_wait_ms / 1000
+    )
+    router_metrics = RouterMetrics(admission)
     tokenizer = AutoTokenizer.from_pretrained(config.model)
     server = grpc.aio.server(options=SERVER_OPTIONS)
     health_servicer = health.aio.HealthServicer()
@@ -226,7 +243,8 @@ async def serve(config: RouterConfig) -> None:
             asyncio.ensure_future(health_servicer.set(service, status))
 
     on_ready(False)
-    link = SchedulerLink(config.scheduler, on_ready, config.scheduler_retry_s)
+    link = SchedulerLink(config.scheduler, on_ready, admission, config.scheduler_retry_s)
+    link.on_admit = lambda add, waited_s: router_metrics.queue_time.observe(waited_s)
     servicer = GenerationServicer(config, tokenizer, link, router_metrics)
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     port = server.add_insecure_port(f"{config.host}:{config.port}")

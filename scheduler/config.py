@@ -27,6 +27,8 @@ class SchedulerConfig:
     static_batch_size: int = 32
     static_batch_timeout_ms: float = 50.0
     enable_prefix_caching: bool = False
+    # Most requests held waiting here; the router's length buckets hold the rest (credit flow control).
+    admission_window: int = 32
     worker_connect_timeout_s: float = 300.0
     # A step not answered by every rank within this is a lost rank (a hang, not only a crash).
     step_timeout_s: float = 120.0
@@ -41,6 +43,8 @@ class SchedulerConfig:
             raise ValueError("at least one --worker HOST:PORT is required")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.admission_window < 1:
+            raise ValueError(f"--admission-window must be at least 1, got {self.admission_window}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a power of two, got {self.block_size}")
         # The policy checks its own fields; building one here reports bad values at start-up.
@@ -87,6 +91,12 @@ def add_policy_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--static-batch-size", type=int, default=32)
     p.add_argument("--static-batch-timeout-ms", type=float, default=50.0)
     p.add_argument(
+        "--admission-window",
+        type=int,
+        default=32,
+        help="most requests waiting in the scheduler; more wait in the router's length buckets",
+    )
+    p.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=False,
@@ -106,6 +116,7 @@ POLICY_FLAGS = (
     "static_batch_size",
     "static_batch_timeout_ms",
     "enable_prefix_caching",
+    "admission_window",
 )
 
 

@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -29,7 +28,26 @@ from scheduler.sequence import Sequence
 
 log = logging.getLogger("tpserve.scheduler")
 
-Sink = Callable[[list[scheduler_pb2.RequestOutput]], None]
+
+class RouterStream:
+    """One router's Connect stream, seen from the engine: outputs, shard status and credit go out on it."""
+
+    def __init__(self):
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.adds_received = 0
+        self._last_credit: tuple[int, int] | None = None
+
+    def outputs(self, outputs: list[scheduler_pb2.RequestOutput]) -> None:
+        self.queue.put_nowait(scheduler_pb2.SchedulerMessage(outputs=outputs))
+
+    def status(self, ready: bool) -> None:
+        self.queue.put_nowait(scheduler_pb2.SchedulerMessage(shards_ready=ready))
+
+    def credit(self, window: int) -> None:
+        if (window, self.adds_received) != self._last_credit:
+            self._last_credit = (window, self.adds_received)
+            credit = scheduler_pb2.Credit(window=window, adds_received=self.adds_received)
+            self.queue.put_nowait(scheduler_pb2.SchedulerMessage(credit=credit))
 
 
 class RequestError(Exception):
@@ -93,7 +111,8 @@ class Engine:
         self.model_info: generation_pb2.ModelInfo | None = None
         self.totals = StepTotals()
         self._builder = StepBuilder(config.block_size)
-        self._sinks: dict[str, Sink] = {}
+        self._sinks: dict[str, RouterStream] = {}  # request id -> the stream that wants its tokens
+        self._routers: set[RouterStream] = set()
         self._wakeup = asyncio.Event()
         self._next_seq_id = 0
         self._pending_forget: list[int] = []
@@ -203,7 +222,7 @@ class Engine:
 
     # ---- requests ----
 
-    def add(self, msg: scheduler_pb2.AddRequest, sink: Sink) -> None:
+    def add(self, msg: scheduler_pb2.AddRequest, sink: RouterStream) -> None:
         if not self.ready.is_set():
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "shard workers are not ready")
         if self.scheduler.has_request(msg.request_id):
@@ -236,17 +255,34 @@ class Engine:
             queue = self._tracer.start_span("scheduler.queue", context=trace.set_span_in_context(span))
             self._traces[msg.request_id] = RequestTrace(span, queue)
         self._wakeup.set()
+        self.grant_credit()
 
     def abort(self, request_id: str) -> None:
         """Frees the request's blocks now; the workers forget it with the next step."""
         if self.scheduler is not None and self.scheduler.abort(request_id) is not None:
             self._sinks.pop(request_id, None)
             self._end_trace(request_id, "aborted")
+            self.grant_credit()
 
-    def abort_sink(self, sink: Sink) -> None:
-        """The router behind sink went away: drop everything it asked for."""
-        for request_id in [r for r, s in self._sinks.items() if s is sink]:
+    def attach(self, router: RouterStream) -> None:
+        """A router opened its stream: it learns the shards' state and its credit at once."""
+        self._routers.add(router)
+        self.watch_status(router.status)
+        self.grant_credit()
+
+    def detach(self, router: RouterStream) -> None:
+        """The router went away: drop everything it asked for."""
+        self._routers.discard(router)
+        self.unwatch_status(router.status)
+        for request_id in [r for r, s in self._sinks.items() if s is router]:
             self.abort(request_id)
+
+    def grant_credit(self) -> None:
+        if self.scheduler is None:
+            return
+        window = self.scheduler.admission_window(self.config.admission_window)
+        for router in self._routers:
+            router.credit(window)
 
     # ---- the loop ----
 
@@ -338,6 +374,7 @@ class Engine:
         first = responses[0]
         updates = self.scheduler.update(out, list(first.token_ids))
         self._dispatch(out, updates, first)
+        self.grant_credit()
         step_seconds = time.perf_counter() - start
         forward = max(r.forward_seconds for r in responses)
         allreduce = max(r.allreduce_seconds for r in responses)
@@ -383,7 +420,7 @@ class Engine:
                     chosen = generation_pb2.TokenLogprob(token_id=resp.token_ids[i], logprob=resp.logprobs[i])
                     logprob_of[item.seq.seq_id] = generation_pb2.Logprobs(chosen=chosen, top=top)
                 top_at += n
-        batches: dict[int, tuple[Sink, list]] = {}
+        batches: dict[int, tuple[RouterStream, list]] = {}
         for u in updates:
             seq = u.seq
             sink = self._sinks.get(seq.request_id)
@@ -399,7 +436,7 @@ class Engine:
                 self._end_trace(seq.request_id, seq.finish_reason.name.lower())
             batches.setdefault(id(sink), (sink, []))[1].append(output)
         for sink, outputs in batches.values():
-            sink(outputs)
+            sink.outputs(outputs)
 
     async def _workers_lost(self, error: Exception) -> None:
         """A rank failed or went silent. Its peers' caches are useless too (the group must re-form), so
@@ -419,7 +456,7 @@ class Engine:
         for request_id, sink in sinks.items():
             self.scheduler.abort(request_id)
             self._end_trace(request_id, "unavailable")
-            sink(
+            sink.outputs(
                 [
                     scheduler_pb2.RequestOutput(
                         request_id=request_id,

@@ -250,6 +250,15 @@ class Scheduler:
         self._forgotten.append(seq.seq_id)
         self._static_batch.discard(seq.seq_id)
 
+    def admission_window(self, depth: int) -> int:
+        """How many more requests to take in now: enough to fill the free slots of the batch, but no
+        more than `depth` waiting here, so the router's queue (and its order) holds the rest."""
+        if self.policy.batching == "static":
+            slots = 0 if self._static_batch else self.policy.static_batch_size
+        else:
+            slots = self.policy.max_num_seqs - len(self.running)
+        return max(0, min(slots, depth) - len(self.waiting))
+
     # ---- introspection ----
 
     def blocks_for_model_len(self) -> int:

@@ -13,7 +13,7 @@ from common import metrics, tracing
 from common.grpc_util import SERVER_OPTIONS, write_port_file
 from common.pb.tpserve.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler.config import SchedulerConfig
-from scheduler.engine import Engine, RequestError
+from scheduler.engine import Engine, RequestError, RouterStream
 
 log = logging.getLogger("tpserve.scheduler")
 
@@ -23,39 +23,31 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self.engine = engine
 
     async def Connect(self, request_iterator, context):
-        queue: asyncio.Queue = asyncio.Queue()
-
-        def sink(outputs):
-            queue.put_nowait(scheduler_pb2.SchedulerMessage(outputs=outputs))
-
-        def status(ready: bool):
-            queue.put_nowait(scheduler_pb2.SchedulerMessage(shards_ready=ready))
+        router = RouterStream()
 
         async def pump():
             async for msg in request_iterator:
                 if msg.HasField("add"):
+                    router.adds_received += 1
                     try:
-                        self.engine.add(msg.add, sink)
+                        self.engine.add(msg.add, router)
                     except RequestError as e:
-                        sink(
-                            [
-                                scheduler_pb2.RequestOutput(
-                                    request_id=msg.add.request_id, error=str(e), error_code=e.code.name
-                                )
-                            ]
+                        error = scheduler_pb2.RequestOutput(
+                            request_id=msg.add.request_id, error=str(e), error_code=e.code.name
                         )
+                        router.outputs([error])
+                        self.engine.grant_credit()  # the refused add used a credit: give it back
                 elif msg.HasField("abort"):
                     self.engine.abort(msg.abort.request_id)
 
         reader = asyncio.create_task(pump())
-        self.engine.watch_status(status)
+        self.engine.attach(router)
         try:
             while True:
-                yield await queue.get()
+                yield await router.queue.get()
         finally:
             reader.cancel()
-            self.engine.unwatch_status(status)
-            self.engine.abort_sink(sink)
+            self.engine.detach(router)
 
     async def GetModelInfo(self, request, context):
         if not self.engine.ready.is_set():

@@ -289,3 +289,19 @@ def test_prefix_caching_reuses_blocks_and_keeps_outputs():
     assert no_hits == [0] * 6
     # The first two are admitted together, before anything is cached; later ones reuse 3 blocks.
     assert hits[:2] == [0, 0] and hits[2:] == [48] * 4
+
+
+def test_admission_window_fills_free_slots_up_to_the_depth():
+    sched = make(SchedulingPolicy(max_num_seqs=4, max_model_len=1024))
+    assert sched.admission_window(depth=2) == 2 and sched.admission_window(depth=10) == 4
+    for i in range(3):
+        sched.add(seq(i, 5, max_new=50))
+    assert sched.admission_window(depth=10) == 1  # 4 slots, 3 already waiting
+    sched.update(sched.schedule(), [50, 50, 50])
+    assert sched.admission_window(depth=10) == 1  # 3 running, 1 slot free
+    static = make(SchedulingPolicy(batching="static", static_batch_size=3, max_model_len=1024))
+    assert static.admission_window(depth=32) == 3
+    for i in range(3):
+        static.add(seq(i, 5, max_new=50))
+    static.schedule(now=0.0)
+    assert static.admission_window(depth=32) == 0  # a static batch runs: the next one waits its turn
