@@ -55,9 +55,10 @@ clean:
 	rm -rf $(PB_OUT)/tpserve $(MODEL_DIR) results
 
 # The benchmark (issue 4): tpserve continuous and static against transformers, burst then Poisson. The chat
-# workload's outputs are scaled by 1/4 (mean 24, cap 64: the same cap/mean, which is what decides static
-# batching's waste) so that all eight runs fit in 20 minutes on a 2-core CPU; for the full chat outputs,
-# make bench BENCH_ARGS="--output-mean 96 --output-max 256" (about an hour there).
+# workload is scaled by 1/4 (prompts 4..64, outputs mean 24 capped at 64): the same prompt/output balance
+# and cap/mean, which decide what static batching wastes, at a size where all eight runs fit in 20 minutes
+# on a 2-core CPU. The full chat: make bench BENCH_ARGS="--prompt-min 16 --prompt-max 256 --output-mean 96
+# --output-max 256" (about an hour there).
 bench: install model
 	$(PY) -m bench.suite --model $(MODEL_DIR)/$(PRESET) --out-dir results --num-requests 128 \
-		--output-mean 24 --output-max 64 $(BENCH_ARGS)
+		--prompt-min 4 --prompt-max 64 --output-mean 24 --output-max 64 $(BENCH_ARGS)
