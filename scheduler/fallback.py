@@ -22,10 +22,12 @@ What is compared
   at the switch (the continuous baseline before the drop). Back to continuous when:
     recovered: static's ratio is within `recover` (default 5%, tighter than `drop`: the hysteresis) of
       1, so whatever caused the drop has passed;
-    no_gain: static's ratio is a `drop` below the ratio of the continuous window that caused the switch
-      (the same margin as the switch itself: that window straddles the drop, so it overstates how low
-      continuous had fallen). Static does not help, so the drop is not batching's to fix: the reference
-      is dropped and a new baseline forms at the present level (no switch until it is ready);
+    no_gain: static's ratio is a `drop` below (the margin of the switch itself) that of the last quarter
+      of the continuous window that caused the switch. The last quarter, because the switch fires as soon
+      as the whole window crosses the threshold, so the whole window straddles the drop and always reads
+      about 1 - drop, however low continuous had fallen. Static does not help, so the drop is not
+      batching's to fix: the reference is dropped and a new baseline forms at the present level (no
+      switch until it is ready);
     probe: static has lasted probe_after_s. Static batching is usually slower than healthy continuous
       batching, so `recovered` may never fire even after the cause has passed; only a trial of
       continuous can tell. If the trial drops again, the next probe waits twice as long (capped).
@@ -57,11 +59,13 @@ _MIN_COVER = 0.5
 class FallbackPolicy:
     drop: float = 0.10  # switch to static when the window is this far below the reference
     recover: float = 0.05  # back to continuous when static's window is within this of the reference
-    window_s: float = 10.0
-    baseline_s: float = 60.0
+    # Long enough to average out step-time noise: with per-step times varying by half (prefill chunks
+    # among decode steps), a 10 s window read 10% low by chance within 20 minutes; 20 s did not.
+    window_s: float = 20.0
+    baseline_s: float = 120.0
     min_samples: int = 20  # steps in the window (and in the baseline) before either is judged
     load_band: float = 0.25  # the window's load must be at least (1 - load_band) of the reference's
-    min_dwell_s: float = 30.0
+    min_dwell_s: float = 60.0
     probe_after_s: float | None = 300.0  # None: stay in static until recovered or no_gain
     max_probe_backoff: int = 8  # the probe interval doubles after each failed probe, up to this factor
     max_gap_s: float = 2.0
@@ -106,7 +110,7 @@ class Switch:
     @property
     def change(self) -> float:
         """The window against what was expected at its load: -0.15 is 15% below."""
-        return self.window_tps / self.expected_tps - 1.0
+        return self.window_tps / self.expected_tps - 1.0 if self.expected_tps else math.nan
 
     def __str__(self) -> str:
         return (
@@ -175,6 +179,17 @@ class _Steps:
             self.clear()  # no float residue left behind
         return out
 
+    def tail(self, seconds: float) -> tuple[float, float]:
+        """Throughput and load of the steps of the last `seconds` (at least one step)."""
+        secs = tokens = load_secs = 0.0
+        for step in reversed(self.steps):
+            secs += step.seconds
+            tokens += step.tokens
+            load_secs += step.load * step.seconds
+            if secs >= seconds:
+                break
+        return (tokens / secs, load_secs / secs) if secs > 0 else (0.0, 0.0)
+
     def ready(self, length_s: float, min_samples: int) -> bool:
         return len(self.steps) >= min_samples and self.seconds >= _MIN_COVER * length_s
 
@@ -194,7 +209,7 @@ class ThroughputFallback:
         self._window = _Steps()
         self._baseline = _Steps()
         self._reference: tuple[float, float] | None = None  # (tokens/s, load) of the last ready baseline
-        self._trigger_ratio = 1.0  # the ratio of the continuous window that caused the switch
+        self._trigger_ratio = 1.0  # how low continuous had fallen at the switch (see no_gain)
         self._last_time: float | None = None
         self._switched_at = -math.inf
         self._probing = False  # back in continuous on a probe, not yet confirmed by a new baseline
@@ -296,7 +311,9 @@ class ThroughputFallback:
         expected = self._expected(load)
         event = Switch(now, to_mode, reason, tps, load, ref_tps, ref_load, expected)
         if reason == "drop":
-            self._trigger_ratio = tps / expected
+            recent_tps, recent_load = self._window.tail(self.policy.window_s / 4)
+            recent_expected = self._expected(recent_load)
+            self._trigger_ratio = recent_tps / recent_expected if recent_expected > 0 else tps / expected
             if self._probing:
                 self._backoff = min(2 * self._backoff, self.policy.max_probe_backoff)
             else:
