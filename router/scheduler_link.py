@@ -48,6 +48,7 @@ class SchedulerLink:
         self._task: asyncio.Task | None = None
         self.admission = admission
         self._credits = Credits()
+        self._reported_depth = 0
         self.on_admit = lambda add, waited_s: None  # the servicer's metrics hook
         # The scheduler says whether every rank is serving; while one is lost, requests in flight
         # wait for it (the scheduler recomputes them) and new ones get UNAVAILABLE.
@@ -87,12 +88,20 @@ class SchedulerLink:
         for add, queued_at in admit(self.admission, self._credits, now):
             self.on_admit(add, now - queued_at)
             self._outbox.put_nowait(scheduler_pb2.RouterMessage(add=add))
+        self._report_depth()
+
+    def _report_depth(self) -> None:
+        if len(self.admission) != self._reported_depth and self._call is not None:
+            self._reported_depth = len(self.admission)
+            depth = scheduler_pb2.QueueDepth(waiting=self._reported_depth)
+            self._outbox.put_nowait(scheduler_pb2.RouterMessage(queue_depth=depth))
 
     def abort(self, request_id: str) -> None:
         """The router no longer wants request_id (finished by stop string, cancelled, disconnected)."""
         if self._queues.pop(request_id, None) is None:
             return
         if self.admission.remove(request_id) is not None:
+            self._report_depth()
             return  # never sent: nothing to tell the scheduler
         if self._call is not None:
             # If the stream breaks first, the scheduler drops everything of this router anyway.
@@ -111,6 +120,7 @@ class SchedulerLink:
                 )
                 self._outbox = asyncio.Queue()
                 self._credits.reset()
+                self._reported_depth = 0
                 self._call = self._stub.Connect(self._drain(self._outbox))
                 log.info("connected to the scheduler at %s", self.target)
                 async for msg in self._call:

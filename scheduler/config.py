@@ -27,6 +27,9 @@ class SchedulerConfig:
     static_batch_size: int = 32
     static_batch_timeout_ms: float = 50.0
     enable_prefix_caching: bool = False
+    min_batch_size: int = 8
+    batch_wait_timeout_ms: float = 0.0
+    fallback_static: bool = False
     # Most requests held waiting here; the router's length buckets hold the rest (credit flow control).
     admission_window: int = 32
     worker_connect_timeout_s: float = 300.0
@@ -58,6 +61,8 @@ class SchedulerConfig:
             batching=self.batching,
             static_batch_size=self.static_batch_size,
             static_batch_timeout_s=self.static_batch_timeout_ms / 1000.0,
+            min_batch_size=self.min_batch_size,
+            batch_wait_timeout_s=self.batch_wait_timeout_ms / 1000.0,
         )
 
 
@@ -91,6 +96,24 @@ def add_policy_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--static-batch-size", type=int, default=32)
     p.add_argument("--static-batch-timeout-ms", type=float, default=50.0)
     p.add_argument(
+        "--min-batch-size",
+        type=int,
+        default=8,
+        help="with --batch-wait-timeout-ms: a smaller batch waits for requests on their way",
+    )
+    p.add_argument(
+        "--batch-wait-timeout-ms",
+        type=float,
+        default=0.0,
+        help="longest wait for min_batch_size sequences (0: never wait)",
+    )
+    p.add_argument(
+        "--fallback-static",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="switch to static batching while throughput is 10%% below its recent baseline",
+    )
+    p.add_argument(
         "--admission-window",
         type=int,
         default=32,
@@ -117,6 +140,9 @@ POLICY_FLAGS = (
     "static_batch_timeout_ms",
     "enable_prefix_caching",
     "admission_window",
+    "min_batch_size",
+    "batch_wait_timeout_ms",
+    "fallback_static",
 )
 
 

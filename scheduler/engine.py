@@ -22,6 +22,7 @@ from common.pb.tpserve.v1 import generation_pb2
 from scheduler.batch import StepBuilder, StepPlan
 from scheduler.block_manager import BlockManager, blocks_for
 from scheduler.config import SchedulerConfig
+from scheduler.fallback import FallbackPolicy, ThroughputFallback
 from scheduler.metrics import SchedulerMetrics
 from scheduler.scheduler import Scheduler, SchedulerOutput, SequenceUpdate
 from scheduler.sequence import Sequence
@@ -35,6 +36,7 @@ class RouterStream:
     def __init__(self):
         self.queue: asyncio.Queue = asyncio.Queue()
         self.adds_received = 0
+        self.queued = 0  # requests the router holds for lack of credit
         self._last_credit: tuple[int, int] | None = None
 
     def outputs(self, outputs: list[scheduler_pb2.RequestOutput]) -> None:
@@ -123,6 +125,7 @@ class Engine:
         self._traces: dict[str, RequestTrace] = {}
         self._status_listeners: set = set()
         self._expiry: asyncio.Task | None = None
+        self.fallback = ThroughputFallback(FallbackPolicy()) if config.fallback_static else None
 
     # ---- workers ----
 
@@ -310,11 +313,16 @@ class Engine:
         while True:
             self._wakeup.clear()  # cleared before scheduling, so an add during the step is not missed
             now = time.monotonic()
-            out = self.scheduler.schedule(now)
-            self._pending_forget.extend(out.forgotten_seq_ids)
-            self._note_admissions(out, now)
-            if out.is_empty:
-                timeout = None if out.wake_at is None else max(0.0, out.wake_at - time.monotonic())
+            # min_batch_size: a small batch with more requests on their way waits (boundedly) for them.
+            wait_until = self.scheduler.batch_wait_deadline(now, self.incoming())
+            out = None
+            if wait_until is None:
+                out = self.scheduler.schedule(now)
+                self._pending_forget.extend(out.forgotten_seq_ids)
+                self._note_admissions(out, now)
+                wait_until = out.wake_at
+            if out is None or out.is_empty:
+                timeout = None if wait_until is None else max(0.0, wait_until - time.monotonic())
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wakeup.wait(), timeout)
                 continue
@@ -374,6 +382,8 @@ class Engine:
         first = responses[0]
         updates = self.scheduler.update(out, list(first.token_ids))
         self._dispatch(out, updates, first)
+        if self.fallback is not None:
+            self._observe_fallback(len(first.token_ids))
         self.grant_credit()
         step_seconds = time.perf_counter() - start
         forward = max(r.forward_seconds for r in responses)
@@ -391,6 +401,23 @@ class Engine:
         m.allreduce_duration.observe(allreduce)
         m.batch_size.observe(len(out.scheduled))
         m.batch_tokens.observe(out.num_batched_tokens)
+
+    def wake(self) -> None:
+        """Something changed that the loop should look at (a router's queue depth)."""
+        self._wakeup.set()
+
+    def incoming(self) -> int:
+        """Requests on their way: held by the routers for lack of credit."""
+        return sum(r.queued for r in self._routers)
+
+    def _observe_fallback(self, output_tokens: int) -> None:
+        s = self.scheduler
+        load = min(self.incoming() + len(s.waiting) + len(s.running), s.policy.max_num_seqs)
+        switch = self.fallback.observe(time.monotonic(), output_tokens, load)
+        if switch is not None:
+            log.warning("static fallback: %s", switch)
+            self.metrics.fallback_switches.labels(to=switch.to_mode, reason=switch.reason).inc()
+            s.set_batching(switch.to_mode)
 
     def _end_trace(self, request_id: str, reason: str) -> None:
         rt = self._traces.pop(request_id, None)
@@ -447,6 +474,8 @@ class Engine:
         await self.close()
         self.scheduler.requeue_all()
         self._pending_forget = []
+        if self.fallback is not None:
+            self.fallback.interrupt()  # recompute after a loss is not a throughput regression
         self._expiry = asyncio.create_task(self._expire_after(self.config.worker_recovery_timeout_s))
 
     async def _expire_after(self, seconds: float) -> None:

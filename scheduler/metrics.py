@@ -88,4 +88,10 @@ class SchedulerMetrics:
         self.preemptions = Counter(
             "tpserve_preemptions", "Running sequences preempted, by kind.", ["kind"], registry=r
         )
+        self.fallback_switches = Counter(
+            "tpserve_static_fallback_switches",
+            "Switches of the static fallback, by the mode switched to and the reason.",
+            ["to", "reason"],
+            registry=r,
+        )
         r.register(_StateCollector(engine))

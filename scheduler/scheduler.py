@@ -28,6 +28,10 @@ class SchedulingPolicy:
     # Share of blocks kept free when admitting new sequences, so that admitting one does not force
     # the running ones into preemption at their next token.
     admission_watermark: float = 0.01
+    # When fewer than min_batch_size sequences would run and more are on their way, wait up to
+    # batch_wait_timeout_s for them before stepping (0: never wait).
+    min_batch_size: int = 8
+    batch_wait_timeout_s: float = 0.0
 
     def __post_init__(self):
         if self.batching not in ("continuous", "static"):
@@ -83,6 +87,9 @@ class Scheduler:
         self._static_batch: set[int] = set()  # static mode: the batch being served
         self._watermark_blocks = int(policy.admission_watermark * block_manager.num_blocks)
         self.num_preemptions = 0
+        # The mode in force: the policy's, unless the static fallback switched it at run time.
+        self.batching = policy.batching
+        self._batch_wait_since: float | None = None
 
     # ---- requests in and out ----
 
@@ -146,7 +153,7 @@ class Scheduler:
         return out
 
     def _admit(self, out: SchedulerOutput, budget: int, now: float) -> None:
-        static = self.policy.batching == "static"
+        static = self.batching == "static"
         if static and not self._static_batch:
             # A new static batch starts only when full, or when its oldest request has waited enough.
             oldest = self.waiting[0].arrival_time if self.waiting else None
@@ -250,10 +257,32 @@ class Scheduler:
         self._forgotten.append(seq.seq_id)
         self._static_batch.discard(seq.seq_id)
 
+    def set_batching(self, mode: str) -> None:
+        """Switches continuous <-> static at run time (the static fallback). Switching to static makes
+        the running sequences the current batch: nothing joins until it drains."""
+        if mode not in ("continuous", "static"):
+            raise ValueError(f"batching must be 'continuous' or 'static', got {mode!r}")
+        self.batching = mode
+        self._static_batch = {s.seq_id for s in self.running} if mode == "static" else set()
+
+    def batch_wait_deadline(self, now: float, incoming: int) -> float | None:
+        """min_batch_size: when the next step would carry fewer than min_batch_size sequences and
+        `incoming` more are on their way, the time until which to wait for them; None: step now.
+        Waits at most batch_wait_timeout_s for one batch to fill, never when nothing is on the way."""
+        p = self.policy
+        have = len(self.running) + len(self.waiting)
+        if p.batch_wait_timeout_s <= 0 or incoming == 0 or have >= p.min_batch_size:
+            self._batch_wait_since = None
+            return None
+        if self._batch_wait_since is None:
+            self._batch_wait_since = now
+        deadline = self._batch_wait_since + p.batch_wait_timeout_s
+        return deadline if now < deadline else None
+
     def admission_window(self, depth: int) -> int:
         """How many more requests to take in now: enough to fill the free slots of the batch, but no
         more than `depth` waiting here, so the router's queue (and its order) holds the rest."""
-        if self.policy.batching == "static":
+        if self.batching == "static":
             slots = 0 if self._static_batch else self.policy.static_batch_size
         else:
             slots = self.policy.max_num_seqs - len(self.running)

@@ -39,6 +39,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                         self.engine.grant_credit()  # the refused add used a credit: give it back
                 elif msg.HasField("abort"):
                     self.engine.abort(msg.abort.request_id)
+                elif msg.HasField("queue_depth"):
+                    router.queued = msg.queue_depth.waiting
+                    self.engine.wake()
 
         reader = asyncio.create_task(pump())
         self.engine.attach(router)

@@ -305,3 +305,39 @@ def test_admission_window_fills_free_slots_up_to_the_depth():
         static.add(seq(i, 5, max_new=50))
     static.schedule(now=0.0)
     assert static.admission_window(depth=32) == 0  # a static batch runs: the next one waits its turn
+
+
+def test_min_batch_wait_is_bounded_and_never_with_nothing_on_the_way():
+    policy = SchedulingPolicy(max_model_len=1024, min_batch_size=4, batch_wait_timeout_s=0.5)
+    sched = make(policy)
+    sched.add(seq(0, 5))
+    assert sched.batch_wait_deadline(now=10.0, incoming=0) is None  # nothing on the way: step now
+    assert sched.batch_wait_deadline(now=10.0, incoming=3) == 10.5
+    assert sched.batch_wait_deadline(now=10.4, incoming=3) == 10.5  # the same wait, not a new one
+    assert sched.batch_wait_deadline(now=10.5, incoming=3) is None  # never longer than the timeout
+    assert sched.batch_wait_deadline(now=10.6, incoming=3) is None  # and not again for this batch
+    for i in (1, 2, 3):
+        sched.add(seq(i, 5))
+    assert sched.batch_wait_deadline(now=11.0, incoming=3) is None  # min_batch_size reached
+    off = make(SchedulingPolicy(max_model_len=1024, min_batch_size=4))
+    off.add(seq(0, 5))
+    assert off.batch_wait_deadline(now=0.0, incoming=9) is None  # timeout 0: the wait is off
+
+
+def test_switching_to_static_freezes_the_running_batch():
+    sched = make(SchedulingPolicy(max_model_len=1024, max_num_seqs=8, static_batch_size=2))
+    for i in range(3):
+        sched.add(seq(i, 5, max_new=3 + 10 * i))
+    out = sched.schedule()
+    sched.update(out, [50] * 3)
+    sched.set_batching("static")
+    sched.add(seq(3, 5, max_new=2))
+    while not all(sched._by_request.get(f"r{i}") is None for i in range(3)):
+        out = sched.schedule(now=100.0)
+        assert "r3" not in {s.seq.request_id for s in out.scheduled}
+        sched.update(out, [50] * sum(s.do_sample for s in out.scheduled))
+    assert [s.seq.request_id for s in sched.schedule(now=100.0).scheduled] == ["r3"]
+    sched.set_batching("continuous")
+    assert sched.batching == "continuous"
+    with pytest.raises(ValueError):
+        sched.set_batching("dynamic")

@@ -224,3 +224,13 @@ def test_prefix_caching_reports_cached_tokens_and_keeps_outputs(tiny_model, refe
         )
         assert tokens == reference[tuple(shared)]
         assert last.usage.cached_tokens == 192
+
+
+def test_outputs_equal_transformers_with_every_policy_on(tiny_model, reference):
+    flags = ("--dtype", "float64", "--enable-prefix-caching", "--batch-wait-timeout-ms", "20")
+    flags += ("--min-batch-size", "4", "--fallback-static", "--admission-window", "3")
+    with launch(tiny_model, *flags) as (target, _), grpc.insecure_channel(target) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        assert_matches_reference(stub, reference)
+        stats = stub.GetStats(pb.StatsRequest())
+        assert stats.kv_blocks_free == stats.kv_blocks_total and stats.num_waiting == 0
