@@ -15,7 +15,7 @@ so keys and values are never repeated per query head and any SDPA backend can be
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 
 import torch
@@ -49,6 +49,19 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] flat KV slot of each new token
     num_tokens: int
     groups: tuple[AttentionGroup, ...]
+    # Per group, the buffers keys and values are gathered into: allocated by the first layer, reused
+    # by the others (fresh multi-MB allocations per layer cost page faults on every step).
+    _buffers: dict = field(default_factory=dict, compare=False)
+
+    def gather_buffers(
+        self, grp: AttentionGroup, cache_rows: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        bufs = self._buffers.get(id(grp))
+        if bufs is None:
+            shape = (grp.block_ids.numel(), cache_rows.shape[1])
+            bufs = (cache_rows.new_empty(shape), cache_rows.new_empty(shape))
+            self._buffers[id(grp)] = bufs
+        return bufs
 
     @classmethod
     def build(
@@ -176,10 +189,13 @@ class PagedAttention(torch.nn.Module):
         kv_cache: torch.Tensor,  # [2, blocks, block_size, kv_heads, d]
         md: AttentionMetadata,
     ) -> torch.Tensor:  # [T, heads, d]
-        _, _, block_size, kvh, d = kv_cache.shape
-        key_cache, value_cache = kv_cache[0], kv_cache[1]
-        key_cache.view(-1, kvh, d).index_copy_(0, md.slot_mapping, k)
-        value_cache.view(-1, kvh, d).index_copy_(0, md.slot_mapping, v)
+        _, num_blocks, block_size, kvh, d = kv_cache.shape
+        # 2-D views: index_select/index_copy_ over whole rows run as row copies, about 3x faster than
+        # over the same data viewed in 4-D (the gather of keys and values was half of a decode step).
+        key_cache = kv_cache[0].view(num_blocks, block_size * kvh * d)
+        value_cache = kv_cache[1].view(num_blocks, block_size * kvh * d)
+        key_cache.view(-1, kvh * d).index_copy_(0, md.slot_mapping, k.reshape(-1, kvh * d))
+        value_cache.view(-1, kvh * d).index_copy_(0, md.slot_mapping, v.reshape(-1, kvh * d))
 
         out = None
         for grp in md.groups:
@@ -187,8 +203,15 @@ class PagedAttention(torch.nn.Module):
             qg = q if grp.query_index is None else q.index_select(0, grp.query_index)
             # [G*Q, H, d] -> [G, kvh, rep*Q, d], rows ordered (rep, Q) to match the mask.
             qg = qg.view(g, nq, kvh, self.rep, d).permute(0, 2, 3, 1, 4).reshape(g, kvh, self.rep * nq, d)
-            keys = key_cache.index_select(0, grp.block_ids).view(g, -1, kvh, d).transpose(1, 2)
-            values = value_cache.index_select(0, grp.block_ids).view(g, -1, kvh, d).transpose(1, 2)
+            kbuf, vbuf = md.gather_buffers(grp, key_cache)
+            keys = (
+                torch.index_select(key_cache, 0, grp.block_ids, out=kbuf).view(g, -1, kvh, d).transpose(1, 2)
+            )
+            values = (
+                torch.index_select(value_cache, 0, grp.block_ids, out=vbuf)
+                .view(g, -1, kvh, d)
+                .transpose(1, 2)
+            )
             o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=grp.mask, scale=self.scale)
             o = o.view(g, kvh, self.rep, nq, d).permute(0, 3, 1, 2, 4).reshape(g * nq, self.num_heads, d)
             if grp.valid_index is not None:
