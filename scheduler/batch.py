@@ -22,6 +22,11 @@ class StepPlan:
     slot_mapping: list[int] = field(default_factory=list)
     block_table_lens: list[int] = field(default_factory=list)
     block_tables: list[int] = field(default_factory=list)
+    # Block copies made before the forward: device -> host (swap out), then host -> device (swap in).
+    swap_out_src: list[int] = field(default_factory=list)
+    swap_out_dst: list[int] = field(default_factory=list)
+    swap_in_src: list[int] = field(default_factory=list)
+    swap_in_dst: list[int] = field(default_factory=list)
 
 
 class StepBuilder:
@@ -38,6 +43,10 @@ class StepBuilder:
 
     def build(self, out: SchedulerOutput) -> StepPlan:
         plan = StepPlan(step_id=self._next_step_id, forgotten_seq_ids=list(out.forgotten_seq_ids))
+        plan.swap_out_src = [src for src, _ in out.swap_out]
+        plan.swap_out_dst = [dst for _, dst in out.swap_out]
+        plan.swap_in_src = [src for src, _ in out.swap_in]
+        plan.swap_in_dst = [dst for _, dst in out.swap_in]
         self._next_step_id += 1
         for seq_id in out.forgotten_seq_ids:
             self._known.discard(seq_id)

@@ -3,8 +3,10 @@
 There is no prefill phase and no decode phase: every sequence has num_computed_tokens catching up with
 its token count, under a per-step token budget and a sequence cap. A prompt longer than what is left of
 the budget is split across steps (chunked prefill). Running sequences are served first, oldest first;
-when a block cannot be had, the newest running sequence is preempted (its blocks freed, recomputed
-later from the tokens kept here, with the same output).
+when a block cannot be had, the newest running sequence is preempted. With host blocks (swap space) free
+for it, its KV is swapped out to them and it waits in `swapped` with its progress kept; otherwise its
+blocks are freed and it is recomputed later from the tokens kept here. Either way the output is the
+same. Swapped sequences come back (into fresh device blocks) before any waiting sequence is admitted.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass, field
 
 from scheduler.block_manager import BlockManager, blocks_for
 from scheduler.sequence import FinishReason, Sequence, SequenceStatus
+from scheduler.swap import HostBlockPool
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,16 @@ class ScheduledSeq:
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
+    # Every sequence preempted this step; those swapped to host are also in swapped_out, the others
+    # will be recomputed.
     preempted: list[Sequence] = field(default_factory=list)
+    swapped_out: list[Sequence] = field(default_factory=list)
+    # Swapped sequences back on the device this step (they are scheduled too).
+    swapped_in: list[Sequence] = field(default_factory=list)
+    # Block copies every rank makes before this step's forward: (device block, host block) out, then
+    # (host block, device block) in. A step never carries both kinds (see Scheduler.schedule).
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
     # Sequences admitted from the waiting queue this step (first time, or back after a preemption).
     admitted: list[Sequence] = field(default_factory=list)
     # Sequences the workers may forget (finished or aborted since the last step).
@@ -65,7 +77,8 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        """Nothing for the workers to do: no sequence to compute and no block to copy."""
+        return not (self.scheduled or self.swap_out or self.swap_in)
 
 
 @dataclass
@@ -76,12 +89,21 @@ class SequenceUpdate:
 
 
 class Scheduler:
-    def __init__(self, policy: SchedulingPolicy, block_manager: BlockManager, eos_token_ids=()):
+    def __init__(
+        self,
+        policy: SchedulingPolicy,
+        block_manager: BlockManager,
+        eos_token_ids=(),
+        host_blocks: HostBlockPool | None = None,
+    ):
         self.policy = policy
         self.blocks = block_manager
+        # Swap space on the ranks' hosts; None or empty: every preemption recomputes.
+        self.host_blocks = host_blocks
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last is the first to be preempted
+        self.swapped: list[Sequence] = []  # oldest (lowest seq_id) first: the first to come back
         self._by_request: dict[str, Sequence] = {}
         self._forgotten: list[int] = []
         self._static_batch: set[int] = set()  # static mode: the batch being served
@@ -112,6 +134,9 @@ class Scheduler:
             return None
         if seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+        elif seq.status is SequenceStatus.SWAPPED:
+            self.swapped.remove(seq)
+            self.host_blocks.free(seq.seq_id)
         else:
             self.running.remove(seq)
         self._finish(seq, FinishReason.ABORTED)
@@ -122,7 +147,7 @@ class Scheduler:
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     # ---- one iteration ----
 
@@ -138,8 +163,7 @@ class Scheduler:
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.blocks.allocate(seq, seq.num_computed_tokens + num_new):
                 victim = self.running[-1]
-                self._preempt(victim)
-                out.preempted.append(victim)
+                self._preempt(victim, out)
                 if victim is seq:
                     break
             if seq.status is not SequenceStatus.RUNNING:
@@ -148,9 +172,32 @@ class Scheduler:
             budget -= num_new
             i += 1
 
+        # Nothing comes in during a step that preempts: blocks are short. This also keeps swap-ins
+        # (which free host blocks) out of steps with swap-outs (which take them).
         if not out.preempted:
-            self._admit(out, budget, now)
+            budget = self._swap_in(out, budget)
+            if not self.swapped:  # swapped sequences come back before anyone new is admitted
+                self._admit(out, budget, now)
         return out
+
+    def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
+        """Brings swapped sequences back, oldest first, into fresh device blocks (never shared with the
+        prefix cache): they continue where they were. Returns the budget left."""
+        while self.swapped and budget > 0 and len(self.running) < self.policy.max_num_seqs:
+            seq = self.swapped[0]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            reserve = self._watermark_blocks if self.running else 0
+            if not self.blocks.can_allocate(seq, seq.num_computed_tokens + num_new, reserve):
+                break
+            self.blocks.allocate(seq, seq.num_computed_tokens + num_new)
+            out.swap_in += self.host_blocks.swap_in(seq.seq_id, seq.block_table)
+            self.swapped.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.swapped_in.append(seq)
+            out.scheduled.append(self._scheduled(seq, num_new))
+            budget -= num_new
+        return budget
 
     def _admit(self, out: SchedulerOutput, budget: int, now: float) -> None:
         static = self.batching == "static"
@@ -188,32 +235,51 @@ class Scheduler:
     def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSeq:
         return ScheduledSeq(seq, num_new, do_sample=seq.num_computed_tokens + num_new == seq.num_tokens)
 
-    def _preempt(self, seq: Sequence) -> None:
-        """Recompute preemption: the blocks go back to the pool, the tokens stay here."""
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Swap preemption when the host has room for seq's computed KV: it is copied out before this
+        step's forward, and seq keeps its progress. Otherwise recompute preemption: the tokens stay
+        here, the KV is dropped. Either way seq's device blocks go back to the pool now."""
         self.running.remove(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+        # Only blocks holding computed tokens are worth copying (a running sequence holds no others
+        # between steps).
+        computed = seq.block_table[: blocks_for(seq.num_computed_tokens, self.blocks.block_size)]
+        if self.host_blocks is not None and self.host_blocks.can_swap_out(len(computed)):
+            out.swap_out += self.host_blocks.swap_out(seq.seq_id, computed)
+            self.blocks.free(seq)
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(seq)
+            self.swapped.sort(key=lambda s: s.seq_id)
+            out.swapped_out.append(seq)
+            return
         self.blocks.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
     def requeue_all(self) -> None:
-        """The workers lost their KV caches (a rank restarted): every running sequence goes back to the
-        front of the queue, in order, to be recomputed from the tokens kept here."""
-        for seq in reversed(self.running):
+        """The workers lost their KV caches (a rank restarted), host copies included: every running
+        sequence, then every swapped one, goes back to the front of the queue, in order, to be
+        recomputed from the tokens kept here."""
+        for seq in reversed(self.running + self.swapped):
             self.blocks.free(seq)
+            if self.host_blocks is not None:
+                self.host_blocks.free(seq.seq_id)
             seq.num_computed_tokens = 0
             seq.status = SequenceStatus.WAITING
             self.waiting.appendleft(seq)
         self.running = []
+        self.swapped = []
         self._forgotten = []  # the new workers know nothing to forget
 
-    def replace_blocks(self, block_manager: BlockManager) -> None:
-        """A fresh pool after the workers came back (their capacity may differ)."""
-        if self.running:
-            raise RuntimeError("requeue_all() first: running sequences hold blocks of the old pool")
+    def replace_blocks(self, block_manager: BlockManager, host_blocks: HostBlockPool | None = None) -> None:
+        """Fresh pools after the workers came back (their capacity may differ)."""
+        if self.running or self.swapped:
+            raise RuntimeError("requeue_all() first: sequences hold blocks of the old pools")
         self.blocks = block_manager
+        self.host_blocks = host_blocks
         self._watermark_blocks = int(self.policy.admission_watermark * block_manager.num_blocks)
 
     # ---- results of the iteration ----
@@ -270,7 +336,7 @@ class Scheduler:
         `incoming` more are on their way, the time until which to wait for them; None: step now.
         Waits at most batch_wait_timeout_s for one batch to fill, never when nothing is on the way."""
         p = self.policy
-        have = len(self.running) + len(self.waiting)
+        have = len(self.running) + len(self.waiting) + len(self.swapped)
         if p.batch_wait_timeout_s <= 0 or incoming == 0 or have >= p.min_batch_size:
             self._batch_wait_since = None
             return None
@@ -285,7 +351,7 @@ class Scheduler:
         if self.batching == "static":
             slots = 0 if self._static_batch else self.policy.static_batch_size
         else:
-            slots = self.policy.max_num_seqs - len(self.running)
+            slots = self.policy.max_num_seqs - len(self.running) - len(self.swapped)
         return max(0, min(slots, depth) - len(self.waiting))
 
     # ---- introspection ----

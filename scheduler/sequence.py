@@ -10,6 +10,7 @@ from typing import Any
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # not admitted yet, or preempted and waiting to be recomputed
     RUNNING = "running"  # in the batch; holds KV blocks
+    SWAPPED = "swapped"  # preempted with its KV copied to host blocks; comes back where it was
     FINISHED = "finished"
 
 
