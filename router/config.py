@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from common import metrics, tracing
+from common import metrics, security, tracing
+from common.security import TlsFiles
 from common.tracing import TracingConfig
 from router.buckets import check_edges
 
@@ -26,6 +27,10 @@ class RouterConfig:
     max_queue_wait_ms: float = 2000.0
     metrics_port: int | None = None
     tracing: TracingConfig = TracingConfig()
+    tls: TlsFiles | None = None  # the public port; tls.ca set: clients must present certificates
+    internal_tls: TlsFiles | None = None  # mutual TLS to the scheduler
+    # Keys clients must send as `authorization: Bearer <key>`; read in serve(), so never held here.
+    api_key_file: str | None = None
 
     def __post_init__(self):
         check_edges(self.bucket_edges)
@@ -44,8 +49,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=50051, help="0: any free port (see --port-file)")
     p.add_argument("--port-file", default=None, help="write the bound port here once serving")
     add_policy_arguments(p)
+    add_security_arguments(p)
+    security.add_internal_arguments(p)
     metrics.add_arguments(p)
     tracing.add_arguments(p)
+
+
+def add_security_arguments(p: argparse.ArgumentParser) -> None:
+    """The public port's TLS and API keys (`tpserve launch` passes them through)."""
+    security.add_public_arguments(p)
+    p.add_argument(
+        "--api-key-file",
+        default=None,
+        help="require `authorization: Bearer <key>` with a key from this file (one a line, # comments)",
+    )
 
 
 def add_policy_arguments(p: argparse.ArgumentParser) -> None:
@@ -92,4 +109,7 @@ def from_args(a: argparse.Namespace) -> RouterConfig:
         bucket_edges=a.bucket_edges,
         max_queued_requests=a.max_queued_requests,
         max_queue_wait_ms=a.max_queue_wait_ms,
+        tls=security.public_from_args(a),
+        internal_tls=security.internal_from_args(a),
+        api_key_file=a.api_key_file,
     )

@@ -8,6 +8,7 @@ import time
 
 import grpc
 
+from common import security
 from common.grpc_util import OPTIONS
 from common.pb.tpserve.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
 from common.pb.tpserve.v1 import generation_pb2
@@ -33,12 +34,19 @@ class SchedulerLink:
     silently) and the link reconnects; on_ready(bool) follows the state, for the health service.
     """
 
-    def __init__(self, target: str, on_ready, admission: AdmissionQueue, retry_s: float = 0.5):
+    def __init__(
+        self,
+        target: str,
+        on_ready,
+        admission: AdmissionQueue,
+        retry_s: float = 0.5,
+        tls: security.TlsFiles | None = None,  # internal mutual TLS
+    ):
         self.target = target
         self.on_ready = on_ready
         self.retry_s = retry_s
         self.model_info: generation_pb2.ModelInfo | None = None
-        self._channel = grpc.aio.insecure_channel(target, options=OPTIONS)
+        self._channel = security.aio_channel(target, tls, OPTIONS)
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
         self._call = None
         # gRPC allows one outstanding write per stream: every request handler puts its message here

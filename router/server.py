@@ -16,10 +16,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from common import metrics, tracing
+from common import metrics, security, tracing
 from common.grpc_util import OPTIONS, SERVER_OPTIONS, write_port_file
 from common.pb.tpserve.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
 from common.pb.tpserve.v1 import generation_pb2, generation_pb2_grpc
+from router.auth import ApiKeyInterceptor, ApiKeys
 from router.buckets import AdmissionQueue
 from router.config import RouterConfig
 from router.detokenizer import IncrementalDetokenizer
@@ -41,7 +42,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.tokenizer = tokenizer
         self.link = link
         self._limits: Limits | None = None
-        self._stats_channel = grpc.aio.insecure_channel(config.scheduler, options=OPTIONS)
+        self._stats_channel = security.aio_channel(config.scheduler, config.internal_tls, OPTIONS)
         self._stats_stub = scheduler_pb2_grpc.SchedulerStub(self._stats_channel)
 
     def _ready_limits(self, context) -> Limits:
@@ -231,7 +232,13 @@ async def serve(config: RouterConfig) -> None:
     )
     router_metrics = RouterMetrics(admission)
     tokenizer = AutoTokenizer.from_pretrained(config.model)
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    interceptors = []
+    if config.api_key_file:
+        keys = ApiKeys(security.read_api_keys(config.api_key_file))
+        refused = router_metrics.failed.labels(code=grpc.StatusCode.UNAUTHENTICATED.name)
+        interceptors.append(ApiKeyInterceptor(keys, on_refused=refused.inc))
+        log.info("API keys required: %d loaded from %s", len(keys), config.api_key_file)
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
 
@@ -243,16 +250,19 @@ async def serve(config: RouterConfig) -> None:
             asyncio.ensure_future(health_servicer.set(service, status))
 
     on_ready(False)
-    link = SchedulerLink(config.scheduler, on_ready, admission, config.scheduler_retry_s)
+    link = SchedulerLink(
+        config.scheduler, on_ready, admission, config.scheduler_retry_s, tls=config.internal_tls
+    )
     link.on_admit = lambda add, waited_s: router_metrics.queue_time.observe(waited_s)
     servicer = GenerationServicer(config, tokenizer, link, router_metrics)
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    port = security.add_port(server, f"{config.host}:{config.port}", config.tls)
     await server.start()
     link.start()
     metrics_port = metrics.serve(router_metrics.registry, config.host, config.metrics_port)
     write_port_file(config.port_file, port, metrics_port)
-    log.info("router serving tpserve.v1.Generation on %s:%d", config.host, port)
+    mode = "plaintext" if config.tls is None else "TLS" if config.tls.ca is None else "mutual TLS"
+    log.info("router serving tpserve.v1.Generation on %s:%d (%s)", config.host, port, mode)
     if metrics_port is not None:
         log.info("router metrics on http://%s:%d/metrics", config.host, metrics_port)
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from common import metrics, tracing
+from common import metrics, security, tracing
+from common.security import TlsFiles
 from common.tracing import TracingConfig
 from scheduler.scheduler import SchedulingPolicy
 
@@ -40,6 +41,8 @@ class SchedulerConfig:
     worker_recovery_timeout_s: float = 60.0
     metrics_port: int | None = None
     tracing: TracingConfig = TracingConfig()
+    # Mutual TLS on the port the router dials and on the channels to the workers.
+    internal_tls: TlsFiles | None = None
 
     def __post_init__(self):
         if not self.workers:
@@ -79,6 +82,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="how long requests wait for a lost rank to return before they get UNAVAILABLE",
     )
     add_policy_arguments(p)
+    security.add_internal_arguments(p)
     metrics.add_arguments(p)
     tracing.add_arguments(p)
 
@@ -156,5 +160,6 @@ def from_args(a: argparse.Namespace) -> SchedulerConfig:
         tracing=tracing.from_args(a),
         step_timeout_s=a.step_timeout_s,
         worker_recovery_timeout_s=a.worker_recovery_timeout_s,
+        internal_tls=security.internal_from_args(a),
         **{name: getattr(a, name) for name in POLICY_FLAGS},
     )

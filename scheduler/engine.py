@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import grpc
 from opentelemetry import trace
 
-from common import tracing
+from common import security, tracing
 from common.grpc_util import OPTIONS
 from common.pb.tpserve.internal.v1 import scheduler_pb2, worker_pb2, worker_pb2_grpc
 from common.pb.tpserve.v1 import generation_pb2
@@ -132,7 +132,7 @@ class Engine:
     async def connect_workers(self) -> None:
         """Agrees the KV capacity with every rank, allocates the caches and opens the step streams."""
         cfg = self.config
-        self._channels = [grpc.aio.insecure_channel(addr, options=OPTIONS) for addr in cfg.workers]
+        self._channels = [security.aio_channel(addr, cfg.internal_tls, OPTIONS) for addr in cfg.workers]
         stubs = [worker_pb2_grpc.ShardWorkerStub(ch) for ch in self._channels]
         describe = worker_pb2.DescribeRequest(
             block_size=cfg.block_size,

@@ -9,7 +9,7 @@ import signal
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from common import metrics, tracing
+from common import metrics, security, tracing
 from common.grpc_util import SERVER_OPTIONS, write_port_file
 from common.pb.tpserve.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
 from scheduler.config import SchedulerConfig
@@ -71,7 +71,7 @@ async def serve(config: SchedulerConfig) -> None:
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    port = security.add_port(server, f"{config.host}:{config.port}", config.internal_tls)
     await server.start()
     metrics_port = metrics.serve(engine.metrics.registry, config.host, config.metrics_port)
     write_port_file(config.port_file, port, metrics_port)

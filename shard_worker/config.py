@@ -6,7 +6,8 @@ import argparse
 import os
 from dataclasses import dataclass
 
-from common import metrics, tracing
+from common import metrics, security, tracing
+from common.security import TlsFiles
 from common.tracing import TracingConfig
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -26,6 +27,7 @@ class WorkerConfig:
     num_threads: int = 0  # CPU threads for torch; 0: the cores divided among the ranks
     metrics_port: int | None = None
     tracing: TracingConfig = TracingConfig()
+    internal_tls: TlsFiles | None = None  # mutual TLS: only a scheduler with a certificate gets in
 
     def __post_init__(self):
         if not 0 <= self.rank < self.world_size:
@@ -55,6 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="float32", choices=DTYPES)
     p.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0: cores / world size)")
+    security.add_internal_arguments(p)
     metrics.add_arguments(p)
     tracing.add_arguments(p)
 
@@ -73,4 +76,5 @@ def from_args(a: argparse.Namespace) -> WorkerConfig:
         num_threads=a.num_threads,
         metrics_port=a.metrics_port,
         tracing=tracing.from_args(a),
+        internal_tls=security.internal_from_args(a),
     )

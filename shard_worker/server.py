@@ -11,7 +11,7 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from common import metrics, tracing
+from common import metrics, security, tracing
 from common.grpc_util import SERVER_OPTIONS, write_port_file
 from common.pb.tpserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from common.sampling import SamplingConfig
@@ -154,7 +154,7 @@ def serve(config: WorkerConfig) -> None:
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     servicer.on_failure = lambda: health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    port = security.add_port(server, f"{config.host}:{config.port}", config.internal_tls)
     server.start()
     metrics_port = metrics.serve(worker_metrics.registry, config.host, config.metrics_port)
     write_port_file(config.port_file, port, metrics_port)
