@@ -20,6 +20,7 @@ import grpc
 from bench.client_run import bench_server
 from bench.report import format_table, write_json
 from bench.workload import WORKLOADS, WorkloadSpec
+from common import security
 
 
 def _rate(text: str) -> float:
@@ -82,6 +83,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="write the results JSON here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-warmup", action="store_true", help="skip the two short warm-up requests")
+    security.add_client_arguments(p)
 
 
 def main(a: argparse.Namespace) -> int:
@@ -90,6 +92,7 @@ def main(a: argparse.Namespace) -> int:
         if a.burstiness <= 0:
             raise ValueError(f"--burstiness must be > 0, got {a.burstiness}")
         pids = json.loads(Path(a.ready_file).read_text())["pids"] if a.ready_file else None
+        auth = security.client_from_args(a)
     except (ValueError, OSError, KeyError) as e:
         print(f"tpserve bench: {e}", file=sys.stderr)
         return 2
@@ -110,6 +113,7 @@ def main(a: argparse.Namespace) -> int:
                 progress=not a.no_progress,
                 warmup=not a.no_warmup,
                 timeout_s=a.timeout,
+                auth=auth,
             )
         )
     except (grpc.aio.AioRpcError, RuntimeError) as e:
@@ -123,7 +127,8 @@ def main(a: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     if a.out:
-        meta = {"target": a.target, "spec": dataclasses.asdict(spec), "args": _jsonable(vars(a))}
+        args = {k: v for k, v in vars(a).items() if k != "api_key"}  # a secret stays out of the results
+        meta = {"target": a.target, "spec": dataclasses.asdict(spec), "args": _jsonable(args)}
         write_json(a.out, [run], {run["name"]: extra}, meta)
     return 0 if extra["failed"] == 0 else 1
 

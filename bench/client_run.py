@@ -19,16 +19,19 @@ from tqdm import tqdm
 from bench.metrics import RequestResult, details, engine_overhead_pct, latency_samples_ms, summarize
 from bench.workload import BenchRequest, WorkloadSpec, build_requests
 from common.pb.tpserve.v1 import generation_pb2, generation_pb2_grpc
+from common.security import PLAINTEXT, ClientAuth
 
 # Large prompts (mixed: up to 1024 ids) and many concurrent streams on one channel.
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 
 
-async def get_model_info(target: str, timeout_s: float = 30.0) -> generation_pb2.ModelInfo:
-    async with grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
+async def get_model_info(
+    target: str, timeout_s: float = 30.0, auth: ClientAuth = PLAINTEXT
+) -> generation_pb2.ModelInfo:
+    async with auth.aio_channel(target, CHANNEL_OPTIONS) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         return await stub.GetModelInfo(
-            generation_pb2.ModelInfoRequest(), timeout=timeout_s, wait_for_ready=True
+            generation_pb2.ModelInfoRequest(), timeout=timeout_s, wait_for_ready=True, metadata=auth.metadata
         )
 
 
@@ -42,10 +45,10 @@ def _request(req: BenchRequest, tag: str) -> generation_pb2.GenerateRequest:
     )
 
 
-async def _one(stub, req: BenchRequest, tag: str, timeout_s: float | None) -> RequestResult:
+async def _one(stub, req: BenchRequest, tag: str, timeout_s: float | None, metadata=()) -> RequestResult:
     result = RequestResult(prompt_tokens=len(req.prompt_ids), send_time=time.perf_counter())
     try:
-        async for resp in stub.Generate(_request(req, tag), timeout=timeout_s):
+        async for resp in stub.Generate(_request(req, tag), timeout=timeout_s, metadata=metadata):
             if resp.token_ids:
                 result.chunks.append((time.perf_counter(), len(resp.token_ids)))
         result.end_time = time.perf_counter()
@@ -61,11 +64,12 @@ async def run_workload(
     max_concurrency: int | None = None,
     timeout_s: float | None = None,
     on_done: Callable[[RequestResult], None] | None = None,
+    auth: ClientAuth = PLAINTEXT,
 ) -> list[RequestResult]:
     """Sends every request at its arrival offset from now; returns results in request order."""
     semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     tag = f"{time.time_ns():x}"  # request ids stay unique if two benches share a server
-    async with grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
+    async with auth.aio_channel(target, CHANNEL_OPTIONS) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         await channel.channel_ready()
         start = time.perf_counter()
@@ -75,10 +79,10 @@ async def run_workload(
             if delay > 0:
                 await asyncio.sleep(delay)
             if semaphore is None:
-                r = await _one(stub, req, tag, timeout_s)
+                r = await _one(stub, req, tag, timeout_s, auth.metadata)
             else:
                 async with semaphore:
-                    r = await _one(stub, req, tag, timeout_s)
+                    r = await _one(stub, req, tag, timeout_s, auth.metadata)
             if on_done is not None:
                 on_done(r)
             return r
@@ -86,10 +90,10 @@ async def run_workload(
         return list(await asyncio.gather(*(scheduled(r) for r in requests)))
 
 
-async def warm_up(target: str, vocab_size: int, n: int = 2) -> None:
+async def warm_up(target: str, vocab_size: int, n: int = 2, auth: ClientAuth = PLAINTEXT) -> None:
     """A couple of short requests, so the first measured ones do not pay for lazy start-up work."""
     reqs = [BenchRequest(i, tuple(t % vocab_size for t in range(2, 18)), 4, 0.0) for i in range(n)]
-    results = await run_workload(target, reqs, timeout_s=300)
+    results = await run_workload(target, reqs, timeout_s=300, auth=auth)
     failed = [r.error for r in results if not r.ok]
     if failed:
         raise RuntimeError(f"warm-up request failed: {failed[0]}")
@@ -131,11 +135,11 @@ def step_figures(before: generation_pb2.Stats, after: generation_pb2.Stats) -> d
     }
 
 
-async def get_stats(target: str) -> generation_pb2.Stats | None:
+async def get_stats(target: str, auth: ClientAuth = PLAINTEXT) -> generation_pb2.Stats | None:
     try:
-        async with grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
+        async with auth.aio_channel(target, CHANNEL_OPTIONS) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
-            return await stub.GetStats(generation_pb2.StatsRequest(), timeout=10)
+            return await stub.GetStats(generation_pb2.StatsRequest(), timeout=10, metadata=auth.metadata)
     except grpc.aio.AioRpcError:
         return None
 
@@ -156,9 +160,10 @@ async def bench_server(
     progress: bool = True,
     warmup: bool = True,
     timeout_s: float | None = None,
+    auth: ClientAuth = PLAINTEXT,  # TLS and API key
 ) -> tuple[dict, dict, list[RequestResult]]:
     """Runs one workload against a server: (run object, details, per-request results)."""
-    info = await get_model_info(target)
+    info = await get_model_info(target, auth=auth)
     requests = build_requests(
         spec,
         num_requests,
@@ -170,8 +175,8 @@ async def bench_server(
         exclude_ids=tuple(info.eos_token_ids),
     )
     if warmup:
-        await warm_up(target, info.vocab_size)
-    before = await get_stats(target)
+        await warm_up(target, info.vocab_size, auth=auth)
+    before = await get_stats(target, auth)
     bar = tqdm(total=len(requests), desc=name, unit="req", disable=not progress, leave=False)
     try:
         results = await run_workload(
@@ -180,10 +185,11 @@ async def bench_server(
             max_concurrency=max_concurrency,
             timeout_s=timeout_s,
             on_done=lambda _: bar.update(),
+            auth=auth,
         )
     finally:
         bar.close()
-    after = await get_stats(target)
+    after = await get_stats(target, auth)
     engine = step_figures(before, after) if before and after else {"mean_batch_size": None}
     engine.setdefault("engine_overhead_pct", None)
     run = summarize(

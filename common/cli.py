@@ -7,7 +7,7 @@ import asyncio
 import sys
 
 from bench import cli as bench_cli
-from common import logs, tracing
+from common import logs, security, tracing
 from router import config as router_config
 from scheduler import config as scheduler_config
 from shard_worker import config as worker_config
@@ -34,6 +34,10 @@ def _launch_parser(p: argparse.ArgumentParser) -> None:
         "--metrics-port", type=int, default=None, help="router /metrics port; the others' are logged (0: any)"
     )
     tracing.add_arguments(p)
+    # The router's public TLS and API keys, passed through; the internal mutual TLS, given to every process.
+    router_config.add_security_arguments(p)
+    security.add_internal_arguments(p)
+    security.add_client_arguments(p, api_key=False, title="launch's readiness check of the router's TLS port")
 
 
 def _generate_parser(p: argparse.ArgumentParser) -> None:
@@ -51,6 +55,7 @@ def _generate_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    security.add_client_arguments(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,8 +93,15 @@ def _generate(a: argparse.Namespace) -> int:
         )
         if getattr(a, k) is not None
     }
+    auth = security.client_from_args(a)
     try:
-        with GenerationClient(a.target, timeout=a.timeout) as client:
+        with GenerationClient(
+            a.target,
+            timeout=a.timeout,
+            credentials=auth.credentials(),
+            metadata=auth.metadata,
+            options=auth.options(),
+        ) as client:
             for resp in client.generate(
                 text=a.prompt,
                 max_new_tokens=a.max_new_tokens,
@@ -144,6 +156,10 @@ def main(argv: list[str] | None = None) -> int:
                     metrics_port=a.metrics_port,
                     tracing=tracing.from_args(a),
                     max_restarts=a.max_restarts,
+                    tls=security.public_from_args(a),
+                    internal_tls=security.internal_from_args(a),
+                    api_key_file=a.api_key_file,
+                    health_auth=security.client_from_args(a),
                 )
             )
         if a.command == "router":

@@ -121,13 +121,15 @@ class GenerationClient:
         *,
         credentials: grpc.ChannelCredentials | None = None,
         metadata: Sequence[tuple[str, str]] = (),
+        options: Sequence[tuple[str, object]] = (),  # more channel options (ssl_target_name_override)
     ):
         self.timeout = timeout
         self._metadata = tuple(metadata)
+        options = [*CHANNEL_OPTIONS, *options]
         if credentials is None:
-            self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+            self._channel = grpc.insecure_channel(target, options=options)
         else:
-            self._channel = grpc.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
+            self._channel = grpc.secure_channel(target, credentials, options=options)
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
 
     def __enter__(self) -> GenerationClient:
@@ -178,13 +180,15 @@ class AsyncGenerationClient:
         *,
         credentials: grpc.ChannelCredentials | None = None,
         metadata: Sequence[tuple[str, str]] = (),
+        options: Sequence[tuple[str, object]] = (),  # more channel options (ssl_target_name_override)
     ):
         self.timeout = timeout
         self._metadata = tuple(metadata)
+        options = [*CHANNEL_OPTIONS, *options]
         if credentials is None:
-            self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+            self._channel = grpc.aio.insecure_channel(target, options=options)
         else:
-            self._channel = grpc.aio.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
+            self._channel = grpc.aio.secure_channel(target, credentials, options=options)
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
 
     async def __aenter__(self) -> AsyncGenerationClient:

@@ -56,12 +56,23 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def wait_for_health(target: str, timeout: float, alive=lambda: True) -> None:
-    """Blocks until target's grpc.health.v1 service says SERVING."""
+def wait_for_health(
+    target: str,
+    timeout: float,
+    alive=lambda: True,
+    credentials: grpc.ChannelCredentials | None = None,
+    options: list[tuple[str, object]] | None = None,
+) -> None:
+    """Blocks until target's grpc.health.v1 service says SERVING; over TLS when credentials are given."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(target, options=OPTIONS) as channel:
+    opts = OPTIONS + (options or [])
+    if credentials is None:
+        channel = grpc.insecure_channel(target, options=opts)
+    else:
+        channel = grpc.secure_channel(target, credentials, options=opts)
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if not alive():

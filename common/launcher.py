@@ -17,11 +17,12 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from common import tracing
+from common import security, tracing
 from common.grpc_util import free_port, read_port_file, wait_for_health
+from common.security import ClientAuth, TlsFiles
 from common.tracing import TracingConfig
 
 log = logging.getLogger("tpserve.launch")
@@ -58,10 +59,20 @@ class LaunchConfig:
     # A scheduler or worker group that dies is started again this many times (0: the launch ends).
     max_restarts: int = 0
     tracing: TracingConfig = field(default_factory=TracingConfig)
+    tls: TlsFiles | None = None  # the router's public port
+    internal_tls: TlsFiles | None = None  # mutual TLS between every process, each given the same files
+    api_key_file: str | None = None  # the router's
+    # How the launcher's readiness check reaches the router: like any client (health needs no API key).
+    health_auth: ClientAuth = field(default_factory=ClientAuth)
 
     def __post_init__(self):
         if self.tp < 1:
             raise ValueError(f"--tp must be at least 1, got {self.tp}")
+        if self.tls is not None and self.tls.ca and not self.health_auth.cert:
+            raise ValueError(
+                "--tls-client-ca makes clients present certificates, the launcher's readiness check too: "
+                "give it one with --tls-client-cert and --tls-client-key"
+            )
         if not (Path(self.model) / "config.json").is_file():
             raise ValueError(f"--model {self.model}: no config.json there (run `make model`?)")
 
@@ -96,7 +107,7 @@ class Stack:
             "--log-format",
             cfg.log_format,
         ]
-        cmd += [*args, *tracing.flags(cfg.tracing)]
+        cmd += [*args, *tracing.flags(cfg.tracing), *security.internal_flags(cfg.internal_tls)]
         if cfg.metrics_port is not None:
             cmd += ["--metrics-port", str(cfg.metrics_port if name == "router" else 0)]
         port_file.unlink(missing_ok=True)
@@ -150,11 +161,21 @@ class Stack:
         port_file = self.tmp / "router.port"
         args = ["router", "--scheduler", scheduler_addr, "--model", cfg.model]
         args += ["--host", cfg.host, "--port", str(cfg.port), "--port-file", str(port_file), *cfg.router_args]
+        args += security.public_flags(cfg.tls)
+        if cfg.api_key_file:
+            args += ["--api-key-file", cfg.api_key_file]
         router = self._spawn("router", args, port_file)
         router_addr = f"{'127.0.0.1' if cfg.host == '0.0.0.0' else cfg.host}:{self._port_of(router)}"
 
         dead = self.first_dead
-        wait_for_health(router_addr, cfg.startup_timeout_s, alive=lambda: dead() is None)
+        auth = replace(cfg.health_auth, tls=cfg.tls is not None)
+        wait_for_health(
+            router_addr,
+            cfg.startup_timeout_s,
+            alive=lambda: dead() is None,
+            credentials=auth.credentials(),
+            options=auth.options(),
+        )
         return router_addr
 
     def restart(self, dead: Child) -> None:
@@ -216,6 +237,9 @@ def launch(config: LaunchConfig) -> int:
                 "target": target,
                 "pids": {c.name: c.proc.pid for c in stack.children},
                 "metrics_ports": stack.metrics,
+                # Internal ports, for tests and tools that talk to a process directly.
+                "scheduler": f"127.0.0.1:{stack.scheduler_port}",
+                "workers": [f"127.0.0.1:{port}" for port in stack.worker_ports],
             }
             tmp = Path(f"{config.ready_file}.tmp")
             tmp.write_text(json.dumps(info))
