@@ -28,15 +28,20 @@ def _read(path: str | None) -> bytes | None:
     return Path(path).read_bytes() if path else None
 
 
-def _check_readable(flag: str, path: str) -> None:
+def _check_readable(flag: str, path: str, pem: bool = True) -> None:
+    """A clear start-up error instead of a failed handshake later. pem: the file must hold PEM blocks
+    (gRPC takes no DER and no passphrase-protected key)."""
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"{flag} {path}: no such file")
     try:
-        with p.open("rb"):
-            pass
+        data = p.read_bytes()
     except OSError as e:
         raise ValueError(f"{flag} {path}: {e.strerror}") from None
+    if pem and b"-----BEGIN " not in data:
+        raise ValueError(f"{flag} {path}: not PEM (expected a -----BEGIN ...----- block)")
+    if pem and (b"BEGIN ENCRYPTED PRIVATE KEY" in data or b"Proc-Type: 4,ENCRYPTED" in data):
+        raise ValueError(f"{flag} {path}: an encrypted private key; gRPC needs it unencrypted")
 
 
 @dataclass(frozen=True)
@@ -256,7 +261,7 @@ def client_from_args(a: argparse.Namespace, *, tls: bool = False) -> ClientAuth:
 def read_api_keys(path: str, flag: str = "--api-key-file") -> list[str]:
     """One key a line; blank lines and lines starting with # are skipped. An empty file is an error, not
     "no keys required": a deployment that meant to require keys must not silently serve everyone."""
-    _check_readable(flag, path)
+    _check_readable(flag, path, pem=False)
     keys = []
     for number, line in enumerate(Path(path).read_text().splitlines(), 1):
         key = line.strip()
