@@ -27,11 +27,13 @@ def tiny_model() -> Path:
 
 
 @contextlib.contextmanager
-def launch(model: Path, *flags: str, startup_timeout: float = 180.0):
-    """Runs `tpserve launch` on a free port; yields (router target, ready info). Stops it by pid."""
+def launch(model: Path, *flags: str, startup_timeout: float = 180.0, log_level: str = "WARNING"):
+    """Runs `tpserve launch` on a free port; yields (router target, ready info). Stops it by pid.
+
+    info["log"] is the path of the stack's combined stdout and stderr (removed afterwards)."""
     tmp = Path(os.environ.get("PYTEST_TMPDIR", "/tmp"))
     ready = tmp / f"tpserve-ready-{os.getpid()}-{time.monotonic_ns()}.json"
-    cmd = [sys.executable, "-m", "common.cli", "--log-level", "WARNING", "launch", "--model", str(model)]
+    cmd = [sys.executable, "-m", "common.cli", "--log-level", log_level, "launch", "--model", str(model)]
     cmd += ["--port", "0", "--ready-file", str(ready), *flags]
     log_path = ready.with_suffix(".log")
     log = log_path.open("wb")
@@ -52,6 +54,7 @@ def launch(model: Path, *flags: str, startup_timeout: float = 180.0):
             time.sleep(0.1)
         info = json.loads(ready.read_text())
         info["launcher"] = proc
+        info["log"] = log_path
         yield info["target"], info
     finally:
         if proc.poll() is None:
