@@ -55,6 +55,8 @@ class ModelRunner:
         load_weights(self.model, self.model_dir, self.config.tie_word_embeddings)
         self.model.eval()
         self.kv_caches: list[torch.Tensor] = []
+        # Swap space: the same layout as kv_caches, in host memory (pinned on CUDA, for fast copies).
+        self.host_kv_caches: list[torch.Tensor] = []
         self.block_size = 0
         self.sampler = Sampler(self.config.vocab_size, self.device) if tp.rank == 0 else None
 
@@ -114,6 +116,39 @@ class ModelRunner:
         ]
         self.block_size = block_size
         return num_blocks * self.kv_block_bytes(block_size)
+
+    def allocate_host_kv_cache(self, num_blocks: int, block_size: int) -> int:
+        """Allocates the swap space: num_blocks host blocks laid out like the device cache; returns bytes."""
+        shape = (2, num_blocks, block_size, self.model.num_local_kv_heads, self.config.head_dim)
+        self.host_kv_caches = []
+        if num_blocks:
+            pin = self.device.type == "cuda"
+            self.host_kv_caches = [
+                torch.empty(shape, dtype=self.dtype, pin_memory=pin) for _ in self.model.model.layers
+            ]
+        return num_blocks * self.kv_block_bytes(block_size)
+
+    @torch.inference_mode()
+    def swap_out(self, device_blocks: list[int], host_blocks: list[int]) -> None:
+        """Copies device block device_blocks[i] to host block host_blocks[i], in every layer."""
+        self._copy_blocks(self.kv_caches, device_blocks, self.host_kv_caches, host_blocks)
+
+    @torch.inference_mode()
+    def swap_in(self, host_blocks: list[int], device_blocks: list[int]) -> None:
+        """Copies host block host_blocks[i] to device block device_blocks[i], in every layer."""
+        self._copy_blocks(self.host_kv_caches, host_blocks, self.kv_caches, device_blocks)
+
+    def _copy_blocks(self, src: list[torch.Tensor], src_blocks, dst: list[torch.Tensor], dst_blocks) -> None:
+        if len(src_blocks) != len(dst_blocks):
+            raise ValueError(f"{len(src_blocks)} source blocks for {len(dst_blocks)} destinations")
+        if not src_blocks:
+            return
+        src_index = torch.tensor(src_blocks, dtype=torch.long, device=src[0].device)
+        dst_index = torch.tensor(dst_blocks, dtype=torch.long, device=dst[0].device)
+        for s, d in zip(src, dst, strict=True):
+            # One gather on the source side, one transfer, one scatter on the destination side per layer.
+            # Synchronous, so a swap out is complete before the forward reuses its device blocks.
+            d.index_copy_(1, dst_index, s.index_select(1, src_index).to(d.device))
 
     def add_sequences(self, inits: list[SequenceInit]) -> None:
         if self.sampler is not None:

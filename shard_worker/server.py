@@ -75,14 +75,21 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
             num_kv_blocks=num_blocks,
             weight_bytes=info["weight_bytes"],
             device=f"{self.runner.device} {str(self.runner.dtype).removeprefix('torch.')}",
+            kv_block_bytes=self.runner.kv_block_bytes(request.block_size),
         )
 
     def InitCache(self, request, context):
         nbytes = self.runner.allocate_kv_cache(request.num_blocks, request.block_size)
+        host_bytes = self.runner.allocate_host_kv_cache(request.num_host_blocks, request.block_size)
         log.info(
-            "rank %d: KV cache of %d blocks, %.1f MiB", self.config.rank, request.num_blocks, nbytes / 2**20
+            "rank %d: KV cache of %d blocks, %.1f MiB; swap space of %d blocks, %.1f MiB",
+            self.config.rank,
+            request.num_blocks,
+            nbytes / 2**20,
+            request.num_host_blocks,
+            host_bytes / 2**20,
         )
-        return worker_pb2.InitCacheResponse(kv_cache_bytes=nbytes)
+        return worker_pb2.InitCacheResponse(kv_cache_bytes=nbytes, host_kv_cache_bytes=host_bytes)
 
     def Step(self, request_iterator, context):
         if not self._step_lock.acquire(blocking=False):
@@ -95,6 +102,11 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
                     self.runner.remove_sequences(list(req.finished_seq_ids))
                 if req.new_sequences:
                     self.runner.add_sequences([sequence_init(m) for m in req.new_sequences])
+                # Swap out first: its device blocks may be handed to this step's tokens or swap ins.
+                if req.swap_out_src:
+                    self.runner.swap_out(list(req.swap_out_src), list(req.swap_out_dst))
+                if req.swap_in_src:
+                    self.runner.swap_in(list(req.swap_in_src), list(req.swap_in_dst))
                 parent = tracing.context_from_carrier(req.trace_context)
                 if parent is None:
                     out = self.runner.execute(step_inputs(req))
