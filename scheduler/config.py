@@ -28,6 +28,8 @@ class SchedulerConfig:
     static_batch_size: int = 32
     static_batch_timeout_ms: float = 50.0
     enable_prefix_caching: bool = False
+    # GiB of host memory per rank that preempted sequences' KV is swapped to (0: always recompute).
+    swap_space: float = 0.0
     min_batch_size: int = 8
     batch_wait_timeout_ms: float = 0.0
     fallback_static: bool = False
@@ -49,6 +51,8 @@ class SchedulerConfig:
             raise ValueError("at least one --worker HOST:PORT is required")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.swap_space < 0:
+            raise ValueError(f"--swap-space must not be negative, got {self.swap_space}")
         if self.admission_window < 1:
             raise ValueError(f"--admission-window must be at least 1, got {self.admission_window}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -129,6 +133,12 @@ def add_policy_arguments(p: argparse.ArgumentParser) -> None:
         default=False,
         help="reuse the KV blocks of prompt prefixes already computed",
     )
+    p.add_argument(
+        "--swap-space",
+        type=float,
+        default=0.0,
+        help="GiB of host memory per rank to swap preempted sequences' KV to (0: recompute them)",
+    )
 
 
 POLICY_FLAGS = (
@@ -143,6 +153,7 @@ POLICY_FLAGS = (
     "static_batch_size",
     "static_batch_timeout_ms",
     "enable_prefix_caching",
+    "swap_space",
     "admission_window",
     "min_batch_size",
     "batch_wait_timeout_ms",

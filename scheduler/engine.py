@@ -26,6 +26,7 @@ from scheduler.fallback import FallbackPolicy, ThroughputFallback
 from scheduler.metrics import SchedulerMetrics
 from scheduler.scheduler import Scheduler, SchedulerOutput, SequenceUpdate
 from scheduler.sequence import Sequence
+from scheduler.swap import HostBlockPool
 
 log = logging.getLogger("tpserve.scheduler")
 
@@ -102,6 +103,10 @@ def step_request(plan: StepPlan) -> worker_pb2.StepRequest:
         slot_mapping=plan.slot_mapping,
         block_table_lens=plan.block_table_lens,
         block_tables=plan.block_tables,
+        swap_out_src=plan.swap_out_src,
+        swap_out_dst=plan.swap_out_dst,
+        swap_in_src=plan.swap_in_src,
+        swap_in_dst=plan.swap_in_dst,
     )
 
 
@@ -171,17 +176,20 @@ class Engine:
                 max_model_len,
             )
             max_model_len = num_blocks * cfg.block_size
-        await asyncio.gather(
-            *(
-                s.InitCache(worker_pb2.InitCacheRequest(num_blocks=num_blocks, block_size=cfg.block_size))
-                for s in stubs
-            )
+        # Swap space in blocks: the largest block over ranks, so that every rank's copy fits.
+        num_host_blocks = int(cfg.swap_space * 2**30) // max(i.kv_block_bytes for i in infos)
+        if cfg.swap_space:
+            log.info("swap space: %d host blocks per rank (%.2f GiB)", num_host_blocks, cfg.swap_space)
+        init = worker_pb2.InitCacheRequest(
+            num_blocks=num_blocks, block_size=cfg.block_size, num_host_blocks=num_host_blocks
         )
+        await asyncio.gather(*(s.InitCache(init) for s in stubs))
         blocks = BlockManager(num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)
+        host_blocks = HostBlockPool(num_host_blocks) if num_host_blocks else None
         if self.scheduler is None:
-            self.scheduler = Scheduler(cfg.policy(max_model_len), blocks, info.eos_token_ids)
+            self.scheduler = Scheduler(cfg.policy(max_model_len), blocks, info.eos_token_ids, host_blocks)
         else:  # the ranks came back: same requests, fresh caches
-            self.scheduler.replace_blocks(blocks)
+            self.scheduler.replace_blocks(blocks, host_blocks)
         self.model_info = generation_pb2.ModelInfo(
             model_name=info.model_name,
             vocab_size=info.vocab_size,
@@ -339,11 +347,17 @@ class Engine:
                     rt.queue_span.end()
                     rt.queue_span = None
                 rt.span.add_event("admitted", {"tpserve.num_preemptions": seq.num_preemptions})
-        for seq in out.preempted:
-            self.metrics.preemptions.labels(kind="recompute").inc()
+        for seq in out.swapped_in:
             rt = self._traces.get(seq.request_id)
             if rt is not None:
-                rt.span.add_event("preempted", {"tpserve.kind": "recompute"})
+                rt.span.add_event("swapped in", {"tpserve.num_computed_tokens": seq.num_computed_tokens})
+        swapped = {seq.seq_id for seq in out.swapped_out}
+        for seq in out.preempted:
+            kind = "swap" if seq.seq_id in swapped else "recompute"
+            self.metrics.preemptions.labels(kind=kind).inc()
+            rt = self._traces.get(seq.request_id)
+            if rt is not None:
+                rt.span.add_event("preempted", {"tpserve.kind": kind})
 
     def _step_span(self, out: SchedulerOutput):
         """A span for this step when a traced request rides it: a child of the oldest traced request,
@@ -506,6 +520,7 @@ class Engine:
             kv_blocks_free=s.blocks.num_free_blocks,
             num_running=len(s.running),
             num_waiting=len(s.waiting),
+            num_swapped=len(s.swapped),
             num_preemptions_total=s.num_preemptions,
             num_steps_total=self.totals.steps,
             batched_seqs_total=self.totals.batched_seqs,

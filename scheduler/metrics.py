@@ -16,9 +16,9 @@ class _StateCollector:
 
     def collect(self):
         s = self.engine.scheduler
-        running = waiting = used = total = 0
+        running = waiting = swapped = used = total = 0
         if s is not None:
-            running, waiting = len(s.running), len(s.waiting)
+            running, waiting, swapped = len(s.running), len(s.waiting), len(s.swapped)
             total = s.blocks.num_blocks
             used = total - s.blocks.num_free_blocks
         yield GaugeMetricFamily(
@@ -28,7 +28,7 @@ class _StateCollector:
             "tpserve_num_requests_waiting", "Sequences waiting in the scheduler.", value=waiting
         )
         yield GaugeMetricFamily(
-            "tpserve_num_requests_swapped", "Sequences swapped to host memory (no swap yet: 0).", value=0
+            "tpserve_num_requests_swapped", "Preempted sequences swapped to host memory.", value=swapped
         )
         yield GaugeMetricFamily("tpserve_kv_blocks_total", "KV-cache blocks in the pool.", value=total)
         yield GaugeMetricFamily("tpserve_kv_blocks_used", "KV-cache blocks held by sequences.", value=used)
