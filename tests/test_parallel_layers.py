@@ -169,3 +169,20 @@ def test_communicating_without_a_group_is_a_clear_error():
     layer.weight.data.zero_()
     with pytest.raises(RuntimeError, match="no process group"):
         layer(torch.zeros(1, 4))
+
+
+def test_each_rank_holds_about_a_1_over_n_slice_of_the_weights(tiny_model):
+    """Each rank loads only its slices from the checkpoint: its parameters are about 1/N of the model
+    (norms are replicated, so a little more)."""
+    from shard_worker.model_runner import ModelRunner
+    from shard_worker.parallel import TensorParallel
+
+    def weight_bytes(rank, world_size):
+        runner = ModelRunner(tiny_model, torch.float32, torch.device("cpu"), TensorParallel(rank, world_size))
+        return sum(p.numel() * p.element_size() for p in runner.model.parameters())
+
+    whole = weight_bytes(0, 1)
+    for world_size in (2, 4):
+        for rank in range(world_size):
+            share = weight_bytes(rank, world_size) / whole
+            assert 1 / world_size <= share < 1 / world_size + 0.02, (rank, world_size, share)
