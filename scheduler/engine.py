@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import grpc
@@ -39,6 +40,7 @@ class RouterStream:
         self.adds_received = 0
         self.queued = 0  # requests the router holds for lack of credit
         self._last_credit: tuple[int, int] | None = None
+        self._last_load: tuple | None = None
 
     def outputs(self, outputs: list[scheduler_pb2.RequestOutput]) -> None:
         self.queue.put_nowait(scheduler_pb2.SchedulerMessage(outputs=outputs))
@@ -51,6 +53,22 @@ class RouterStream:
             self._last_credit = (window, self.adds_received)
             credit = scheduler_pb2.Credit(window=window, adds_received=self.adds_received)
             self.queue.put_nowait(scheduler_pb2.SchedulerMessage(credit=credit))
+
+    def load(self, report: scheduler_pb2.LoadReport, force: bool = False) -> None:
+        """Sends the load report when it changed (step time to the millisecond), or always when forced
+        (the heartbeat: the router takes a replica silent for a few seconds for dead)."""
+        key = (
+            report.waiting,
+            report.running,
+            report.kv_blocks_free,
+            report.kv_blocks_total,
+            report.shards_ready,
+            round(report.step_seconds, 3),
+        )
+        if force or key != self._last_load:
+            self._last_load = key
+            report.adds_received = self.adds_received
+            self.queue.put_nowait(scheduler_pb2.SchedulerMessage(load=report))
 
 
 class RequestError(Exception):
@@ -117,6 +135,7 @@ class Engine:
         self.scheduler: Scheduler | None = None
         self.model_info: generation_pb2.ModelInfo | None = None
         self.totals = StepTotals()
+        self._recent_steps: deque[float] = deque(maxlen=8)  # seconds per step, for the load reports
         self._builder = StepBuilder(config.block_size)
         self._sinks: dict[str, RouterStream] = {}  # request id -> the stream that wants its tokens
         self._routers: set[RouterStream] = set()
@@ -216,6 +235,7 @@ class Engine:
             self.ready.clear()
         for listener in list(self._status_listeners):
             listener(ready)
+        self.report_load(force=True)
 
     def watch_status(self, listener) -> None:
         """listener(ready) now and whenever the shards' state changes (a router's stream)."""
@@ -280,6 +300,7 @@ class Engine:
         self._routers.add(router)
         self.watch_status(router.status)
         self.grant_credit()
+        router.load(self.load_report(), force=True)
 
     def detach(self, router: RouterStream) -> None:
         """The router went away: drop everything it asked for."""
@@ -294,6 +315,38 @@ class Engine:
         window = self.scheduler.admission_window(self.config.admission_window)
         for router in self._routers:
             router.credit(window)
+
+    def load_report(self) -> scheduler_pb2.LoadReport:
+        """This replica's load, for the routers' choice among replicas (router/replicas.py)."""
+        s = self.scheduler
+        report = scheduler_pb2.LoadReport(
+            max_num_seqs=self.config.max_num_seqs, shards_ready=self.ready.is_set()
+        )
+        if s is not None:
+            busy = bool(s.running or s.waiting)
+            report.waiting = len(s.waiting) + len(s.swapped)
+            report.running = len(s.running)
+            report.kv_blocks_total = s.blocks.num_blocks
+            report.kv_blocks_free = s.blocks.num_free_blocks
+            if busy and self._recent_steps:
+                report.step_seconds = sum(self._recent_steps) / len(self._recent_steps)
+        return report
+
+    def report_load(self, force: bool = False) -> None:
+        if not self._routers:
+            return
+        report = self.load_report()
+        for router in self._routers:
+            copy = scheduler_pb2.LoadReport()
+            copy.CopyFrom(report)  # each stream stamps its own adds_received
+            router.load(copy, force)
+
+    async def heartbeat(self, interval_s: float = 0.5) -> None:
+        """Reports the load every interval_s whatever happens, from its own task: the step loop awaits
+        the ranks, so a long step does not hold it back and the router does not take it for dead."""
+        while True:
+            await asyncio.sleep(interval_s)
+            self.report_load(force=True)
 
     # ---- the loop ----
 
@@ -400,6 +453,8 @@ class Engine:
             self._observe_fallback(len(first.token_ids))
         self.grant_credit()
         step_seconds = time.perf_counter() - start
+        self._recent_steps.append(step_seconds)
+        self.report_load()
         forward = max(r.forward_seconds for r in responses)
         allreduce = max(r.allreduce_seconds for r in responses)
         t = self.totals

@@ -96,12 +96,14 @@ async def serve(config: SchedulerConfig) -> None:
         await engine.serve_forever()
 
     engine_task = asyncio.create_task(run_engine())
+    heartbeat = asyncio.create_task(engine.heartbeat())
     stop_task = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait({engine_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
     await server.stop(grace=1.0)
     if engine_task in done:
         engine_task.result()  # re-raises what stopped the engine
     engine_task.cancel()
+    heartbeat.cancel()
     await engine.close()
     if provider is not None:
         provider.shutdown()
