@@ -116,6 +116,25 @@ class AdmissionQueue:
         self._where[key] = b
         return True
 
+    def requeue(self, item: Any, prompt_tokens: int, arrival: float, key: Hashable | None = None) -> None:
+        """Puts back a request that was popped but could not run (its replica failed before it streamed
+        anything), with its original arrival time: ahead of every later arrival in its bucket, and aged
+        from when it first came. Never refused: the request was accepted once already.
+        """
+        key = item if key is None else key
+        if key in self._where:
+            raise ValueError(f"{key!r} is already queued")
+        b = self.bucket_of(prompt_tokens)
+        bucket = self._buckets[b]
+        entry = _Entry(item, key, b, arrival, next(self._order))
+        later = [e for e in bucket.values() if e.arrival > arrival]  # rare: failover only, O(bucket)
+        for e in later:
+            del bucket[e.key]
+        bucket[key] = entry
+        for e in later:
+            bucket[e.key] = e
+        self._where[key] = b
+
     def pop(self, now: float) -> Any | None:
         """Removes and returns the request to admit next, or None when none waits.
 
@@ -126,7 +145,7 @@ class AdmissionQueue:
         heads = [next(iter(q.values())) for q in self._buckets if q]
         if not heads:
             return None
-        oldest = min(heads, key=lambda e: e.order)
+        oldest = min(heads, key=lambda e: (e.arrival, e.order))  # requeued entries keep their arrival
         chosen = oldest if now - oldest.arrival > self.max_wait_s else heads[0]
         self._take(chosen)
         return chosen.item
