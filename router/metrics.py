@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from common.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS
 
@@ -30,11 +30,67 @@ class _BucketCollector:
         yield oldest
 
 
+class _ReplicaCollector:
+    """Each replica's state as the router sees it (label replica = its scheduler's address), read at
+    scrape time from the last load reports."""
+
+    GAUGES = (
+        ("up", "1 when the router sends new requests to the replica, else 0."),
+        ("headroom", "The routing score for long prompts: 1 idle, below 0 work queues there."),
+        ("running", "Sequences running in the replica's batch (its last report)."),
+        ("waiting", "Sequences waiting in the replica's scheduler (its last report)."),
+        ("kv_blocks_free", "The replica's free KV blocks (its last report)."),
+        ("kv_blocks_total", "The replica's KV blocks (its last report)."),
+        ("pending", "Requests sent to the replica that its last report does not count yet."),
+        ("report_age_seconds", "Seconds since the replica's last load report."),
+    )
+
+    def __init__(self):
+        self.pool = None
+
+    def collect(self):
+        families = {
+            name: GaugeMetricFamily(f"tpserve_router_replica_{name}", doc, labels=["replica"])
+            for name, doc in self.GAUGES
+        }
+        routed = CounterMetricFamily(
+            "tpserve_router_replica_routed",
+            "Requests sent to the replica (failover resends included).",
+            labels=["replica"],
+        )
+        stats = self.pool.replicas.stats(time.monotonic()) if self.pool is not None else []
+        for r in stats:
+            load = r.load
+            values = {
+                "up": float(r.up),
+                "headroom": r.headroom if r.up else 0.0,
+                "running": load.running if load else 0,
+                "waiting": load.waiting if load else 0,
+                "kv_blocks_free": load.kv_blocks_free if load else 0,
+                "kv_blocks_total": load.kv_blocks_total if load else 0,
+                "pending": r.pending,
+                "report_age_seconds": r.report_age_s if load else -1.0,
+            }
+            for name, value in values.items():
+                families[name].add_metric([r.replica], value)
+            routed.add_metric([r.replica], r.routed_total)
+        yield from families.values()
+        yield routed
+
+
 class RouterMetrics:
     def __init__(self, admission=None):
         r = self.registry = CollectorRegistry()
         if admission is not None:
             r.register(_BucketCollector(admission))
+        self._replicas = _ReplicaCollector()
+        r.register(self._replicas)
+        self.failovers = Counter(
+            "tpserve_router_failover_requests",
+            "Requests on a replica that was lost: resent (nothing streamed yet) or failed (UNAVAILABLE).",
+            ["replica", "outcome"],
+            registry=r,
+        )
         self.ttft = Histogram(
             "tpserve_time_to_first_token_seconds",
             "From the request's arrival at the router to its first token leaving it.",
@@ -92,3 +148,11 @@ class RouterMetrics:
             ["code"],
             registry=r,
         )
+
+    def watch_replicas(self, pool) -> None:
+        """Per-replica gauges read pool.replicas at scrape time."""
+        self._replicas.pool = pool
+
+    def count_failover(self, replica: str, resent: int, failed: int) -> None:
+        self.failovers.labels(replica=replica, outcome="resent").inc(resent)
+        self.failovers.labels(replica=replica, outcome="failed").inc(failed)

@@ -1,7 +1,7 @@
 """The router process: the public Generation service.
 
-Thin by design: validate and tokenize, hand the request to the scheduler, and turn the token stream
-coming back into text (incremental detokenization, stop strings).
+Thin by design: validate and tokenize, hand the request to the replicas (router/pool.py), and turn the
+token stream coming back into text (incremental detokenization, stop strings).
 """
 
 from __future__ import annotations
@@ -17,15 +17,17 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from common import metrics, security, tracing
-from common.grpc_util import OPTIONS, SERVER_OPTIONS, write_port_file
-from common.pb.tpserve.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
+from common.grpc_util import SERVER_OPTIONS, write_port_file
+from common.pb.tpserve.internal.v1 import scheduler_pb2
 from common.pb.tpserve.v1 import generation_pb2, generation_pb2_grpc
 from router.auth import ApiKeyInterceptor, ApiKeys
 from router.buckets import AdmissionQueue
 from router.config import RouterConfig
 from router.detokenizer import IncrementalDetokenizer
 from router.metrics import RouterMetrics
-from router.scheduler_link import QueueFull, SchedulerLink, SchedulerUnavailable
+from router.pool import SchedulerPool
+from router.replicas import RoutingPolicy
+from router.scheduler_link import QueueFull, SchedulerUnavailable
 from router.stop_strings import StopStringMatcher
 from router.validation import Limits, ValidationError, validate_request
 
@@ -35,15 +37,13 @@ FINISH_STOP = generation_pb2.FINISH_REASON_STOP
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, config: RouterConfig, tokenizer, link: SchedulerLink, metrics: RouterMetrics):
+    def __init__(self, config: RouterConfig, tokenizer, link: SchedulerPool, metrics: RouterMetrics):
         self.config = config
         self.metrics = metrics
         self._tracer = tracing.tracer("tpserve.router")
         self.tokenizer = tokenizer
-        self.link = link
+        self.link = link  # every replica, behind one admission queue
         self._limits: Limits | None = None
-        self._stats_channel = security.aio_channel(config.scheduler, config.internal_tls, OPTIONS)
-        self._stats_stub = scheduler_pb2_grpc.SchedulerStub(self._stats_channel)
 
     def _ready_limits(self, context) -> Limits:
         info = self.link.model_info
@@ -207,9 +207,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def GetStats(self, request, context):
         try:
-            stats = await self._stats_stub.GetStats(request, timeout=5.0)
-        except grpc.RpcError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the scheduler did not answer: {e.code().name}")
+            stats = await self.link.stats()
+        except SchedulerUnavailable as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"GetStats: {e}")
         admission = self.link.admission
         stats.num_waiting += len(admission)
         for b in admission.stats(time.monotonic()):
@@ -229,6 +229,11 @@ async def serve(config: RouterConfig) -> None:
     provider = tracing.setup(config.tracing, "router")
     admission = AdmissionQueue(
         config.bucket_edges, config.max_queued_requests, config.max_queue_wait_ms / 1000
+    )
+    policy = RoutingPolicy(
+        short_edge=config.bucket_edges[0] if config.bucket_edges else RoutingPolicy.short_edge,
+        stale_after_s=config.replica_stale_s,
+        prefix_affinity=config.prefix_affinity,
     )
     router_metrics = RouterMetrics(admission)
     tokenizer = AutoTokenizer.from_pretrained(config.model)
@@ -250,15 +255,25 @@ async def serve(config: RouterConfig) -> None:
             asyncio.ensure_future(health_servicer.set(service, status))
 
     on_ready(False)
-    link = SchedulerLink(
-        config.scheduler, on_ready, admission, config.scheduler_retry_s, tls=config.internal_tls
+    link = SchedulerPool(
+        admission,
+        policy,
+        on_ready,
+        schedulers=config.schedulers,
+        dns=config.scheduler_dns,
+        dns_interval_s=config.dns_interval_s,
+        prefix_blocks=config.prefix_affinity_blocks,
+        retry_s=config.scheduler_retry_s,
+        tls=config.internal_tls,
     )
+    router_metrics.watch_replicas(link)
     link.on_admit = lambda add, waited_s: router_metrics.queue_time.observe(waited_s)
+    link.on_failover = router_metrics.count_failover
     servicer = GenerationServicer(config, tokenizer, link, router_metrics)
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     port = security.add_port(server, f"{config.host}:{config.port}", config.tls)
     await server.start()
-    link.start()
+    await link.start()
     metrics_port = metrics.serve(router_metrics.registry, config.host, config.metrics_port)
     write_port_file(config.port_file, port, metrics_port)
     mode = "plaintext" if config.tls is None else "TLS" if config.tls.ca is None else "mutual TLS"

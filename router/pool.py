@@ -1,0 +1,440 @@
+"""The replicas behind the router: one link each, one shared admission queue, the choice and failover.
+
+Requests wait in ONE length-bucketed AdmissionQueue (router/buckets.py: short first, aged ones never
+starved, a bound answered with RESOURCE_EXHAUSTED). A request is bound to a replica only when it leaves
+the queue: whenever some replica has credit, the next request is popped and ReplicaSet.choose picks among
+the replicas that have credit (router/replicas.py: most headroom, short ones to the least loaded, prefix
+affinity). So a busy replica never holds requests an idle one could start.
+
+Failover. A replica whose stream breaks, or whose reports stop for stale_after_s (checked every
+check_s; the scheduler reports at least every 0.5 s), is marked down and its stream dropped (the
+scheduler then drops this router's requests, so none runs twice). Its requests that have not streamed a
+token go back to the queue with their arrival time, to be sent elsewhere; those that have get
+UNAVAILABLE (a client cannot be shown a seam mid-stream). Outputs that still arrive from a replica for a
+request that moved away are dropped. Health is SERVING while at least one replica is up.
+
+The membership is the --scheduler list, or the addresses a DNS name resolves to (a Kubernetes headless
+Service), re-resolved every dns_interval_s in a thread so replicas added or removed are picked up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from common import security
+from common.pb.tpserve.internal.v1 import scheduler_pb2
+from common.pb.tpserve.v1 import generation_pb2
+from router.buckets import AdmissionQueue
+from router.replicas import ReplicaLoad, ReplicaSet, Routed, RoutingPolicy
+from router.scheduler_link import QueueFull, SchedulerLink, SchedulerUnavailable
+
+log = logging.getLogger("tpserve.router")
+
+# (host, port) -> the "HOST:PORT" addresses it resolves to now; raises OSError when it cannot tell.
+Resolver = Callable[[str, int], list[str]]
+
+
+def resolve_dns(host: str, port: int) -> list[str]:
+    """Every address a name resolves to (a headless Service: one A/AAAA record per ready pod)."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    out = set()
+    for family, *_, sockaddr in infos:
+        ip = sockaddr[0]
+        out.add(f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}")
+    return sorted(out)
+
+
+def prefix_key(prompt: list[int], num_tokens: int) -> str | None:
+    """Identifies a prompt's first num_tokens tokens (whole KV blocks, so the scheduler's prefix cache
+    can hit); None for shorter prompts."""
+    if len(prompt) < num_tokens:
+        return None
+    data = b"".join(t.to_bytes(4, "little") for t in prompt[:num_tokens])
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+@dataclass
+class _Request:
+    add: scheduler_pb2.AddRequest
+    arrival: float  # time.monotonic() at the router: kept through failover, so its queue age is true
+    queue: asyncio.Queue  # the servicer's: RequestOutputs, then the end
+    prefix_key: str | None
+    routed: Routed | None = None  # where it runs; None while it waits in the admission queue
+    attempts: int = 0  # replicas it was sent to
+
+
+class SchedulerPool:
+    def __init__(
+        self,
+        admission: AdmissionQueue,
+        policy: RoutingPolicy,
+        on_ready: Callable[[bool], None],
+        *,
+        schedulers: tuple[str, ...] = (),
+        dns: str | None = None,  # NAME:PORT, re-resolved every dns_interval_s
+        resolver: Resolver = resolve_dns,
+        dns_interval_s: float = 5.0,
+        prefix_blocks: int = 4,  # --prefix-affinity: the key covers this many KV blocks of the prompt
+        retry_s: float = 0.5,
+        check_s: float = 0.5,
+        tls: security.TlsFiles | None = None,
+    ):
+        if not schedulers and not dns:
+            raise ValueError("give at least one --scheduler or a --scheduler-dns")
+        self.admission = admission
+        self.replicas = ReplicaSet(policy)
+        self.on_ready = on_ready
+        self.on_admit = lambda add, waited_s: None  # the servicer's metrics hook
+        self.on_failover = lambda replica, resent, failed: None
+        self._static = tuple(schedulers)
+        self._dns = dns
+        self._resolver = resolver
+        self._dns_interval_s = dns_interval_s
+        self._prefix_blocks = prefix_blocks
+        self._retry_s = retry_s
+        self._check_s = check_s
+        self._tls = tls
+        self.links: dict[str, SchedulerLink] = {}
+        self._requests: dict[str, _Request] = {}
+        self._ready = False
+        self._tasks: list[asyncio.Task] = []
+
+    # ---- membership ----
+
+    async def start(self) -> None:
+        for target in self._static:
+            self._add(target)
+        if self._dns:
+            await self._resolve_once()
+            self._tasks.append(asyncio.create_task(self._resolve_forever()))
+        self._tasks.append(asyncio.create_task(self._check_forever()))
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for link in list(self.links.values()):
+            await link.close()
+
+    def _add(self, target: str) -> None:
+        if target in self.links:
+            return
+        server_name = self._dns.rpartition(":")[0] if self._dns else None
+        link = SchedulerLink(target, self, self._retry_s, self._tls, server_name)
+        self.links[target] = link
+        self.replicas.add(target)
+        link.start()
+        log.info("replica %s added", target)
+
+    async def _remove(self, target: str) -> None:
+        link = self.links.pop(target, None)
+        if link is None:
+            return
+        log.info("replica %s removed (gone from DNS)", target)
+        self._fail_over(target, "removed")
+        self.replicas.remove(target)
+        await link.close()
+        self._update_health()
+
+    async def _resolve_once(self) -> None:
+        host, _, port = self._dns.rpartition(":")
+        try:
+            found = set(await asyncio.to_thread(self._resolver, host, int(port)))
+        except OSError as e:  # a DNS blip must not drop every replica: keep the ones we have
+            log.warning("resolving %s failed (%s): keeping %d replica(s)", self._dns, e, len(self.links))
+            return
+        for target in sorted(found - set(self.links)):
+            self._add(target)
+        for target in sorted(set(self.links) - found):
+            await self._remove(target)
+
+    async def _resolve_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._dns_interval_s)
+            await self._resolve_once()
+
+    async def _check_forever(self) -> None:
+        """Replicas that stopped reporting are down (their stream is dropped); health follows."""
+        while True:
+            await asyncio.sleep(self._check_s)
+            for target in self.replicas.expire(time.monotonic()):
+                log.warning(
+                    "replica %s sent no load report for %.1fs: dropping it",
+                    target,
+                    self.replicas.policy.stale_after_s,
+                )
+                self._fail_over(target, "stale")
+                link = self.links.get(target)
+                if link is not None:
+                    link.drop()
+            self._update_health()
+
+    # ---- what the servicer calls ----
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    @property
+    def model_info(self) -> generation_pb2.ModelInfo | None:
+        """The model, as the replicas that answered describe it; the smallest max_model_len wins, since a
+        request may run on any of them."""
+        infos = [link.model_info for link in self.links.values() if link.model_info is not None]
+        return min(infos, key=lambda i: i.max_model_len) if infos else None
+
+    def in_flight(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def submit(self, add: scheduler_pb2.AddRequest) -> asyncio.Queue:
+        """Queues the request for admission; its outputs arrive on the returned queue."""
+        if not self.ready:
+            raise SchedulerUnavailable("no replica is ready")
+        now = time.monotonic()
+        if not self.admission.push(add.request_id, len(add.prompt_token_ids), now, add.request_id):
+            raise QueueFull(f"{len(self.admission)} requests are already waiting; try again later")
+        key = None
+        info = self.model_info
+        if self.replicas.policy.prefix_affinity and info is not None:
+            key = prefix_key(add.prompt_token_ids, self._prefix_blocks * info.block_size)
+        req = _Request(add, now, asyncio.Queue(), key)
+        self._requests[add.request_id] = req
+        self._pump()
+        return req.queue
+
+    def abort(self, request_id: str) -> None:
+        """The router no longer wants request_id (finished by stop string, cancelled, disconnected)."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return
+        if self.admission.remove(request_id) is not None:
+            self._report_depth()
+        elif req.routed is not None and req.routed.replica in self.links:
+            self.links[req.routed.replica].abort(request_id)
+
+    def done(self, request_id: str) -> None:
+        """The request ended normally: stop routing to it."""
+        self._requests.pop(request_id, None)
+
+    # ---- admission and the choice ----
+
+    def _pump(self) -> None:
+        """Sends queued requests while some replica has credit, each to the best replica with credit."""
+        now = time.monotonic()
+        while len(self.admission):
+            allowed = {
+                t
+                for t, link in self.links.items()
+                if link.connected and link.credits.available > 0 and self.replicas.is_up(t, now)
+            }
+            if not allowed:
+                break
+            req = self._requests[self.admission.pop(now)]
+            target = self.replicas.choose(
+                len(req.add.prompt_token_ids), req.prefix_key, now=now, allowed=allowed
+            )
+            link = self.links[target]
+            link.credits.take()
+            req.attempts += 1
+            req.routed = Routed(target, len(req.add.prompt_token_ids), req.prefix_key, req.attempts)
+            self.on_admit(req.add, now - req.arrival)
+            link.send(req.add)
+        self._report_depth()
+
+    def _report_depth(self) -> None:
+        """Each replica is told its share of what waits here (any of them may get any of it)."""
+        now = time.monotonic()
+        up = [link for t, link in self.links.items() if self.replicas.is_up(t, now)]
+        share = -(-len(self.admission) // max(1, len(up)))
+        for link in up:
+            link.report_depth(share)
+
+    # ---- what the links report ----
+
+    def on_connected(self, link: SchedulerLink) -> None:
+        info = self.model_info
+        if info is not None and link.model_info is not None:
+            mine = link.model_info
+            if (mine.model_name, mine.vocab_size) != (info.model_name, info.vocab_size):
+                log.error(
+                    "replica %s serves %s (vocab %d), the others %s (vocab %d)",
+                    link.target,
+                    mine.model_name,
+                    mine.vocab_size,
+                    info.model_name,
+                    info.vocab_size,
+                )
+
+    def on_load(self, link: SchedulerLink, msg: scheduler_pb2.LoadReport) -> None:
+        if link.target not in self.replicas:
+            return
+        load = ReplicaLoad(
+            waiting=msg.waiting,
+            running=msg.running,
+            kv_blocks_free=min(msg.kv_blocks_free, msg.kv_blocks_total),
+            kv_blocks_total=msg.kv_blocks_total,
+            max_num_seqs=max(1, msg.max_num_seqs),
+            step_seconds=msg.step_seconds,
+            shards_ready=msg.shards_ready,
+        )
+        # Requests sent since the scheduler computed the report are not in it yet.
+        in_transit = max(0, link.credits.sent - msg.adds_received)
+        was_up = self.replicas.is_up(link.target, time.monotonic())
+        self.replicas.report(link.target, load, time.monotonic(), in_transit=in_transit)
+        if not was_up:
+            self._update_health()
+            self._pump()
+
+    def on_credit(self, link: SchedulerLink) -> None:
+        self._pump()
+
+    def on_output(self, link: SchedulerLink, out: scheduler_pb2.RequestOutput) -> None:
+        req = self._requests.get(out.request_id)
+        if req is None or req.routed is None or req.routed.replica != link.target:
+            return  # aborted, or moved to another replica: whatever this one says is stale
+        # The replica refused or lost it before any token (its shards are down): try another one.
+        if out.error and out.error_code == "UNAVAILABLE" and not req.routed.streamed and self._requeue(req):
+            self._pump()
+            return
+        if out.token_ids:
+            req.routed.streamed = True
+        req.queue.put_nowait(out)
+        if out.finish_reason or out.error:
+            self._requests.pop(out.request_id, None)
+
+    def on_lost(self, link: SchedulerLink, reason: str) -> None:
+        if link.target not in self.replicas:
+            return
+        self.replicas.mark_down(link.target, time.monotonic(), reason)
+        self._fail_over(link.target, reason)
+        self._update_health()
+
+    # ---- failover ----
+
+    def _requeue(self, req: _Request) -> bool:
+        """Puts a request that streamed nothing back in the queue (its arrival kept); False when it has
+        had its attempts (it may be what crashes schedulers) or no replica could take it."""
+        if req.attempts >= self.replicas.policy.max_attempts or not self.ready:
+            return False
+        req.routed = None
+        self.admission.requeue(
+            req.add.request_id, len(req.add.prompt_token_ids), req.arrival, req.add.request_id
+        )
+        return True
+
+    def _fail_over(self, target: str, reason: str) -> None:
+        """Replica target is gone: its requests that streamed nothing are queued again (sent elsewhere
+        as credit allows), the others end with UNAVAILABLE.
+
+        ReplicaSet.reassign makes the same decision but binds each request to a new replica at once;
+        here requests are bound only when credit allows, so they go back through the shared queue.
+        """
+        self._update_health()
+        mine = [r for r in self._requests.values() if r.routed is not None and r.routed.replica == target]
+        resent = failed = 0
+        for req in sorted(mine, key=lambda r: r.arrival):
+            if not req.routed.streamed and self._requeue(req):
+                resent += 1
+                continue
+            failed += 1
+            self._requests.pop(req.add.request_id, None)
+            req.queue.put_nowait(
+                scheduler_pb2.RequestOutput(
+                    request_id=req.add.request_id,
+                    error=f"the replica at {target} was lost ({reason})",
+                    error_code="UNAVAILABLE",
+                )
+            )
+        if mine:
+            log.warning(
+                "replica %s lost (%s): %d request(s) requeued, %d failed", target, reason, resent, failed
+            )
+            self.on_failover(target, resent, failed)
+        if not self.ready:
+            self._fail_queued("no replica is ready")
+        self._pump()
+
+    def _fail_queued(self, message: str) -> None:
+        """No replica is up: queued requests fail rather than wait for one that may not come back."""
+        while (request_id := self.admission.pop(float("inf"))) is not None:
+            req = self._requests.pop(request_id, None)
+            if req is not None:
+                req.queue.put_nowait(
+                    scheduler_pb2.RequestOutput(
+                        request_id=request_id, error=message, error_code="UNAVAILABLE"
+                    )
+                )
+
+    def _update_health(self) -> None:
+        ready = self.model_info is not None and self.replicas.healthy(time.monotonic())
+        if ready != self._ready:
+            self._ready = ready
+            log.log(
+                logging.INFO if ready else logging.WARNING,
+                "router %s",
+                "serving" if ready else "has no replica up: new requests get UNAVAILABLE",
+            )
+            self.on_ready(ready)
+
+    # ---- stats ----
+
+    async def stats(self) -> generation_pb2.Stats:
+        """Sums over the replicas whose scheduler answers, with one ReplicaStats each."""
+        targets = list(self.links)
+
+        async def ask(t):
+            try:
+                return await self.links[t].stub.GetStats(generation_pb2.StatsRequest(), timeout=5.0)
+            except grpc.RpcError:
+                return None
+
+        answers = dict(zip(targets, await asyncio.gather(*(ask(t) for t in targets)), strict=True))
+        if not any(a is not None for a in answers.values()):
+            raise SchedulerUnavailable("no scheduler answered")
+        total = generation_pb2.Stats()
+        sums = (
+            "kv_blocks_total",
+            "kv_blocks_free",
+            "num_running",
+            "num_waiting",
+            "num_swapped",
+            "num_preemptions_total",
+            "num_steps_total",
+            "batched_seqs_total",
+            "batched_tokens_total",
+            "step_seconds_total",
+            "forward_seconds_total",
+            "allreduce_seconds_total",
+        )
+        for s in answers.values():
+            if s is not None:
+                for name in sums:
+                    setattr(total, name, getattr(total, name) + getattr(s, name))
+        for r in self.replicas.stats(time.monotonic()):
+            if r.replica not in answers:
+                continue
+            s = answers[r.replica]
+            entry = total.replicas.add(
+                replica=r.replica,
+                up=r.up,
+                down_reason=r.reason,
+                report_age_seconds=r.report_age_s if r.load is not None else -1.0,
+                routed_total=r.routed_total,
+                pending=r.pending,
+                headroom=r.headroom if r.up else 0.0,
+                stats_answered=s is not None,
+            )
+            if s is not None:
+                entry.num_running, entry.num_waiting = s.num_running, s.num_waiting
+                entry.kv_blocks_total, entry.kv_blocks_free = s.kv_blocks_total, s.kv_blocks_free
+                entry.num_steps_total, entry.batched_tokens_total = s.num_steps_total, s.batched_tokens_total
+            elif r.load is not None:
+                entry.num_running, entry.num_waiting = r.load.running, r.load.waiting
+                entry.kv_blocks_total, entry.kv_blocks_free = r.load.kv_blocks_total, r.load.kv_blocks_free
+        return total
