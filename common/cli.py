@@ -16,6 +16,12 @@ from shard_worker import config as worker_config
 def _launch_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
     p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size: shard workers, one per device")
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="model replicas (a scheduler and --tp workers each) behind the router",
+    )
     p.add_argument("--host", default="127.0.0.1", help="router address (0.0.0.0 to serve other hosts)")
     p.add_argument("--port", type=int, default=50051, help="router port (0: any free port)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -142,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                 LaunchConfig(
                     model=a.model,
                     tp=a.tp,
+                    replicas=a.replicas,
                     host=a.host,
                     port=a.port,
                     device=a.device,

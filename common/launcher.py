@@ -1,6 +1,7 @@
 """`tpserve launch`: the whole stack on one machine, as separate OS processes.
 
-Starts the shard workers (one per rank), the scheduler and the router, each binding a free port and
+Starts `--replicas` model replicas (each: one shard worker per rank and a scheduler) and one router in
+front of them, each binding a free port and
 reporting it through a file (no race over "free" ports), waits until the router's health is SERVING,
 then watches them: a child that dies takes the stack down with an error naming it; SIGINT/SIGTERM
 stop every child, router first so clients see the drain before the workers go.
@@ -44,6 +45,7 @@ def _die_with_parent() -> None:
 class LaunchConfig:
     model: str
     tp: int = 1
+    replicas: int = 1  # model replicas (scheduler + tp workers each) behind the one router
     host: str = "127.0.0.1"
     port: int = 50051
     device: str = "cpu"
@@ -68,6 +70,8 @@ class LaunchConfig:
     def __post_init__(self):
         if self.tp < 1:
             raise ValueError(f"--tp must be at least 1, got {self.tp}")
+        if self.replicas < 1:
+            raise ValueError(f"--replicas must be at least 1, got {self.replicas}")
         if self.tls is not None and self.tls.ca and not self.health_auth.cert:
             raise ValueError(
                 "--tls-client-ca makes clients present certificates, the launcher's readiness check too: "
@@ -83,6 +87,7 @@ class Child:
     proc: subprocess.Popen
     args: list[str]  # to start it again on the same port
     port_file: Path
+    replica: int | None = None  # the model replica a scheduler or worker belongs to
 
     @property
     def alive(self) -> bool:
@@ -96,7 +101,7 @@ class Stack:
         self.metrics: dict[str, int] = {}  # child name -> its /metrics port
         self.tmp = Path(tempfile.mkdtemp(prefix="tpserve-"))
 
-    def _spawn(self, name: str, args: list[str], port_file: Path) -> Child:
+    def _spawn(self, name: str, args: list[str], port_file: Path, replica: int | None = None) -> Child:
         cfg = self.config
         cmd = [
             sys.executable,
@@ -113,7 +118,7 @@ class Stack:
         port_file.unlink(missing_ok=True)
         # Own session: a Ctrl-C in the terminal reaches only the launcher, which stops children in order.
         proc = subprocess.Popen(cmd, preexec_fn=_die_with_parent, start_new_session=True)
-        child = Child(name, proc, args, port_file)
+        child = Child(name, proc, args, port_file, replica)
         self.children.append(child)
         log.info("started %s (pid %d)", name, proc.pid)
         return child
@@ -130,36 +135,53 @@ class Stack:
             log.info("%s metrics on http://127.0.0.1:%d/metrics", child.name, ports["metrics_port"])
         return ports["port"]
 
-    def _worker_args(self, rank: int, dist_init: str, port: int) -> list[str]:
+    @staticmethod
+    def scheduler_name(replica: int) -> str:
+        """Replica 0 keeps the names of a single-replica launch ("scheduler", "shard-worker rank 0")."""
+        return "scheduler" if replica == 0 else f"scheduler {replica}"
+
+    @staticmethod
+    def worker_name(replica: int, rank: int) -> str:
+        return f"shard-worker rank {rank}" if replica == 0 else f"shard-worker {replica} rank {rank}"
+
+    def _worker_args(self, replica: int, rank: int, dist_init: str, port: int) -> list[str]:
         cfg = self.config
         args = ["shard-worker", "--model", cfg.model, "--rank", str(rank), "--world-size", str(cfg.tp)]
         args += ["--dist-init", dist_init, "--device", cfg.device, "--dtype", cfg.dtype]
-        return args + ["--port", str(port), "--port-file", str(self.tmp / f"worker{rank}.port")]
+        port_file = self.tmp / f"worker{replica}-{rank}.port"
+        return args + ["--port", str(port), "--port-file", str(port_file)]
 
-    def _start_workers(self, ports: list[int]) -> list[int]:
+    def _spawn_workers(self, replica: int, ports: list[int]) -> list[Child]:
         # A fresh rendezvous port each time: a restarted group must not meet the old store.
         dist_init = f"127.0.0.1:{free_port()}"
         workers = []
         for rank, port in enumerate(ports):
-            args = self._worker_args(rank, dist_init, port)
-            workers.append(self._spawn(f"shard-worker rank {rank}", args, self.tmp / f"worker{rank}.port"))
-        return [self._port_of(c) for c in workers]
+            args = self._worker_args(replica, rank, dist_init, port)
+            port_file = Path(args[-1])
+            workers.append(self._spawn(self.worker_name(replica, rank), args, port_file, replica))
+        return workers
+
+    def _spawn_scheduler(self, replica: int, port: int) -> Child:
+        cfg = self.config
+        port_file = self.tmp / f"scheduler{replica}.port"
+        args = ["scheduler", "--port", str(port), "--port-file", str(port_file), *cfg.scheduler_args]
+        for worker_port in self.worker_ports[replica]:
+            args += ["--worker", f"127.0.0.1:{worker_port}"]
+        return self._spawn(self.scheduler_name(replica), args, port_file, replica)
 
     def start(self) -> str:
         cfg = self.config
-        self.worker_ports = self._start_workers([0] * cfg.tp)
-        worker_addrs = [f"127.0.0.1:{port}" for port in self.worker_ports]
-
-        port_file = self.tmp / "scheduler.port"
-        args = ["scheduler", "--port", "0", "--port-file", str(port_file), *cfg.scheduler_args]
-        for addr in worker_addrs:
-            args += ["--worker", addr]
-        scheduler = self._spawn("scheduler", args, port_file)
-        self.scheduler_port = self._port_of(scheduler)
-        scheduler_addr = f"127.0.0.1:{self.scheduler_port}"
+        # Every replica's processes start together (loading the model is most of the time), then their
+        # ports are collected.
+        groups = [self._spawn_workers(i, [0] * cfg.tp) for i in range(cfg.replicas)]
+        self.worker_ports = [[self._port_of(c) for c in group] for group in groups]
+        schedulers = [self._spawn_scheduler(i, 0) for i in range(cfg.replicas)]
+        self.scheduler_ports = [self._port_of(c) for c in schedulers]
 
         port_file = self.tmp / "router.port"
-        args = ["router", "--scheduler", scheduler_addr, "--model", cfg.model]
+        args = ["router", "--model", cfg.model]
+        for port in self.scheduler_ports:
+            args += ["--scheduler", f"127.0.0.1:{port}"]
         args += ["--host", cfg.host, "--port", str(cfg.port), "--port-file", str(port_file), *cfg.router_args]
         args += security.public_flags(cfg.tls)
         if cfg.api_key_file:
@@ -179,19 +201,30 @@ class Stack:
         return router_addr
 
     def restart(self, dead: Child) -> None:
-        """Starts a dead scheduler, or the whole worker group after any rank died (a process group
-        cannot take a new member), on the same ports, so the others reconnect by themselves."""
+        """Starts a dead scheduler, or the whole worker group of its replica after any rank died (a
+        process group cannot take a new member), on the same ports, so the others reconnect by
+        themselves. Other replicas are not touched."""
         self.children.remove(dead)
-        if dead.name == "scheduler":
-            args = list(dead.args)
-            args[args.index("--port") + 1] = str(self.scheduler_port)
-            self._port_of(self._spawn("scheduler", args, dead.port_file))
+        replica = dead.replica
+        if dead.name == self.scheduler_name(replica):
+            self._port_of(self._spawn_scheduler(replica, self.scheduler_ports[replica]))
             return
-        workers = [c for c in self.children if c.name.startswith("shard-worker")]
+        workers = [c for c in self.children if c.replica == replica and c.name.startswith("shard-worker")]
         self._terminate(workers, grace_s=5.0)
         for c in workers:
             self.children.remove(c)
-        self._start_workers(self.worker_ports)
+        for c in self._spawn_workers(replica, self.worker_ports[replica]):
+            self._port_of(c)
+
+    def live_replicas(self) -> int:
+        return len({c.replica for c in self.children if c.replica is not None})
+
+    def abandon(self, replica: int) -> None:
+        """Stops what is left of a replica that cannot be restarted; the router routes around it."""
+        group = [c for c in self.children if c.replica == replica]
+        self._terminate(group, grace_s=5.0)
+        for c in group:
+            self.children.remove(c)
 
     def _terminate(self, children: list[Child], grace_s: float) -> None:
         for child in children:
@@ -231,15 +264,31 @@ def launch(config: LaunchConfig) -> int:
                 return 0
             log.error("start-up failed: %s", e)
             return 1
-        log.info("tpserve serving on %s (tensor_parallel_size %d); Ctrl-C stops it", target, config.tp)
+        log.info(
+            "tpserve serving on %s (%d replica(s), tensor_parallel_size %d); Ctrl-C stops it",
+            target,
+            config.replicas,
+            config.tp,
+        )
         if config.ready_file:
+            replicas = [
+                {
+                    "scheduler": f"127.0.0.1:{sched_port}",
+                    "workers": [f"127.0.0.1:{port}" for port in worker_ports],
+                }
+                for sched_port, worker_ports in zip(stack.scheduler_ports, stack.worker_ports, strict=True)
+            ]
             info = {
                 "target": target,
+                # Replica 0's processes keep the single-replica names ("scheduler", "shard-worker rank
+                # 0"); replica i's are "scheduler i", "shard-worker i rank 0", ...
                 "pids": {c.name: c.proc.pid for c in stack.children},
                 "metrics_ports": stack.metrics,
-                # Internal ports, for tests and tools that talk to a process directly.
-                "scheduler": f"127.0.0.1:{stack.scheduler_port}",
-                "workers": [f"127.0.0.1:{port}" for port in stack.worker_ports],
+                # Internal ports, for tests and tools that talk to a process directly: replica 0's, and
+                # every replica's under "replicas".
+                "scheduler": replicas[0]["scheduler"],
+                "workers": replicas[0]["workers"],
+                "replicas": replicas,
             }
             tmp = Path(f"{config.ready_file}.tmp")
             tmp.write_text(json.dumps(info))
@@ -250,6 +299,13 @@ def launch(config: LaunchConfig) -> int:
             if dead is None:
                 continue
             what = f"{dead.name} (pid {dead.proc.pid}) exited with code {dead.proc.returncode}"
+            if dead.name != "router" and restarts >= config.max_restarts and stack.live_replicas() > 1:
+                # Other replicas still serve behind the router: give this one up, keep the launch.
+                stack.abandon(dead.replica)
+                log.error(
+                    "%s: replica %d is down for good, %d left", what, dead.replica, stack.live_replicas()
+                )
+                continue
             if dead.name == "router" or restarts >= config.max_restarts:
                 log.error("%s: stopping", what)
                 return 1
