@@ -1,0 +1,211 @@
+"""Several model replicas behind one router, through the real processes; and DNS discovery.
+
+What a user would notice: work spread over every replica with the outputs one replica gives, and a
+replica dying mid-load without losing a request that had not started streaming.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import threading
+
+import grpc
+import pytest
+
+from common.pb.tpserve.v1 import generation_pb2 as pb
+from common.pb.tpserve.v1 import generation_pb2_grpc
+from router.buckets import AdmissionQueue
+from router.pool import SchedulerPool, prefix_key, resolve_dns
+from router.replicas import RoutingPolicy
+from tests.conftest import launch
+from tests.reference import GREEDY, MAX_NEW, generate, hf_greedy, run_concurrently
+from tests.test_reliability import serving, wait_until
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    return hf_greedy(tiny_model)
+
+
+def test_two_replicas_spread_32_requests_and_give_one_replicas_outputs(tiny_model, reference):
+    with launch(tiny_model, "--replicas", "2", "--dtype", "float64") as (target, info):
+        assert {"scheduler", "scheduler 1", "shard-worker rank 0", "shard-worker 1 rank 0"} <= set(
+            info["pids"]
+        )
+        with grpc.insecure_channel(target) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            prompts = [list(ids) for ids in reference]
+            reqs = [
+                dict(
+                    token_ids=prompts[i % len(prompts)],
+                    max_new_tokens=MAX_NEW,
+                    ignore_eos=True,
+                    sampling=GREEDY,
+                )
+                for i in range(32)
+            ]
+            results = run_concurrently(stub, reqs)
+            for kw, (tokens, _, reason, _) in zip(reqs, results, strict=True):
+                assert tokens == reference[tuple(kw["token_ids"])], f"prompt of {len(kw['token_ids'])} tokens"
+                assert reason == pb.FINISH_REASON_LENGTH
+            stats = stub.GetStats(pb.StatsRequest())
+            by_addr = {r.replica: r for r in stats.replicas}
+            assert set(by_addr) == {r["scheduler"] for r in info["replicas"]}
+            for r in by_addr.values():
+                # Both replicas did real work, and are idle again with every block back.
+                assert r.up and r.stats_answered and r.routed_total >= 4 and r.num_steps_total > 0, r
+                assert r.kv_blocks_free == r.kv_blocks_total > 0 and r.num_running == 0
+            assert sum(r.routed_total for r in by_addr.values()) == 32
+            # The totals are the sums over the replicas.
+            assert stats.num_steps_total == sum(r.num_steps_total for r in by_addr.values())
+            assert stats.kv_blocks_total == sum(r.kv_blocks_total for r in by_addr.values())
+
+
+def test_a_killed_replica_loses_no_request_that_had_not_streamed(tiny_model):
+    # Two sequences at a time per replica, so most requests are still queued (in the router, or sent to
+    # a scheduler and waiting there) when the replica dies. Restarts are off: it stays dead.
+    flags = ("--replicas", "2", "--max-num-seqs", "2", "--admission-window", "4")
+    with launch(tiny_model, *flags) as (target, info):
+        victim = info["replicas"][1]["scheduler"]
+        with grpc.insecure_channel(target) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+
+            def victim_stats():
+                return next(r for r in stub.GetStats(pb.StatsRequest()).replicas if r.replica == victim)
+
+            results: dict[int, tuple[int, grpc.StatusCode | None]] = {}
+
+            def one(i):
+                n = 0
+                try:
+                    for resp in stub.Generate(
+                        pb.GenerateRequest(text=f"load {i}", max_new_tokens=40, ignore_eos=True), timeout=120
+                    ):
+                        n += len(resp.token_ids)
+                    results[i] = (n, None)
+                except grpc.RpcError as e:
+                    results[i] = (n, e.code())
+
+            threads = [threading.Thread(target=one, args=(i,)) for i in range(32)]
+            for t in threads:
+                t.start()
+            wait_until(lambda: victim_stats().num_running > 0, 30, "the victim replica running requests")
+            os.kill(info["pids"]["scheduler 1"], signal.SIGKILL)
+            for t in threads:
+                t.join(120)
+            assert len(results) == 32
+            failed = {i: r for i, r in results.items() if r[1] is not None}
+            # Only requests that had streamed tokens may fail, and only with UNAVAILABLE.
+            assert all(code == grpc.StatusCode.UNAVAILABLE and n > 0 for n, code in failed.values()), failed
+            assert all(n == 40 for n, code in results.values() if code is None)
+            assert len(failed) <= 2  # at most the victim's running batch
+            # The router marked it down, stays SERVING, and new requests avoid it.
+            down = wait_until(lambda: not victim_stats().up, 5, "the victim marked down")
+            assert down
+            assert serving(target)
+            for i in range(4):
+                assert len(generate(stub, text=f"after {i}", max_new_tokens=3, ignore_eos=True)[0]) == 3
+            assert info["launcher"].poll() is None  # the launch goes on with one replica
+            # The kill did catch requests sent to the victim that had streamed nothing: they moved.
+            moved = re.search(
+                r"lost \(.*\): (\d+) request\(s\) requeued, (\d+) failed", info["log"].read_text()
+            )
+            assert moved and int(moved.group(1)) >= 1 and int(moved.group(2)) == len(failed), moved
+
+
+# ---- discovery: the pool's DNS re-resolution, with an injected resolver (no DNS server needed)
+
+
+def test_dns_discovery_adds_and_drops_replicas_and_keeps_them_through_a_failed_lookup():
+    answers = {"now": ["10.0.0.1:50052", "10.0.0.2:50052"]}
+    asked = []
+
+    def resolver(host, port):
+        asked.append((host, port))
+        if answers["now"] is None:
+            raise OSError("temporary failure in name resolution")
+        return answers["now"]
+
+    async def scenario():
+        pool = SchedulerPool(
+            AdmissionQueue(),
+            RoutingPolicy(),
+            on_ready=lambda ready: None,
+            dns="tpserve-scheduler:50052",
+            resolver=resolver,
+            dns_interval_s=0.02,
+            retry_s=10.0,
+        )
+        await pool.start()
+        try:
+            seen = [set(pool.links)]
+            answers["now"] = ["10.0.0.2:50052", "10.0.0.3:50052"]  # one replica scaled in, one out
+            await asyncio.sleep(0.2)
+            seen.append(set(pool.links))
+            answers["now"] = None  # DNS down: keep what we have
+            await asyncio.sleep(0.2)
+            seen.append(set(pool.links))
+            return seen, pool.replicas.ids(), pool.ready
+        finally:
+            await pool.close()
+
+    seen, ids, ready = asyncio.run(scenario())
+    assert seen[0] == {"10.0.0.1:50052", "10.0.0.2:50052"}
+    assert seen[1] == seen[2] == {"10.0.0.2:50052", "10.0.0.3:50052"}
+    assert ids == sorted(seen[2])
+    assert not ready  # none of them ever reported
+    assert asked[0] == ("tpserve-scheduler", 50052) and len(asked) > 5
+
+
+def test_resolve_dns_lists_every_address_once():
+    addrs = resolve_dns("localhost", 50052)
+    assert addrs and all(a.endswith(":50052") for a in addrs) and len(addrs) == len(set(addrs))
+    assert "127.0.0.1:50052" in addrs or "[::1]:50052" in addrs
+
+
+def test_prefix_key_covers_whole_blocks_only():
+    a = list(range(100))
+    assert prefix_key(a, 64) == prefix_key(a[:64] + [7] * 10, 64)
+    assert prefix_key(a, 64) != prefix_key([1, *a[1:]], 64)
+    assert prefix_key(a[:63], 64) is None
+
+
+def test_router_found_through_scheduler_dns_serves(tiny_model):
+    """`tpserve router --scheduler-dns localhost:PORT` in front of a running scheduler."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    with launch(tiny_model) as (_, info):
+        port = info["scheduler"].rpartition(":")[2]
+        port_file = ROOT / f".router-dns-{os.getpid()}.port"
+        cmd = [
+            sys.executable,
+            "-m",
+            "common.cli",
+            "--log-level",
+            "WARNING",
+            "router",
+            "--model",
+            str(tiny_model),
+        ]
+        cmd += ["--scheduler-dns", f"localhost:{port}", "--port", "0", "--port-file", str(port_file)]
+        proc = subprocess.Popen(cmd, cwd=ROOT)
+        try:
+            from common.grpc_util import read_port_file
+
+            target = f"127.0.0.1:{read_port_file(port_file, 60, lambda: proc.poll() is None)['port']}"
+            wait_until(lambda: serving(target), 30, "the DNS-discovered router SERVING")
+            with grpc.insecure_channel(target) as channel:
+                stub = generation_pb2_grpc.GenerationStub(channel)
+                assert len(generate(stub, text="via dns", max_new_tokens=4, ignore_eos=True)[0]) == 4
+                stats = stub.GetStats(pb.StatsRequest())
+                assert any(r.up and r.replica.endswith(f":{port}") for r in stats.replicas)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(30)
+            port_file.unlink(missing_ok=True)
