@@ -50,8 +50,6 @@ SEED_KNOBS = {  # DESIGN.md "Knobs", the seed's values
 }
 # A worker's gRPC port opens only once its shard is loaded: how long its startup probe must allow.
 WORKER_STARTUP_BUDGET_S = 30 * 60
-# ConfigMap keys that no process takes yet, and the flag that will take them.
-UNWIRED_KNOBS = {"TPSERVE_SWAP_SPACE_GIB": "--swap-space"}
 
 
 # ---------------------------------------------------------------- rendering
@@ -449,9 +447,19 @@ def test_only_the_router_is_exposed(directory):
     _, router = _tpserve(_one(objects, "Deployment", "router"), objects)
     _, scheduler = _tpserve(_one(objects, "Deployment", "scheduler"), objects)
     scheduler_service = _one(objects, "Service", "scheduler")
-    host, _, port = router.scheduler.rpartition(":")
+    # The router finds every replica's scheduler through DNS: the headless Service's addresses.
+    assert router.schedulers == () and router.scheduler_dns
+    host, _, port = router.scheduler_dns.rpartition(":")
     assert host == scheduler_service["metadata"]["name"] and int(port) == scheduler.port
     assert scheduler.port in {p["port"] for p in scheduler_service["spec"]["ports"]}
+    assert scheduler_service["spec"]["clusterIP"] == "None"  # one DNS record per scheduler pod
+    # A scheduler whose ranks are lost stays listed: the router waits on its load reports, not DNS.
+    assert scheduler_service["spec"]["publishNotReadyAddresses"] is True
+    # It selects schedulers of any replica (component only), and nothing else.
+    assert scheduler_service["spec"]["selector"] == {
+        "app.kubernetes.io/name": "tpserve",
+        "app.kubernetes.io/component": "scheduler",
+    }
 
 
 @pytest.mark.parametrize("directory", KUSTOMIZATIONS)
@@ -528,25 +536,13 @@ def test_configmap_holds_the_seed_knobs_and_each_is_used(directory):
         for var in _main_container(w).get("env", [])
         if "configMapKeyRef" in var.get("valueFrom", {})
     }
-    assert set(data) - used == set(UNWIRED_KNOBS), "a ConfigMap key no container reads"
+    assert set(data) == used, "a ConfigMap key no container reads"
     # What reaches the scheduler is what the ConfigMap says.
     _, scheduler = _tpserve(_one(objects, "Deployment", "scheduler"), objects)
     assert scheduler.max_num_seqs == int(data["TPSERVE_MAX_NUM_SEQS"])
     assert scheduler.block_size == int(data["TPSERVE_BLOCK_SIZE"])
+    assert scheduler.swap_space == float(data["TPSERVE_SWAP_SPACE_GIB"])
     assert scheduler.gpu_memory_utilization == float(data["TPSERVE_GPU_MEMORY_UTILIZATION"])
-
-
-def test_unwired_knobs_wait_for_their_flags():
-    """swap_space sits in the ConfigMap but no flag takes it yet; when one does, wire it (this says where)."""
-    options = {
-        opt
-        for action in cli.build_parser()._subparsers._group_actions[0].choices.values()
-        for a in action._actions
-        for opt in a.option_strings
-    }
-    for key, flag in UNWIRED_KNOBS.items():
-        if flag in options:
-            pytest.skip(f"{flag} exists now: pass $({key}) to the process that takes it in k8s/base")
 
 
 @pytest.mark.parametrize("directory", KUSTOMIZATIONS)
