@@ -138,6 +138,26 @@ def _one(objects, kind: str, component: str) -> dict:
     return found[0]
 
 
+def _all(objects, kind: str, component: str) -> list[dict]:
+    found = [o for o in _by_kind(objects, kind) if _labels(o).get("app.kubernetes.io/component") == component]
+    assert found, f"no {kind} for {component}"
+    return found
+
+
+def _replicas(objects) -> list[tuple[dict, dict]]:
+    """(shard StatefulSet, scheduler Deployment) per model replica: the StatefulSet whose ranks the
+    scheduler's --worker flags name (through its headless Service)."""
+    statefulsets = {s["spec"]["serviceName"]: s for s in _by_kind(objects, "StatefulSet")}
+    pairs = []
+    for scheduler in _all(objects, "Deployment", "scheduler"):
+        _, config = _tpserve(scheduler, objects)
+        service = config.workers[0].rpartition(":")[0].split(".", 1)[1]
+        assert service in statefulsets, f"{scheduler['metadata']['name']}: no StatefulSet behind {service}"
+        pairs.append((statefulsets[service], scheduler))
+    assert len({id(s) for s, _ in pairs}) == len(pairs) == len(statefulsets), "one scheduler per group"
+    return pairs
+
+
 def _labels(obj: dict) -> dict:
     return obj["metadata"].get("labels", {})
 
@@ -386,10 +406,14 @@ def test_tensor_parallel_size_agrees_everywhere(directory):
     """StatefulSet replicas = --world-size of every rank = the scheduler's --worker flags, in rank order,
     each the stable DNS name of that ordinal; rank 0's name is the rendezvous."""
     objects = render(directory)
-    shards = _one(objects, "StatefulSet", "shard-worker")
+    for shards, scheduler_deployment in _replicas(objects):
+        _check_tensor_parallel_group(objects, shards, scheduler_deployment)
+
+
+def _check_tensor_parallel_group(objects, shards: dict, scheduler_deployment: dict) -> None:
     replicas = shards["spec"]["replicas"]
     _, worker = _tpserve(shards, objects)
-    _, scheduler = _tpserve(_one(objects, "Deployment", "scheduler"), objects)
+    _, scheduler = _tpserve(scheduler_deployment, objects)
     service = shards["spec"]["serviceName"]
     name = shards["metadata"]["name"]
     assert worker.world_size == replicas
@@ -404,7 +428,11 @@ def test_tensor_parallel_size_agrees_everywhere(directory):
 @pytest.mark.parametrize("directory", KUSTOMIZATIONS)
 def test_rendezvous_can_happen_before_any_rank_is_ready(directory):
     objects = render(directory)
-    shards = _one(objects, "StatefulSet", "shard-worker")
+    for shards in _all(objects, "StatefulSet", "shard-worker"):
+        _check_rendezvous(objects, shards)
+
+
+def _check_rendezvous(objects, shards: dict) -> None:
     (headless,) = [
         s for s in _by_kind(objects, "Service") if s["metadata"]["name"] == shards["spec"]["serviceName"]
     ]
@@ -445,13 +473,16 @@ def test_only_the_router_is_exposed(directory):
     exposed = [s for s in _by_kind(objects, "Service") if s["spec"].get("type", "ClusterIP") != "ClusterIP"]
     assert [_labels(s)["app.kubernetes.io/component"] for s in exposed] == ["router"]
     _, router = _tpserve(_one(objects, "Deployment", "router"), objects)
-    _, scheduler = _tpserve(_one(objects, "Deployment", "scheduler"), objects)
     scheduler_service = _one(objects, "Service", "scheduler")
     # The router finds every replica's scheduler through DNS: the headless Service's addresses.
     assert router.schedulers == () and router.scheduler_dns
     host, _, port = router.scheduler_dns.rpartition(":")
-    assert host == scheduler_service["metadata"]["name"] and int(port) == scheduler.port
-    assert scheduler.port in {p["port"] for p in scheduler_service["spec"]["ports"]}
+    assert host == scheduler_service["metadata"]["name"]
+    for deployment in _all(objects, "Deployment", "scheduler"):
+        _, scheduler = _tpserve(deployment, objects)
+        assert int(port) == scheduler.port
+        assert scheduler.port in {p["port"] for p in scheduler_service["spec"]["ports"]}
+        assert scheduler_service["spec"]["selector"].items() <= _template_labels(deployment).items()
     assert scheduler_service["spec"]["clusterIP"] == "None"  # one DNS record per scheduler pod
     # A scheduler whose ranks are lost stays listed: the router waits on its load reports, not DNS.
     assert scheduler_service["spec"]["publishNotReadyAddresses"] is True
@@ -537,25 +568,30 @@ def test_configmap_holds_the_seed_knobs_and_each_is_used(directory):
         if "configMapKeyRef" in var.get("valueFrom", {})
     }
     assert set(data) == used, "a ConfigMap key no container reads"
-    # What reaches the scheduler is what the ConfigMap says.
-    _, scheduler = _tpserve(_one(objects, "Deployment", "scheduler"), objects)
-    assert scheduler.max_num_seqs == int(data["TPSERVE_MAX_NUM_SEQS"])
-    assert scheduler.block_size == int(data["TPSERVE_BLOCK_SIZE"])
-    assert scheduler.swap_space == float(data["TPSERVE_SWAP_SPACE_GIB"])
-    assert scheduler.gpu_memory_utilization == float(data["TPSERVE_GPU_MEMORY_UTILIZATION"])
+    # What reaches every scheduler is what the ConfigMap says.
+    for deployment in _all(objects, "Deployment", "scheduler"):
+        _, scheduler = _tpserve(deployment, objects)
+        assert scheduler.max_num_seqs == int(data["TPSERVE_MAX_NUM_SEQS"])
+        assert scheduler.block_size == int(data["TPSERVE_BLOCK_SIZE"])
+        assert scheduler.swap_space == float(data["TPSERVE_SWAP_SPACE_GIB"])
+        assert scheduler.gpu_memory_utilization == float(data["TPSERVE_GPU_MEMORY_UTILIZATION"])
 
 
 @pytest.mark.parametrize("directory", KUSTOMIZATIONS)
 def test_gpus_only_where_the_device_is_cuda(directory):
     objects = render(directory)
-    shards = _one(objects, "StatefulSet", "shard-worker")
+    for shards in _all(objects, "StatefulSet", "shard-worker"):
+        _check_gpus(objects, shards)
+
+
+def _check_gpus(objects, shards: dict) -> None:
     _, worker = _tpserve(shards, objects)
     for workload in [o for o in objects if o["kind"] in WORKLOADS]:
         resources = _main_container(workload)["resources"]
         assert resources["requests"].get("cpu") and resources["requests"].get("memory"), workload["metadata"]
         assert resources["limits"].get("memory"), workload["metadata"]["name"]
         gpus = {k: v.get("nvidia.com/gpu") for k, v in resources.items()}
-        if workload is shards and worker.device == "cuda":
+        if workload["kind"] == "StatefulSet" and worker.device == "cuda":
             assert gpus == {"requests": "1", "limits": "1"}  # one device per rank
         else:
             assert gpus == {"requests": None, "limits": None}, workload["metadata"]["name"]
@@ -573,9 +609,8 @@ def test_gpus_only_where_the_device_is_cuda(directory):
 @pytest.mark.parametrize("directory", KUSTOMIZATIONS)
 def test_model_is_mounted_read_only_where_it_is_read(directory):
     objects = render(directory)
-    for component in ("shard-worker", "router"):
-        kind = "StatefulSet" if component == "shard-worker" else "Deployment"
-        workload = _one(objects, kind, component)
+    workloads = [*_all(objects, "StatefulSet", "shard-worker"), _one(objects, "Deployment", "router")]
+    for workload in workloads:
         ns, _ = _tpserve(workload, objects)
         (mount,) = [m for m in _main_container(workload)["volumeMounts"] if m["mountPath"] == ns.model]
         assert mount["readOnly"] is True
@@ -589,6 +624,47 @@ def test_model_is_mounted_read_only_where_it_is_read(directory):
                 for init in _pod_spec(workload)["initContainers"]
                 for m in init["volumeMounts"]
             )
+
+
+def test_replicas2_overlay_is_two_identical_replicas_found_through_one_headless_service():
+    objects = render("overlays/replicas2")
+    groups = _replicas(objects)
+    assert len(groups) == 2
+    labels = [
+        (_template_labels(s)["tpserve.io/replica"], _template_labels(d)["tpserve.io/replica"])
+        for s, d in groups
+    ]
+    assert sorted(labels) == [("0", "0"), ("1", "1")]
+    # No workload's selector takes another replica's pods (a StatefulSet or Deployment fighting over pods).
+    workloads = [o for o in objects if o["kind"] in WORKLOADS]
+    for w in workloads:
+        selector = w["spec"]["selector"]["matchLabels"].items()
+        assert [o for o in workloads if selector <= _template_labels(o).items()] == [w], w["metadata"]["name"]
+    # Each rank group's headless Service and pod affinity stay inside its replica.
+    for shards, _ in groups:
+        (service,) = [
+            s for s in _by_kind(objects, "Service") if s["metadata"]["name"] == shards["spec"]["serviceName"]
+        ]
+        assert service["spec"]["selector"].items() <= _template_labels(shards).items()
+        assert (
+            service["spec"]["selector"]["tpserve.io/replica"]
+            == _template_labels(shards)["tpserve.io/replica"]
+        )
+        (term,) = _pod_spec(shards)["affinity"]["podAffinity"][
+            "requiredDuringSchedulingIgnoredDuringExecution"
+        ]
+        assert (
+            term["labelSelector"]["matchLabels"]["tpserve.io/replica"]
+            == _template_labels(shards)["tpserve.io/replica"]
+        )
+    # Replica 1 is replica 0 renamed, nothing else: a base change must reach replica-1.yaml too.
+    (s0, d0), (s1, d1) = sorted(groups, key=lambda g: _template_labels(g[0])["tpserve.io/replica"])
+
+    def renamed(obj):
+        text = json.dumps(obj).replace("tpserve-shard", "tpserve-shard-r1").replace('"0"', '"1"')
+        return json.loads(text.replace('"tpserve-scheduler"', '"tpserve-scheduler-r1"'))
+
+    assert renamed(s0) == s1 and renamed(d0) == d1
 
 
 def test_tp8_overlay_is_one_replica_of_eight_ranks():
