@@ -29,6 +29,9 @@ class RouterConfig:
     bucket_edges: tuple[int, ...] = (512, 2048)
     max_queued_requests: int = 1024
     max_queue_wait_ms: float = 2000.0
+    # Operator caps on request size (0: only the model's max_model_len bounds them).
+    max_prompt_tokens: int = 0
+    max_new_tokens_limit: int = 0
     # Routing among replicas (router/replicas.py): requests sharing their first prefix_affinity_blocks
     # KV blocks go to the replica that served that prefix, unless it is much busier.
     prefix_affinity: bool = False
@@ -43,6 +46,8 @@ class RouterConfig:
     api_key_file: str | None = None
 
     def __post_init__(self):
+        if self.max_prompt_tokens < 0 or self.max_new_tokens_limit < 0:
+            raise ValueError("--max-prompt-tokens and --max-new-tokens-limit must be >= 0 (0: no cap)")
         check_edges(self.bucket_edges)
         if self.max_queued_requests < 1:
             raise ValueError(f"--max-queued-requests must be at least 1, got {self.max_queued_requests}")
@@ -105,6 +110,15 @@ def add_security_arguments(p: argparse.ArgumentParser) -> None:
 def add_policy_arguments(p: argparse.ArgumentParser) -> None:
     """Flags that `tpserve launch` passes through to the router unchanged."""
     p.add_argument(
+        "--max-prompt-tokens", type=int, default=0, help="longest prompt accepted (0: max_model_len - 1)"
+    )
+    p.add_argument(
+        "--max-new-tokens-limit",
+        type=int,
+        default=0,
+        help="largest max_new_tokens accepted (0: whatever fits in max_model_len)",
+    )
+    p.add_argument(
         "--bucket-edges",
         type=lambda t: tuple(int(x) for x in t.split(",") if x),
         default=(512, 2048),
@@ -149,6 +163,8 @@ def add_policy_arguments(p: argparse.ArgumentParser) -> None:
 
 
 POLICY_FLAGS = (
+    "max_prompt_tokens",
+    "max_new_tokens_limit",
     "bucket_edges",
     "max_queued_requests",
     "max_queue_wait_ms",
@@ -177,6 +193,8 @@ def from_args(a: argparse.Namespace) -> RouterConfig:
         bucket_edges=a.bucket_edges,
         max_queued_requests=a.max_queued_requests,
         max_queue_wait_ms=a.max_queue_wait_ms,
+        max_prompt_tokens=a.max_prompt_tokens,
+        max_new_tokens_limit=a.max_new_tokens_limit,
         tls=security.public_from_args(a),
         internal_tls=security.internal_from_args(a),
         api_key_file=a.api_key_file,

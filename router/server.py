@@ -50,7 +50,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if not self.link.ready or info is None:
             raise SchedulerUnavailable("the server is starting or its shards are unavailable")
         if self._limits is None or self._limits.max_model_len != info.max_model_len:
-            self._limits = Limits(vocab_size=info.vocab_size, max_model_len=info.max_model_len)
+            cfg = self.config
+            self._limits = Limits(
+                vocab_size=info.vocab_size,
+                max_model_len=info.max_model_len,
+                # A cap at or above what the model allows is no cap.
+                max_prompt_tokens=cfg.max_prompt_tokens
+                if 0 < cfg.max_prompt_tokens < info.max_model_len
+                else None,
+                max_new_tokens=cfg.max_new_tokens_limit or None,
+            )
         return self._limits
 
     def _tokenize(self, text: str) -> list[int]:

@@ -40,6 +40,8 @@ class Limits:
     max_top_logprobs: int = 20
     # None: a prompt may use all but one position of the context (one token must be generated).
     max_prompt_tokens: int | None = None
+    # None: max_new_tokens is bounded only by max_model_len; an operator cap on output length.
+    max_new_tokens: int | None = None
     # Text is checked before tokenizing, so a huge string is refused before it costs tokenizer time.
     # None: 64 characters per position of max_model_len, more than any real tokenizer packs in a token.
     max_prompt_chars: int | None = None
@@ -118,6 +120,10 @@ def check_request_fields(req: generation_pb2.GenerateRequest, limits: Limits) ->
     if req.max_new_tokens < 1:
         raise ValidationError(
             "max_new_tokens", "max_new_tokens must be at least 1 (0 or unset is not allowed)"
+        )
+    if limits.max_new_tokens is not None and req.max_new_tokens > limits.max_new_tokens:
+        raise ValidationError(
+            "max_new_tokens", f"max_new_tokens {req.max_new_tokens} exceeds the limit {limits.max_new_tokens}"
         )
     if req.max_new_tokens > limits.max_model_len - 1:
         raise ValidationError(

@@ -88,3 +88,20 @@ def test_a_burst_beyond_capacity_gets_resource_exhausted_at_once(tiny_model):
         stats = stub.GetStats(pb.StatsRequest())
         assert stats.kv_blocks_free == stats.kv_blocks_total and stats.num_waiting == 0
         assert [b.name for b in stats.buckets] == ["0-511", "512-2047", "2048+"]
+
+
+def test_operator_caps_on_prompt_and_output_length(tiny_model):
+    flags = ("--max-prompt-tokens", "50", "--max-new-tokens-limit", "8")
+    with launch(tiny_model, *flags) as (target, _), grpc.insecure_channel(target) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        for kw, field in (
+            (dict(token_ids=[9] * 51, max_new_tokens=2), "token_ids"),
+            (dict(token_ids=[9] * 5, max_new_tokens=9), "max_new_tokens"),
+        ):
+            try:
+                list(stub.Generate(pb.GenerateRequest(**kw)))
+                raise AssertionError(f"{kw} was accepted")
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.details()
+        ok = list(stub.Generate(pb.GenerateRequest(token_ids=[9] * 50, max_new_tokens=8, ignore_eos=True)))
+        assert sum(len(r.token_ids) for r in ok) == 8

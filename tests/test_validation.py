@@ -186,3 +186,11 @@ def test_tokenizer_ids_beyond_the_model_vocab_are_refused():
 def test_limits_reject_nonsense(kwargs):
     with pytest.raises(ValueError):
         Limits(**kwargs)
+
+
+def test_operator_cap_on_max_new_tokens():
+    limits = Limits(vocab_size=100, max_model_len=1000, max_new_tokens=10)
+    with pytest.raises(ValidationError) as e:
+        validate_request(generation_pb2.GenerateRequest(token_ids=[5], max_new_tokens=11), limits)
+    assert e.value.field == "max_new_tokens" and "10" in str(e.value)
+    assert validate_request(generation_pb2.GenerateRequest(token_ids=[5], max_new_tokens=10), limits)
