@@ -19,7 +19,6 @@ import dataclasses
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,7 @@ from bench.client_run import bench_server
 from bench.metrics import details, latency_samples_ms, summarize
 from bench.report import format_table, plot, write_json
 from bench.workload import WorkloadSpec
+from common.launcher import LaunchFailed, running_stack
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEMS = ("tpserve-continuous", "tpserve-static", "hf-padded", "hf-continuous")
@@ -52,42 +52,18 @@ class SuiteConfig:
     launch_timeout_s: float
 
 
-class LaunchError(RuntimeError):
-    pass
-
-
 @contextlib.contextmanager
 def launched(model: str, *flags: str, timeout_s: float):
     """`tpserve launch` on a free port; yields its ready info ({target, pids}); stops it by its pid."""
-    ready = Path(tempfile.gettempdir()) / f"tpserve-bench-{os.getpid()}-{time.monotonic_ns()}.json"
-    cmd = [sys.executable, "-m", "common.cli", "--log-level", "WARNING", "launch", "--model", model]
-    cmd += ["--port", "0", "--ready-file", str(ready), *flags]
-    proc = subprocess.Popen(cmd, cwd=ROOT)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while not ready.exists():
-            if proc.poll() is not None:
-                raise LaunchError(f"tpserve launch exited with code {proc.returncode} before serving")
-            if time.monotonic() > deadline:
-                raise LaunchError(f"tpserve launch not serving after {timeout_s:.0f}s")
-            time.sleep(0.2)
-        yield json.loads(ready.read_text())
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        ready.unlink(missing_ok=True)
+    with running_stack(model, *flags, timeout_s=timeout_s) as (info, _):
+        yield info
 
 
 def run_tpserve(cfg: SuiteConfig, name: str, rate: float, flags: tuple[str, ...]) -> tuple[dict, dict]:
     """A fresh stack per run (so peak RSS is this run's); a stack that fails to start gets one more try."""
     try:
         return _run_tpserve_once(cfg, name, rate, flags)
-    except LaunchError as e:
+    except LaunchFailed as e:
         print(f"== {name}: {e}; launching once more", file=sys.stderr, flush=True)
         return _run_tpserve_once(cfg, name, rate, flags)
 

@@ -9,6 +9,7 @@ stop every child, router first so clients see the drain before the workers go.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -321,3 +322,44 @@ def launch(config: LaunchConfig) -> int:
     finally:
         stack.stop()
         time.sleep(0)  # let log lines flush in order
+
+
+class LaunchFailed(RuntimeError):
+    """`tpserve launch` exited, or was not serving in time."""
+
+
+@contextlib.contextmanager
+def running_stack(model, *flags: str, timeout_s: float = 600.0, log_level: str = "WARNING", log_path=None):
+    """`tpserve launch` as a child process on a free port, for tests and the benchmark; yields
+    (ready info, the launcher's Popen) once it serves and stops it (by its pid) afterwards.
+
+    With log_path, the stack's output goes there and a failure's message ends with its tail."""
+    ready = Path(tempfile.gettempdir()) / f"tpserve-ready-{os.getpid()}-{time.monotonic_ns()}.json"
+    cmd = [sys.executable, "-m", "common.cli", "--log-level", log_level, "launch", "--model", str(model)]
+    cmd += ["--port", "0", "--ready-file", str(ready), *flags]
+    log = open(log_path, "wb") if log_path else None  # noqa: SIM115 (closed in finally)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None)
+
+    def tail() -> str:
+        return ":\n" + Path(log_path).read_text(errors="replace")[-3000:] if log_path else ""
+
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not ready.exists():
+            if proc.poll() is not None:
+                raise LaunchFailed(f"tpserve launch exited with {proc.returncode} before serving{tail()}")
+            if time.monotonic() > deadline:
+                raise LaunchFailed(f"tpserve launch not serving after {timeout_s:.0f}s{tail()}")
+            time.sleep(0.1)
+        yield json.loads(ready.read_text()), proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        ready.unlink(missing_ok=True)
+        if log:
+            log.close()
