@@ -110,6 +110,14 @@ class Completion:
             self.usage = resp.usage
 
 
+def _open_channel(api, target: str, credentials, options):
+    """A channel from `api` (grpc or grpc.aio): TLS when credentials are given, with our options."""
+    options = [*CHANNEL_OPTIONS, *options]
+    if credentials is None:
+        return api.insecure_channel(target, options=options)
+    return api.secure_channel(target, credentials, options=options)
+
+
 class GenerationClient:
     """Blocking client. timeout is the deadline, in seconds, of each call (a whole stream for
     generate); None waits forever."""
@@ -125,11 +133,7 @@ class GenerationClient:
     ):
         self.timeout = timeout
         self._metadata = tuple(metadata)
-        options = [*CHANNEL_OPTIONS, *options]
-        if credentials is None:
-            self._channel = grpc.insecure_channel(target, options=options)
-        else:
-            self._channel = grpc.secure_channel(target, credentials, options=options)
+        self._channel = _open_channel(grpc, target, credentials, options)
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
 
     def __enter__(self) -> GenerationClient:
@@ -184,11 +188,7 @@ class AsyncGenerationClient:
     ):
         self.timeout = timeout
         self._metadata = tuple(metadata)
-        options = [*CHANNEL_OPTIONS, *options]
-        if credentials is None:
-            self._channel = grpc.aio.insecure_channel(target, options=options)
-        else:
-            self._channel = grpc.aio.secure_channel(target, credentials, options=options)
+        self._channel = _open_channel(grpc.aio, target, credentials, options)
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
 
     async def __aenter__(self) -> AsyncGenerationClient:
