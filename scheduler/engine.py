@@ -481,7 +481,8 @@ class Engine:
 
     def _observe_fallback(self, output_tokens: int) -> None:
         s = self.scheduler
-        load = min(self.incoming() + len(s.waiting) + len(s.running), s.policy.max_num_seqs)
+        # Every request in the system counts: on its way, waiting, swapped out or running.
+        load = min(self.incoming() + len(s.waiting) + len(s.swapped) + len(s.running), s.policy.max_num_seqs)
         switch = self.fallback.observe(time.monotonic(), output_tokens, load)
         if switch is not None:
             log.warning("static fallback: %s", switch)
