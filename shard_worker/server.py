@@ -132,6 +132,10 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
                     forward_seconds=out.forward_seconds,
                     allreduce_seconds=out.allreduce_seconds,
                 )
+        except grpc.RpcError:
+            # The scheduler closed or cancelled the stream (it stopped, restarted or gave this group
+            # up): not a failure of this rank; the next scheduler opens a new stream.
+            log.info("rank %d: the scheduler's step stream ended", self.config.rank)
         except Exception:
             log.exception("rank %d: step failed", self.config.rank)
             self.on_failure()
