@@ -242,8 +242,13 @@ class Stack:
         return next((c for c in self.children if not c.alive), None)
 
     def stop(self, grace_s: float = 10.0) -> None:
-        """Router first (it drains: its own timeout bounds that), then the scheduler, then the workers."""
-        for child in reversed(self.children):
+        """Router first (it drains: its own timeout bounds that), then the schedulers, then the workers.
+        By role, not start order: a restarted child is last in the list but not last to stop."""
+
+        def order(child: Child) -> int:
+            return 0 if child.name == "router" else 1 if child.name.startswith("scheduler") else 2
+
+        for child in sorted(self.children, key=order):
             self._terminate(
                 [child], grace_s + (self.config.router_drain_s if child.name == "router" else 0.0)
             )

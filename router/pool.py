@@ -105,6 +105,10 @@ class SchedulerPool:
         self.links: dict[str, SchedulerLink] = {}
         self._requests: dict[str, _Request] = {}
         self._ready = False
+        # While no replica is ready, queued requests wait this long (like the schedulers' own recovery
+        # timeout) and then get UNAVAILABLE: every accepted request ends, even if no replica returns.
+        self._unready_since: float | None = None
+        self._queued_timeout_s = 60.0
         self._tasks: list[asyncio.Task] = []
 
     # ---- membership ----
@@ -175,6 +179,13 @@ class SchedulerPool:
                 if link is not None:
                     link.drop()
             self._update_health()
+            since = self._unready_since
+            if (
+                since is not None
+                and len(self.admission)
+                and time.monotonic() - since > self._queued_timeout_s
+            ):
+                self._fail_queued(f"no replica has been ready for {self._queued_timeout_s:.0f}s")
 
     # ---- what the servicer calls ----
 
@@ -375,6 +386,7 @@ class SchedulerPool:
         ready = self.model_info is not None and self.replicas.healthy(time.monotonic())
         if ready != self._ready:
             self._ready = ready
+            self._unready_since = None if ready else time.monotonic()
             log.log(
                 logging.INFO if ready else logging.WARNING,
                 "router %s",

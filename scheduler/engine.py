@@ -183,6 +183,13 @@ class Engine:
         )
         info = infos[0]
         max_model_len = cfg.max_model_len or info.max_position_embeddings
+        if max_model_len > info.max_position_embeddings:
+            log.warning(
+                "--max-model-len %d is beyond the model's %d positions: capping it",
+                max_model_len,
+                info.max_position_embeddings,
+            )
+            max_model_len = info.max_position_embeddings
         # More blocks than max_num_seqs full-length sequences can use would only take memory.
         useful = cfg.max_num_seqs * blocks_for(max_model_len, cfg.block_size)
         if num_blocks > useful:
@@ -354,21 +361,23 @@ class Engine:
         """Connects to the ranks and runs the step loop. When a rank is lost, every request keeps its
         tokens here; once the ranks are back they are recomputed and go on. Requests still waiting
         after worker_recovery_timeout_s get UNAVAILABLE: none is dropped silently."""
+        # A stream that already ended raises InvalidStateError on write (a rank died while idle).
+        lost = (grpc.RpcError, TimeoutError, asyncio.InvalidStateError)
         while True:
             try:
                 await self.connect_workers()
-            except (grpc.RpcError, TimeoutError) as e:
+            except lost as e:
                 log.warning("shard workers not reachable (%s); retrying", e)
                 await self.close()
                 await asyncio.sleep(1.0)
                 continue
-            if self._expiry is not None:
-                self._expiry.cancel()
-                self._expiry = None
             try:
                 await self._loop()
-            except (grpc.RpcError, TimeoutError) as e:
+            except lost as e:
                 await self._workers_lost(e)
+                # A rank that fails the same step again and again (a poisonous request) must not spin:
+                # back off, and keep the expiry running until a step succeeds after the reconnect.
+                await asyncio.sleep(1.0)
 
     async def _loop(self) -> None:
         while True:
@@ -389,6 +398,9 @@ class Engine:
                 continue
             out.forgotten_seq_ids, self._pending_forget = self._pending_forget, []
             await self._step(out)
+            if self._expiry is not None:  # the ranks are back and a step went through: recovered
+                self._expiry.cancel()
+                self._expiry = None
 
     def _note_admissions(self, out: SchedulerOutput, now: float) -> None:
         for seq in out.admitted:
@@ -546,7 +558,9 @@ class Engine:
         self._pending_forget = []
         if self.fallback is not None:
             self.fallback.interrupt()  # recompute after a loss is not a throughput regression
-        self._expiry = asyncio.create_task(self._expire_after(self.config.worker_recovery_timeout_s))
+        # The first loss starts the clock; failures before the next good step do not reset it.
+        if self._expiry is None or self._expiry.done():
+            self._expiry = asyncio.create_task(self._expire_after(self.config.worker_recovery_timeout_s))
 
     async def _expire_after(self, seconds: float) -> None:
         await asyncio.sleep(seconds)

@@ -84,6 +84,10 @@ class ModelRunner:
     ) -> int:
         """KV blocks this rank can hold. On CUDA this runs a forward pass with collectives, so every rank
         must profile at the same time."""
+        # A scheduler reconnecting to a live worker profiles again: drop the old caches first, or their
+        # memory would count against the new ones (InitCache always follows and allocates afresh).
+        self.kv_caches = []
+        self.host_kv_caches = []
         per_block = self.kv_block_bytes(block_size)
         if self.device.type != "cuda":
             budget = int(cpu_kv_cache_gib * 2**30)
@@ -108,6 +112,10 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> int:
         """Allocates every layer's [2, blocks, block_size, local_kv_heads, head_dim] cache; returns bytes."""
         shape = (2, num_blocks, block_size, self.model.num_local_kv_heads, self.config.head_dim)
+        # A new cache means a new scheduler session: it introduces every sequence again (forget_all on
+        # its side), so state of sequences it dropped while disconnected must not linger here.
+        if self.sampler is not None:
+            self.remove_sequences(self.sampler.seq_ids())
         self.kv_caches = []  # frees an old cache first, so reallocating never needs room for both
         # Zeros, not empty: padding slots are masked out of attention, but a NaN left in memory there
         # would still poison the weighted sum (0 * NaN).

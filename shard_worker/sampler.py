@@ -91,6 +91,9 @@ class Sampler:
             self._counts[slot] = torch.bincount(output, minlength=self.vocab_size).to(torch.int32)
         self._seqs[init.seq_id] = _Sequence(cfg, init.top_logprobs, init.num_sampled, slot)
 
+    def seq_ids(self) -> list[int]:
+        return list(self._seqs)
+
     def remove(self, seq_id: int) -> None:
         seq = self._seqs.pop(seq_id, None)
         if seq is not None and seq.penalty_slot is not None:

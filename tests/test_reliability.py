@@ -173,3 +173,19 @@ def test_sigterm_drains_requests_in_flight_then_exits_cleanly(tiny_model):
                 generate(stub, text="too late", max_new_tokens=2)
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
         assert launcher.wait(60) == 0
+
+
+def test_a_worker_killed_while_idle_is_restarted_and_the_same_scheduler_goes_on(tiny_model):
+    with launch(tiny_model, "--max-restarts", "2") as (target, info):
+        with grpc.insecure_channel(target) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            assert generate(stub, text="before", max_new_tokens=2, ignore_eos=True)[0]
+            os.kill(info["pids"]["shard-worker rank 0"], signal.SIGKILL)
+            tokens = wait_until(
+                lambda: _try(lambda: generate(stub, text="after", max_new_tokens=3, ignore_eos=True)[0]),
+                90,
+                "a request served after the worker's restart",
+            )
+            assert len(tokens) == 3
+            os.kill(info["pids"]["scheduler"], 0)  # the scheduler survived the loss: no restart needed
+            wait_until(lambda: all_blocks_free(stub), 5.0, "blocks free at the end")
