@@ -329,9 +329,8 @@ class SchedulerPool:
     # ---- failover ----
 
     def _requeue(self, req: _Request) -> bool:
-        """Puts a request that streamed nothing back in the queue (its arrival kept); False when it has
-        had its attempts (it may be what crashes schedulers) or no replica could take it."""
-        if req.attempts >= self.replicas.policy.max_attempts or not self.ready:
+        """Puts a request back in the queue (its arrival kept); False when no replica could take it."""
+        if not self.ready:
             return False
         req.routed = None
         self.admission.requeue(
@@ -341,16 +340,12 @@ class SchedulerPool:
 
     def _fail_over(self, target: str, reason: str) -> None:
         """Replica target is gone: its requests that streamed nothing are queued again (sent elsewhere
-        as credit allows), the others end with UNAVAILABLE.
-
-        ReplicaSet.reassign makes the same decision but binds each request to a new replica at once;
-        here requests are bound only when credit allows, so they go back through the shared queue.
-        """
+        as credit allows), the others end with UNAVAILABLE (ReplicaSet.may_resend decides which)."""
         self._update_health()
         mine = [r for r in self._requests.values() if r.routed is not None and r.routed.replica == target]
         resent = failed = 0
         for req in sorted(mine, key=lambda r: r.arrival):
-            if not req.routed.streamed and self._requeue(req):
+            if self.replicas.may_resend(req.routed) and self._requeue(req):
                 resent += 1
                 continue
             failed += 1

@@ -33,8 +33,8 @@ Ties (within 1e-9) go round-robin in replica-id order, and every choice adds one
 replicas (in proportion to their capacity) instead of landing on the one that looked best.
 
 Integration: the link feeds `report` with every load report and `mark_down` when its stream breaks; a
-timer calls `expire`; the servicer calls `choose` per request and, when a replica fails, `reassign` for
-the requests it had (resend those that streamed nothing, fail the rest with UNAVAILABLE).
+timer calls `expire`; the router calls `choose` per request and, when a replica fails, `may_resend` for
+each request it had (queue again those that streamed nothing, fail the rest with UNAVAILABLE).
 """
 
 from __future__ import annotations
@@ -332,37 +332,12 @@ class ReplicaSet:
 
     # Failover.
 
-    def reassign(
-        self, requests: dict[str, Routed], failed: str, now: float
-    ) -> tuple[dict[str, str], list[str]]:
-        """Replica `failed` is gone (stream broke or stale): decides the fate of its requests in flight.
-
-        requests: every request the router has in flight (request id -> Routed); those on `failed` are
-        handled, the rest are left alone. Returns (resend, unavailable):
-        - resend: request id -> new replica, for requests that have not streamed a token (the client saw
-          nothing, so running it again elsewhere is invisible) and have attempts left; their Routed is
-          updated in place (replica, attempts + 1);
-        - unavailable: the others, which must end with UNAVAILABLE: a request that has streamed tokens
-          cannot be resumed elsewhere without the client seeing a seam (sampling is not reproducible
-          across replicas), and one out of attempts may itself be what crashes schedulers.
-        Marks `failed` down first, so no request goes back to it. Sorted by request id: deterministic.
-        """
-        self.mark_down(failed, now)
-        resend: dict[str, str] = {}
-        unavailable: list[str] = []
-        for rid in sorted(requests):
-            req = requests[rid]
-            if req.replica != failed:
-                continue
-            new = None
-            if not req.streamed and req.attempts < self.policy.max_attempts:
-                new = self.choose(req.prompt_tokens, req.prefix_key, now=now)
-            if new is None:
-                unavailable.append(rid)
-            else:
-                req.replica, req.attempts = new, req.attempts + 1
-                resend[rid] = new
-        return resend, unavailable
+    def may_resend(self, req: Routed) -> bool:
+        """Whether a request on a lost replica may run again elsewhere: only if no token has reached
+        the client (running it again is then invisible; sampling is not reproducible across replicas,
+        so a streamed one would show a seam) and it has attempts left (it may itself be what crashes
+        schedulers). The others must end with UNAVAILABLE."""
+        return not req.streamed and req.attempts < self.policy.max_attempts
 
     # Observability.
 

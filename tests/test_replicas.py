@@ -228,29 +228,11 @@ def test_membership_changes():
         rs.report("a", load(), 0.0)  # a stream that outlived its replica's removal: the link drops it
 
 
-def test_failover_resends_requests_without_tokens_and_fails_the_others():
-    rs = replicas("a", "b", "c")
-    inflight = {
-        "r1": Routed("a", LONG),
-        "r2": Routed("a", SHORT, streamed=True),
-        "r3": Routed("a", SHORT, attempts=2),  # already failed over once
-        "r4": Routed("b", SHORT),
-        "r5": Routed("a", SHORT),
-    }
-    resend, unavailable = rs.reassign(inflight, "a", now=1.0)
-    assert set(resend) == {"r1", "r5"} and set(resend.values()) <= {"b", "c"}
-    assert resend["r1"] != resend["r5"]  # the pending counts spread them too
-    assert unavailable == ["r2", "r3"]
-    assert inflight["r1"].replica == resend["r1"] and inflight["r1"].attempts == 2
-    assert inflight["r4"] == Routed("b", SHORT)
-    assert not rs.is_up("a", 1.0)
-
-
-def test_failover_with_no_replica_left_fails_everything():
-    rs = replicas("a")
-    resend, unavailable = rs.reassign({"r1": Routed("a", SHORT), "r2": Routed("a", LONG)}, "a", now=0.5)
-    assert resend == {} and unavailable == ["r1", "r2"]
-    assert not rs.healthy(0.5)
+def test_failover_resends_only_requests_without_tokens_and_with_attempts_left():
+    rs = replicas("a", "b")
+    assert rs.may_resend(Routed("a", LONG))
+    assert not rs.may_resend(Routed("a", SHORT, streamed=True))  # the client saw tokens: UNAVAILABLE
+    assert not rs.may_resend(Routed("a", SHORT, attempts=2))  # already failed over once (max_attempts 2)
 
 
 def test_stats_per_replica():
