@@ -8,6 +8,7 @@ import sys
 
 from bench import cli as bench_cli
 from common import logs, security, tracing
+from common.sampling import SAMPLING_FIELDS
 from router import config as router_config
 from scheduler import config as scheduler_config
 from shard_worker import config as worker_config
@@ -85,20 +86,7 @@ def _generate(a: argparse.Namespace) -> int:
 
     from common.client import GenerationClient
 
-    sampling = {
-        k: getattr(a, k)
-        for k in (
-            "temperature",
-            "top_p",
-            "top_k",
-            "min_p",
-            "repetition_penalty",
-            "presence_penalty",
-            "frequency_penalty",
-            "seed",
-        )
-        if getattr(a, k) is not None
-    }
+    sampling = {k: getattr(a, k) for k in SAMPLING_FIELDS if getattr(a, k) is not None}
     auth = security.client_from_args(a)
     try:
         with GenerationClient(

@@ -8,6 +8,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The optional fields of tpserve.v1.SamplingParams, in proto order: the client, the CLI and the
+# worker's config all iterate over these.
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+)
+
 
 @dataclass(frozen=True)
 class SamplingConfig:
@@ -32,16 +45,7 @@ class SamplingConfig:
     def from_proto(cls, msg) -> SamplingConfig:
         """Builds from a tpserve.v1.SamplingParams; unset fields take the defaults above."""
         values = {}
-        for name in (
-            "temperature",
-            "top_p",
-            "top_k",
-            "min_p",
-            "repetition_penalty",
-            "presence_penalty",
-            "frequency_penalty",
-            "seed",
-        ):
+        for name in SAMPLING_FIELDS:
             if msg.HasField(name):
                 values[name] = getattr(msg, name)
         return cls(**values)
