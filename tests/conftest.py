@@ -24,6 +24,14 @@ def tiny_model() -> Path:
     return TINY
 
 
+@pytest.fixture(scope="session")
+def reference(tiny_model) -> dict[tuple[int, ...], list[int]]:
+    """transformers' greedy continuations of the reference prompts (tests/reference.py), computed once."""
+    from tests.reference import hf_greedy
+
+    return hf_greedy(tiny_model)
+
+
 @contextlib.contextmanager
 def launch(model: Path, *flags: str, startup_timeout: float = 180.0, log_level: str = "WARNING"):
     """Runs `tpserve launch` on a free port; yields (router target, ready info). Stops it by pid.

@@ -13,7 +13,6 @@ import signal
 import threading
 
 import grpc
-import pytest
 
 from common.pb.tpserve.v1 import generation_pb2 as pb
 from common.pb.tpserve.v1 import generation_pb2_grpc
@@ -21,13 +20,8 @@ from router.buckets import AdmissionQueue
 from router.pool import SchedulerPool, prefix_key, resolve_dns
 from router.replicas import RoutingPolicy
 from tests.conftest import launch
-from tests.reference import GREEDY, MAX_NEW, generate, hf_greedy, run_concurrently
+from tests.reference import GREEDY, MAX_NEW, generate, run_concurrently
 from tests.test_reliability import serving, wait_until
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model):
-    return hf_greedy(tiny_model)
 
 
 def test_two_replicas_spread_32_requests_and_give_one_replicas_outputs(tiny_model, reference):

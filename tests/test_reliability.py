@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from common.pb.tpserve.v1 import generation_pb2 as pb
 from common.pb.tpserve.v1 import generation_pb2_grpc
 from tests.conftest import launch
-from tests.reference import GREEDY, assert_matches_reference, generate, hf_greedy, run_concurrently
+from tests.reference import GREEDY, assert_matches_reference, generate, run_concurrently
 
 
 def wait_until(predicate, timeout: float, what: str):
@@ -43,11 +43,6 @@ def serving(target) -> bool:
         except grpc.RpcError:
             return False
         return resp.status == health_pb2.HealthCheckResponse.SERVING
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model):
-    return hf_greedy(tiny_model)
 
 
 @pytest.fixture(scope="module")

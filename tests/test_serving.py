@@ -12,12 +12,7 @@ import pytest
 from common.pb.tpserve.v1 import generation_pb2 as pb
 from common.pb.tpserve.v1 import generation_pb2_grpc
 from tests.conftest import ROOT, launch
-from tests.reference import GREEDY, MAX_NEW, assert_matches_reference, generate, hf_greedy, run_concurrently
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model):
-    return hf_greedy(tiny_model)
+from tests.reference import GREEDY, MAX_NEW, assert_matches_reference, generate, run_concurrently
 
 
 @pytest.fixture(scope="module")

@@ -4,12 +4,11 @@ load, with swap space for every preempted sequence, and with too little for some
 from __future__ import annotations
 
 import grpc
-import pytest
 
 from common.pb.tpserve.v1 import generation_pb2 as pb
 from common.pb.tpserve.v1 import generation_pb2_grpc
 from tests.conftest import launch
-from tests.reference import assert_matches_reference, hf_greedy
+from tests.reference import assert_matches_reference
 from tests.test_observability import scrape
 
 # The tiny model in float64: 2 layers x 16 tokens x (K and V) x 2 heads x 16 dims x 8 bytes.
@@ -18,11 +17,6 @@ KINDS = ("swap", "recompute")
 # In a few percent of passes nothing is preempted; with 3 host blocks, about a third of passes see both
 # kinds. Enough passes that the test fails only when the feature does.
 MAX_PASSES = 30
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model):
-    return hf_greedy(tiny_model)
 
 
 def serve_with_swap(tiny_model, reference, host_blocks: int, until) -> dict[str, float]:

@@ -11,11 +11,6 @@ from tests.conftest import launch
 from tests.reference import assert_matches_reference, hf_greedy
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_model):
-    return hf_greedy(tiny_model)
-
-
 def test_tp2_equals_transformers_and_uses_both_ranks(tiny_model, reference):
     with launch(tiny_model, "--tp", "2", "--dtype", "float64") as (target, info):
         assert {"shard-worker rank 0", "shard-worker rank 1"} <= set(info["pids"])
