@@ -15,10 +15,6 @@ import math
 import sys
 from pathlib import Path
 
-import grpc
-
-from bench.client_run import bench_server
-from bench.report import format_table, write_json
 from bench.workload import WORKLOADS, WorkloadSpec
 from common import security
 
@@ -87,6 +83,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(a: argparse.Namespace) -> int:
+    # Imported here, not at the top: every tpserve process builds this module's flags (the CLI's parser),
+    # and none but the benchmark should load its client, plotting and progress bar.
+    import grpc
+
+    from bench.client_run import bench_server
+    from bench.report import format_table, write_json
+
     try:
         spec = workload_from_args(a)
         if a.burstiness <= 0:

@@ -6,43 +6,29 @@ import argparse
 import asyncio
 import sys
 
-from bench import cli as bench_cli
-from common import logs, security, tracing
+from common import logs, security, settings, tracing
 from common.sampling import SAMPLING_FIELDS
 from router import config as router_config
+from router.config import RouterConfig
 from scheduler import config as scheduler_config
+from scheduler.config import SchedulerConfig
 from shard_worker import config as worker_config
+from shard_worker.config import WorkerConfig
 
 
 def _launch_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
-    p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size: shard workers, one per device")
-    p.add_argument(
-        "--replicas",
-        type=int,
-        default=1,
-        help="model replicas (a scheduler and --tp workers each) behind the router",
-    )
-    p.add_argument("--host", default="127.0.0.1", help="router address (0.0.0.0 to serve other hosts)")
-    p.add_argument("--port", type=int, default=50051, help="router port (0: any free port)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--dtype", default="float32", choices=worker_config.DTYPES)
-    p.add_argument("--ready-file", default=None, help="write {target, pids} as JSON here once serving")
-    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for SERVING")
-    p.add_argument(
-        "--max-restarts",
-        type=int,
-        default=0,
-        help="restart a dead scheduler or worker group this many times (0: a death stops the launch)",
-    )
-    scheduler_config.add_policy_arguments(p)
-    router_config.add_policy_arguments(p)
+    from common.launcher import LaunchConfig
+
+    # The router's, scheduler's and workers' flags marked launch=True, declared once in their configs.
+    for config in (WorkerConfig, RouterConfig, SchedulerConfig):
+        settings.add_arguments(p, config, launch_only=True)
+    settings.add_arguments(p, LaunchConfig)
     p.add_argument(
         "--metrics-port", type=int, default=None, help="router /metrics port; the others' are logged (0: any)"
     )
     tracing.add_arguments(p)
-    # The router's public TLS and API keys, passed through; the internal mutual TLS, given to every process.
-    router_config.add_security_arguments(p)
+    # The router's public TLS, passed through; the internal mutual TLS, given to every process.
+    security.add_public_arguments(p)
     security.add_internal_arguments(p)
     security.add_client_arguments(p, api_key=False, title="launch's readiness check of the router's TLS port")
 
@@ -65,6 +51,13 @@ def _generate_parser(p: argparse.ArgumentParser) -> None:
     security.add_client_arguments(p)
 
 
+def _bench_parser(p: argparse.ArgumentParser) -> None:
+    # Only the benchmark's flags (bench/cli.py imports its client and plotting when it runs).
+    from bench import cli as bench_cli
+
+    bench_cli.add_arguments(p)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tpserve", description=__doc__)
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -77,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     scheduler_config.add_arguments(sub.add_parser("scheduler", help="the batch planner and KV block owner"))
     worker_config.add_arguments(sub.add_parser("shard-worker", help="one tensor-parallel rank of the model"))
     _generate_parser(sub.add_parser("generate", help="stream a completion from a running server"))
-    bench_cli.add_arguments(sub.add_parser("bench", help="load a server, report latency and throughput"))
+    _bench_parser(sub.add_parser("bench", help="load a server, report latency and throughput"))
     return parser
 
 
@@ -119,41 +112,22 @@ def main(argv: list[str] | None = None) -> int:
         if a.command == "launch":
             from common.launcher import LaunchConfig, launch
 
-            passthrough = {"scheduler": [], "router": []}
-            for process, names in (
-                ("scheduler", scheduler_config.POLICY_FLAGS),
-                ("router", router_config.POLICY_FLAGS),
-            ):
-                for name in names:
-                    flag, value = name.replace("_", "-"), getattr(a, name)
-                    if isinstance(value, bool):
-                        passthrough[process].append(f"--{flag}" if value else f"--no-{flag}")
-                    elif isinstance(value, tuple):
-                        passthrough[process] += [f"--{flag}", ",".join(map(str, value))]
-                    else:
-                        passthrough[process] += [f"--{flag}", str(value)]
             return launch(
-                LaunchConfig(
+                settings.from_args(
+                    LaunchConfig,
+                    a,
                     model=a.model,
-                    tp=a.tp,
-                    replicas=a.replicas,
                     host=a.host,
-                    port=a.port,
-                    device=a.device,
-                    dtype=a.dtype,
-                    ready_file=a.ready_file,
-                    startup_timeout_s=a.startup_timeout,
                     log_level=a.log_level,
                     log_format=a.log_format,
-                    scheduler_args=tuple(passthrough["scheduler"]),
-                    router_args=tuple(passthrough["router"]),
+                    scheduler_args=tuple(settings.to_argv(a, SchedulerConfig)),
+                    router_args=tuple(settings.to_argv(a, RouterConfig)),
+                    worker_args=tuple(settings.to_argv(a, WorkerConfig)),
                     router_drain_s=a.drain_timeout_s,
                     metrics_port=a.metrics_port,
                     tracing=tracing.from_args(a),
-                    max_restarts=a.max_restarts,
                     tls=security.public_from_args(a),
                     internal_tls=security.internal_from_args(a),
-                    api_key_file=a.api_key_file,
                     health_auth=security.client_from_args(a),
                 )
             )
@@ -172,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         elif a.command == "generate":
             return _generate(a)
         elif a.command == "bench":
+            from bench import cli as bench_cli
+
             return bench_cli.main(a)
     except ValueError as e:  # configuration errors: say what is wrong, no traceback
         print(f"tpserve {a.command}: {e}", file=sys.stderr)

@@ -22,9 +22,10 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from common import security, tracing
+from common import security, settings, tracing
 from common.grpc_util import free_port, read_port_file, wait_for_health
 from common.security import ClientAuth, TlsFiles
+from common.settings import above, at_least, setting
 from common.tracing import TracingConfig
 
 log = logging.getLogger("tpserve.launch")
@@ -44,35 +45,40 @@ def _die_with_parent() -> None:
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    model: str
-    tp: int = 1
-    replicas: int = 1  # model replicas (scheduler + tp workers each) behind the one router
-    host: str = "127.0.0.1"
-    port: int = 50051
-    device: str = "cpu"
-    dtype: str = "float32"
-    ready_file: str | None = None
-    startup_timeout_s: float = 600.0
+    """What `tpserve launch` decides itself. The processes' own settings reach them as flags: the router's,
+    the scheduler's and the workers' fields declared with launch=True (common/settings.py) are launch's
+    flags too, and their values are passed through in router_args, scheduler_args and worker_args."""
+
+    model: str  # the checkpoint, for the check below (it also travels in router_args and worker_args)
+    tp: int = setting(1, help="tensor_parallel_size: shard workers, one per device", rule=at_least(1))
+    replicas: int = setting(
+        1, help="model replicas (a scheduler and --tp workers each) behind the router", rule=at_least(1)
+    )
+    ready_file: str | None = setting(None, help="write {target, pids} as JSON here once serving")
+    startup_timeout_s: float = setting(
+        600.0, flag="--startup-timeout", help="seconds to wait for SERVING", rule=above(0)
+    )
+    max_restarts: int = setting(
+        0,
+        help="restart a dead scheduler or worker group this many times (0: a death stops the launch)",
+        rule=at_least(0),
+    )
+    host: str = "127.0.0.1"  # the router's (its --host, in router_args)
     log_level: str = "INFO"
     log_format: str = "text"
     scheduler_args: tuple[str, ...] = field(default_factory=tuple)  # passed through unchanged
     router_args: tuple[str, ...] = field(default_factory=tuple)
+    worker_args: tuple[str, ...] = field(default_factory=tuple)
     router_drain_s: float = 30.0  # the router's --drain-timeout-s: stopping waits that long for it
     metrics_port: int | None = None  # the router's; the others bind free ports and are logged
-    # A scheduler or worker group that dies is started again this many times (0: the launch ends).
-    max_restarts: int = 0
     tracing: TracingConfig = field(default_factory=TracingConfig)
     tls: TlsFiles | None = None  # the router's public port
     internal_tls: TlsFiles | None = None  # mutual TLS between every process, each given the same files
-    api_key_file: str | None = None  # the router's
     # How the launcher's readiness check reaches the router: like any client (health needs no API key).
     health_auth: ClientAuth = field(default_factory=ClientAuth)
 
     def __post_init__(self):
-        if self.tp < 1:
-            raise ValueError(f"--tp must be at least 1, got {self.tp}")
-        if self.replicas < 1:
-            raise ValueError(f"--replicas must be at least 1, got {self.replicas}")
+        settings.validate(self)
         if self.tls is not None and self.tls.ca and not self.health_auth.cert:
             raise ValueError(
                 "--tls-client-ca makes clients present certificates, the launcher's readiness check too: "
@@ -147,8 +153,8 @@ class Stack:
 
     def _worker_args(self, replica: int, rank: int, dist_init: str, port: int) -> list[str]:
         cfg = self.config
-        args = ["shard-worker", "--model", cfg.model, "--rank", str(rank), "--world-size", str(cfg.tp)]
-        args += ["--dist-init", dist_init, "--device", cfg.device, "--dtype", cfg.dtype]
+        args = ["shard-worker", *cfg.worker_args, "--rank", str(rank), "--world-size", str(cfg.tp)]
+        args += ["--dist-init", dist_init]
         port_file = self.tmp / f"worker{replica}-{rank}.port"
         return args + ["--port", str(port), "--port-file", str(port_file)]
 
@@ -180,13 +186,10 @@ class Stack:
         self.scheduler_ports = [self._port_of(c) for c in schedulers]
 
         port_file = self.tmp / "router.port"
-        args = ["router", "--model", cfg.model]
+        args = ["router", *cfg.router_args, "--port-file", str(port_file)]
         for port in self.scheduler_ports:
             args += ["--scheduler", f"127.0.0.1:{port}"]
-        args += ["--host", cfg.host, "--port", str(cfg.port), "--port-file", str(port_file), *cfg.router_args]
         args += security.public_flags(cfg.tls)
-        if cfg.api_key_file:
-            args += ["--api-key-file", cfg.api_key_file]
         router = self._spawn("router", args, port_file)
         router_addr = f"{'127.0.0.1' if cfg.host == '0.0.0.0' else cfg.host}:{self._port_of(router)}"
 

@@ -15,15 +15,14 @@ policy is tested without sleeping. Times must not go backwards between calls (a 
 
 from __future__ import annotations
 
-import math
 from bisect import bisect_right
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable
 from dataclasses import dataclass
 from itertools import count
 from typing import Any
 
-DEFAULT_EDGES = (512, 2048)
+from common.settings import Rule, at_least, setting, validate
 
 
 @dataclass(frozen=True)
@@ -46,16 +45,38 @@ class _Entry:
     order: int  # push order across buckets: ties in arrival time go to the earlier push
 
 
-def check_edges(edges: Sequence[int]) -> tuple[int, ...]:
-    """Validates bucket edges (strictly increasing positive ints); returns them as a tuple."""
-    edges = tuple(edges)
-    for e in edges:
-        if isinstance(e, bool) or not isinstance(e, int) or e <= 0:
-            raise ValueError(f"bucket edges must be positive integers (token counts), got {edges}")
-    for a, b in zip(edges, edges[1:], strict=False):
-        if b <= a:
-            raise ValueError(f"bucket edges must be strictly increasing, got {edges}")
-    return edges
+def _increasing(edges: tuple[int, ...]) -> bool:
+    return all(b > a for a, b in zip(edges, edges[1:], strict=False))
+
+
+@dataclass(frozen=True)
+class AdmissionPolicy:
+    """The queue's knobs, declared once (the router's and `tpserve launch`'s flags)."""
+
+    bucket_edges: tuple[int, ...] = setting(
+        (512, 2048),
+        help="prompt-length bucket edges in tokens, comma-separated (shortest bucket admitted first)",
+        rule=Rule(lambda e: isinstance(e, int) and not isinstance(e, bool) and e > 0, "positive integers"),
+        launch=True,
+    )
+    max_queued_requests: int = setting(
+        1024,
+        help="requests waiting in the router at most; past that new ones get RESOURCE_EXHAUSTED",
+        rule=at_least(1),
+        launch=True,
+    )
+    # Finite on purpose: an unbounded wait would let a stream of short prompts starve a long one.
+    max_queue_wait_ms: float = setting(
+        2000.0,
+        help="a request waiting longer than this is admitted before any newer one (no starvation)",
+        rule=at_least(0),
+        launch=True,
+    )
+
+    def __post_init__(self):
+        validate(self)
+        if not _increasing(self.bucket_edges):
+            raise ValueError(f"--bucket-edges must be strictly increasing, got {self.bucket_edges}")
 
 
 def bucket_name(lower: int, upper: int | None) -> str:
@@ -69,19 +90,11 @@ class AdmissionQueue:
     the request's key), len O(1), stats O(buckets).
     """
 
-    def __init__(self, edges: Sequence[int] = DEFAULT_EDGES, max_queued: int = 1024, max_wait_s: float = 2.0):
-        self.edges = check_edges(edges)
-        if isinstance(max_queued, bool) or not isinstance(max_queued, int) or max_queued <= 0:
-            raise ValueError(f"max_queued must be a positive integer, got {max_queued!r}")
-        # Finite on purpose: an unbounded wait would let a stream of short prompts starve a long one.
-        if (
-            isinstance(max_wait_s, bool)
-            or not isinstance(max_wait_s, int | float)
-            or not (math.isfinite(max_wait_s) and max_wait_s >= 0)
-        ):
-            raise ValueError(f"max_wait_s must be a finite number of seconds >= 0, got {max_wait_s!r}")
-        self.max_queued = max_queued
-        self.max_wait_s = float(max_wait_s)
+    def __init__(self, policy: AdmissionPolicy | None = None):
+        policy = policy or AdmissionPolicy()
+        self.edges = policy.bucket_edges
+        self.max_queued = policy.max_queued_requests
+        self.max_wait_s = policy.max_queue_wait_ms / 1000.0
         bounds = (0, *self.edges, None)
         self._bounds: list[tuple[int, int | None]] = list(zip(bounds[:-1], bounds[1:], strict=True))
         self._buckets: list[OrderedDict[Hashable, _Entry]] = [OrderedDict() for _ in self._bounds]

@@ -44,6 +44,8 @@ from collections import OrderedDict
 from collections.abc import Collection, Hashable, Iterable
 from dataclasses import dataclass
 
+from common.settings import setting
+
 _TIE = 1e-9
 
 
@@ -92,10 +94,21 @@ def slot_headroom(load: ReplicaLoad, pending: int, slow_step_s: float) -> float:
 class RoutingPolicy:
     """The routing knobs; one per router, built from the command line."""
 
-    short_edge: int = 512  # prompts shorter than this go to the least-loaded replica (the short bucket)
-    stale_after_s: float = 3.0  # no report for this long: down (schedulers report at least every 1 s)
+    # Prompts shorter than this go to the least-loaded replica: the router sets it to its short bucket.
+    short_edge: int = 512
+    stale_after_s: float = setting(
+        3.0,
+        flag="--replica-stale-s",
+        help="a replica that sends no load report for this long is down and its requests move (a "
+        "scheduler reports at least twice a second, see LoadReport)",
+        launch=True,
+    )
     slow_step_s: float = 1.0  # a replica whose recent step takes this long counts as full
-    prefix_affinity: bool = False
+    prefix_affinity: bool = setting(
+        False,
+        help="send requests sharing a prompt prefix to the replica that served it (its prefix cache)",
+        launch=True,
+    )
     # Stay on the replica that served a prefix unless its load (1 - headroom) exceeds
     # affinity_factor * the best replica's load + affinity_slack. The slack keeps affinity when the best
     # is idle and the affine one only lightly used (a pure ratio would move off 0.05 vs 0.0); the factor

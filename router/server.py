@@ -26,7 +26,6 @@ from router.config import RouterConfig
 from router.detokenizer import IncrementalDetokenizer
 from router.metrics import RouterMetrics
 from router.pool import SchedulerPool
-from router.replicas import RoutingPolicy
 from router.scheduler_link import QueueFull, SchedulerUnavailable
 from router.stop_strings import StopStringMatcher
 from router.validation import Limits, ValidationError, validate_request
@@ -236,14 +235,8 @@ async def serve(config: RouterConfig) -> None:
     from transformers import AutoTokenizer
 
     provider = tracing.setup(config.tracing, "router")
-    admission = AdmissionQueue(
-        config.bucket_edges, config.max_queued_requests, config.max_queue_wait_ms / 1000
-    )
-    policy = RoutingPolicy(
-        short_edge=config.bucket_edges[0] if config.bucket_edges else RoutingPolicy.short_edge,
-        stale_after_s=config.replica_stale_s,
-        prefix_affinity=config.prefix_affinity,
-    )
+    admission = AdmissionQueue(config.admission)
+    policy = config.routing_policy
     router_metrics = RouterMetrics(admission)
     tokenizer = AutoTokenizer.from_pretrained(config.model)
     interceptors = []

@@ -163,7 +163,7 @@ class Engine:
             num_kv_blocks=cfg.num_kv_blocks,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             cpu_kv_cache_gib=cfg.cpu_kv_cache_gib,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_num_batched_tokens=cfg.policy.max_num_batched_tokens,
         )
         infos = await asyncio.gather(
             *(s.Describe(describe, wait_for_ready=True, timeout=cfg.worker_connect_timeout_s) for s in stubs)
@@ -182,7 +182,7 @@ class Engine:
             cfg.block_size,
         )
         info = infos[0]
-        max_model_len = cfg.max_model_len or info.max_position_embeddings
+        max_model_len = cfg.policy.max_model_len or info.max_position_embeddings
         if max_model_len > info.max_position_embeddings:
             log.warning(
                 "--max-model-len %d is beyond the model's %d positions: capping it",
@@ -191,7 +191,7 @@ class Engine:
             )
             max_model_len = info.max_position_embeddings
         # More blocks than max_num_seqs full-length sequences can use would only take memory.
-        useful = cfg.max_num_seqs * blocks_for(max_model_len, cfg.block_size)
+        useful = cfg.policy.max_num_seqs * blocks_for(max_model_len, cfg.block_size)
         if num_blocks > useful:
             log.info("capping the pool at %d blocks: max_num_seqs sequences of max_model_len", useful)
             num_blocks = useful
@@ -213,7 +213,9 @@ class Engine:
         blocks = BlockManager(num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)
         host_blocks = HostBlockPool(num_host_blocks) if num_host_blocks else None
         if self.scheduler is None:
-            self.scheduler = Scheduler(cfg.policy(max_model_len), blocks, info.eos_token_ids, host_blocks)
+            self.scheduler = Scheduler(
+                cfg.resolved_policy(max_model_len), blocks, info.eos_token_ids, host_blocks
+            )
         else:  # the ranks came back: same requests, fresh caches
             self.scheduler.replace_blocks(blocks, host_blocks)
         self.model_info = generation_pb2.ModelInfo(
@@ -327,7 +329,7 @@ class Engine:
         """This replica's load, for the routers' choice among replicas (router/replicas.py)."""
         s = self.scheduler
         report = scheduler_pb2.LoadReport(
-            max_num_seqs=self.config.max_num_seqs, shards_ready=self.ready.is_set()
+            max_num_seqs=self.config.policy.max_num_seqs, shards_ready=self.ready.is_set()
         )
         if s is not None:
             busy = bool(s.running or s.waiting)

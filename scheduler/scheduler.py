@@ -14,34 +14,56 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from common.settings import at_least, setting, validate
 from scheduler.block_manager import BlockManager, blocks_for
 from scheduler.sequence import FinishReason, Sequence, SequenceStatus
 from scheduler.swap import HostBlockPool
 
+BATCHING_MODES = ("continuous", "static")
+
 
 @dataclass(frozen=True)
 class SchedulingPolicy:
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
-    batching: str = "continuous"  # or "static"
-    static_batch_size: int = 32
-    # Static mode waits at most this long for a batch to fill before starting a partial one.
-    static_batch_timeout_s: float = 0.05
+    """The knobs of batch forming. Each is declared here once: `tpserve scheduler` and `tpserve launch`
+    take them as flags (see common/settings.py)."""
+
+    max_num_seqs: int = setting(128, help="most sequences in one step's batch", rule=at_least(1), launch=True)
+    max_num_batched_tokens: int = setting(
+        2048, help="token budget of one step (prefill chunks plus decodes)", rule=at_least(1), launch=True
+    )
+    max_model_len: int = setting(
+        0,
+        help="most tokens (prompt + output) per sequence (0: the model's context, capped by the KV pool)",
+        rule=at_least(0),
+        launch=True,
+    )
+    batching: str = setting(
+        "continuous", help="continuous, or static (the baseline)", choices=BATCHING_MODES, launch=True
+    )
+    static_batch_size: int = setting(
+        32, help="static batching: requests per batch", rule=at_least(1), launch=True
+    )
+    static_batch_timeout_ms: float = setting(
+        50.0,
+        help="static batching: longest wait for a batch to fill before a partial one starts",
+        rule=at_least(0),
+        launch=True,
+    )
+    min_batch_size: int = setting(
+        8,
+        help="with --batch-wait-timeout-ms: a smaller batch waits for requests on their way",
+        rule=at_least(1),
+        launch=True,
+    )
+    batch_wait_timeout_ms: float = setting(
+        0.0, help="longest wait for min_batch_size sequences (0: never wait)", rule=at_least(0), launch=True
+    )
     # Share of blocks kept free when admitting new sequences, so that admitting one does not force
     # the running ones into preemption at their next token.
     admission_watermark: float = 0.01
-    # When fewer than min_batch_size sequences would run and more are on their way, wait up to
-    # batch_wait_timeout_s for them before stepping (0: never wait).
-    min_batch_size: int = 8
-    batch_wait_timeout_s: float = 0.0
 
     def __post_init__(self):
-        if self.batching not in ("continuous", "static"):
-            raise ValueError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "static_batch_size"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        validate(self)
 
 
 @dataclass
@@ -96,6 +118,10 @@ class Scheduler:
         eos_token_ids=(),
         host_blocks: HostBlockPool | None = None,
     ):
+        if policy.max_model_len < 1:
+            raise ValueError(
+                "the policy's max_model_len must be resolved (the model's, capped) before scheduling"
+            )
         self.policy = policy
         self.blocks = block_manager
         # Swap space on the ranks' hosts; None or empty: every preemption recomputes.
@@ -204,7 +230,7 @@ class Scheduler:
         if static and not self._static_batch:
             # A new static batch starts only when full, or when its oldest request has waited enough.
             oldest = self.waiting[0].arrival_time if self.waiting else None
-            deadline = None if oldest is None else oldest + self.policy.static_batch_timeout_s
+            deadline = None if oldest is None else oldest + self.policy.static_batch_timeout_ms / 1000
             if len(self.waiting) < self.policy.static_batch_size and deadline is not None and now < deadline:
                 out.wake_at = deadline
                 return
@@ -326,7 +352,7 @@ class Scheduler:
     def set_batching(self, mode: str) -> None:
         """Switches continuous <-> static at run time (the static fallback). Switching to static makes
         the running sequences the current batch: nothing joins until it drains."""
-        if mode not in ("continuous", "static"):
+        if mode not in BATCHING_MODES:
             raise ValueError(f"batching must be 'continuous' or 'static', got {mode!r}")
         self.batching = mode
         self._static_batch = {s.seq_id for s in self.running} if mode == "static" else set()
@@ -334,15 +360,15 @@ class Scheduler:
     def batch_wait_deadline(self, now: float, incoming: int) -> float | None:
         """min_batch_size: when the next step would carry fewer than min_batch_size sequences and
         `incoming` more are on their way, the time until which to wait for them; None: step now.
-        Waits at most batch_wait_timeout_s for one batch to fill, never when nothing is on the way."""
+        Waits at most batch_wait_timeout_ms for one batch to fill, never when nothing is on the way."""
         p = self.policy
         have = len(self.running) + len(self.waiting) + len(self.swapped)
-        if p.batch_wait_timeout_s <= 0 or incoming == 0 or have >= p.min_batch_size:
+        if p.batch_wait_timeout_ms <= 0 or incoming == 0 or have >= p.min_batch_size:
             self._batch_wait_since = None
             return None
         if self._batch_wait_since is None:
             self._batch_wait_since = now
-        deadline = self._batch_wait_since + p.batch_wait_timeout_s
+        deadline = self._batch_wait_since + p.batch_wait_timeout_ms / 1000
         return deadline if now < deadline else None
 
     def admission_window(self, depth: int) -> int:

@@ -41,7 +41,7 @@ def first_token_times(stub, requests: list[dict], stagger_s: float = 0.0) -> lis
 
 def blocker() -> dict:
     """Holds the only slot long enough for every later request to be queued in the router."""
-    return dict(token_ids=[5] * 4, max_new_tokens=60, ignore_eos=True)
+    return dict(token_ids=[5] * 4, max_new_tokens=250, ignore_eos=True)
 
 
 def test_short_requests_sent_after_a_long_one_start_first(tiny_model):

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from router.buckets import AdmissionQueue, BucketStats, Credits, admit
+from router.buckets import AdmissionPolicy, AdmissionQueue, BucketStats, Credits, admit
 
 SHORT, MEDIUM, LONG = 10, 1000, 3000
 
@@ -20,11 +20,11 @@ def drain(q, now):
 def test_buckets_split_at_the_edges():
     q = AdmissionQueue()
     assert [q.bucket_of(n) for n in (0, 511, 512, 2047, 2048, 100_000)] == [0, 0, 1, 1, 2, 2]
-    assert AdmissionQueue(edges=()).bucket_of(10**6) == 0  # no edges: one FIFO queue
+    assert AdmissionQueue(AdmissionPolicy(bucket_edges=())).bucket_of(10**6) == 0  # no edges: one FIFO queue
 
 
 def test_twenty_shorts_just_after_a_long_one_all_go_first():
-    q = AdmissionQueue(max_wait_s=2.0)
+    q = AdmissionQueue(AdmissionPolicy(max_queue_wait_ms=2.0 * 1000))
     assert q.push("long", LONG, now=0.0)
     for i in range(20):
         assert q.push(f"s{i}", SHORT, now=0.001 * (i + 1))
@@ -52,7 +52,7 @@ def test_fifo_within_a_bucket():
 
 def test_a_steady_stream_of_shorts_does_not_delay_a_long_one_past_the_aging_bound():
     max_wait, tick = 1.0, 0.01
-    q = AdmissionQueue(max_wait_s=max_wait, max_queued=10_000)
+    q = AdmissionQueue(AdmissionPolicy(max_queue_wait_ms=max_wait * 1000, max_queued_requests=10_000))
     q.push("long", LONG, now=0.0)
     # Shorts arrive twice as fast as the scheduler takes requests, so a short always waits.
     popped_at = None
@@ -71,7 +71,7 @@ def test_a_steady_stream_of_shorts_does_not_delay_a_long_one_past_the_aging_boun
 
 
 def test_oldest_overdue_first_across_buckets():
-    q = AdmissionQueue(max_wait_s=1.0)
+    q = AdmissionQueue(AdmissionPolicy(max_queue_wait_ms=1.0 * 1000))
     q.push("long-old", LONG, 0.0)
     q.push("medium-older-than-short", MEDIUM, 0.1)
     q.push("short-overdue", SHORT, 0.2)
@@ -80,14 +80,14 @@ def test_oldest_overdue_first_across_buckets():
 
 
 def test_exactly_max_wait_is_not_yet_overdue():
-    q = AdmissionQueue(max_wait_s=1.0)
+    q = AdmissionQueue(AdmissionPolicy(max_queue_wait_ms=1.0 * 1000))
     q.push("long", LONG, 0.0)
     q.push("short", SHORT, 0.5)
     assert q.pop(1.0) == "short"
 
 
 def test_zero_max_wait_is_fifo_across_buckets_except_for_ties():
-    q = AdmissionQueue(max_wait_s=0)
+    q = AdmissionQueue(AdmissionPolicy(max_queue_wait_ms=0 * 1000))
     q.push("long", LONG, 0.0)
     q.push("short", SHORT, 0.1)
     q.push("tie-long", LONG, 0.2)
@@ -96,7 +96,7 @@ def test_zero_max_wait_is_fifo_across_buckets_except_for_ties():
 
 
 def test_bound_refuses_at_max_queued_and_accepts_after_a_pop():
-    q = AdmissionQueue(max_queued=3)
+    q = AdmissionQueue(AdmissionPolicy(max_queued_requests=3))
     assert all(q.push(i, SHORT, 0.0) for i in range(3))
     assert q.push(3, SHORT, 0.0) is False
     assert 3 not in q and len(q) == 3  # a refused request leaves no trace
@@ -152,19 +152,19 @@ def test_a_key_already_queued_is_an_error():
 )
 def test_bad_edges_are_rejected(edges, match):
     with pytest.raises(ValueError, match=match):
-        AdmissionQueue(edges=edges)
+        AdmissionQueue(AdmissionPolicy(bucket_edges=edges))
 
 
 @pytest.mark.parametrize("max_queued", [0, -1, 1.5, True, None])
 def test_bad_max_queued_is_rejected(max_queued):
-    with pytest.raises(ValueError, match="max_queued"):
-        AdmissionQueue(max_queued=max_queued)
+    with pytest.raises(ValueError, match="max-queued-requests"):
+        AdmissionQueue(AdmissionPolicy(max_queued_requests=max_queued))
 
 
-@pytest.mark.parametrize("max_wait_s", [-0.1, math.inf, math.nan, "1", None])
-def test_bad_max_wait_is_rejected(max_wait_s):
-    with pytest.raises(ValueError, match="max_wait_s"):
-        AdmissionQueue(max_wait_s=max_wait_s)
+@pytest.mark.parametrize("max_wait_ms", [-100, math.inf, math.nan, "1000", None])
+def test_bad_max_wait_is_rejected(max_wait_ms):
+    with pytest.raises(ValueError, match="max-queue-wait-ms"):
+        AdmissionQueue(AdmissionPolicy(max_queue_wait_ms=max_wait_ms))
 
 
 @pytest.mark.parametrize("prompt_tokens", [-1, 1.5, None])
@@ -195,7 +195,7 @@ def test_stats_per_bucket():
 
 
 def test_stats_with_custom_edges():
-    q = AdmissionQueue(edges=(128,))
+    q = AdmissionQueue(AdmissionPolicy(bucket_edges=(128,)))
     assert [(s.name, s.lower, s.upper) for s in q.stats(0.0)] == [("0-127", 0, 128), ("128+", 128, None)]
 
 
@@ -203,7 +203,9 @@ def test_matches_a_naive_reference_on_random_traffic():
     """The rules stated directly over all waiting items, against the O(buckets) implementation."""
     rng = random.Random(0)
     max_wait = 0.5
-    q = AdmissionQueue(edges=(512, 2048), max_queued=50, max_wait_s=max_wait)
+    q = AdmissionQueue(
+        AdmissionPolicy(bucket_edges=(512, 2048), max_queued_requests=50, max_queue_wait_ms=max_wait * 1000)
+    )
     ref: list[tuple[int, int, float]] = []  # (order, bucket, arrival)
     now, order = 0.0, 0
     for _ in range(5000):

@@ -571,7 +571,7 @@ def test_configmap_holds_the_seed_knobs_and_each_is_used(directory):
     # What reaches every scheduler is what the ConfigMap says.
     for deployment in _all(objects, "Deployment", "scheduler"):
         _, scheduler = _tpserve(deployment, objects)
-        assert scheduler.max_num_seqs == int(data["TPSERVE_MAX_NUM_SEQS"])
+        assert scheduler.policy.max_num_seqs == int(data["TPSERVE_MAX_NUM_SEQS"])
         assert scheduler.block_size == int(data["TPSERVE_BLOCK_SIZE"])
         assert scheduler.swap_space == float(data["TPSERVE_SWAP_SPACE_GIB"])
         assert scheduler.gpu_memory_utilization == float(data["TPSERVE_GPU_MEMORY_UTILIZATION"])

@@ -200,7 +200,7 @@ def test_every_block_free_after_all_finish():
 
 def test_static_mode_admits_no_one_until_the_batch_finishes():
     policy = SchedulingPolicy(
-        batching="static", static_batch_size=3, max_model_len=1024, static_batch_timeout_s=1
+        batching="static", static_batch_size=3, max_model_len=1024, static_batch_timeout_ms=1000
     )
     sched = make(policy)
     sched.add(Sequence(0, "r0", [10] * 4, 4, 2, arrival_time=0.0))
@@ -308,7 +308,7 @@ def test_admission_window_fills_free_slots_up_to_the_depth():
 
 
 def test_min_batch_wait_is_bounded_and_never_with_nothing_on_the_way():
-    policy = SchedulingPolicy(max_model_len=1024, min_batch_size=4, batch_wait_timeout_s=0.5)
+    policy = SchedulingPolicy(max_model_len=1024, min_batch_size=4, batch_wait_timeout_ms=500)
     sched = make(policy)
     sched.add(seq(0, 5))
     assert sched.batch_wait_deadline(now=10.0, incoming=0) is None  # nothing on the way: step now
