@@ -13,8 +13,7 @@ token go back to the queue with their arrival time, to be sent elsewhere; those 
 UNAVAILABLE (a client cannot be shown a seam mid-stream). Outputs that still arrive from a replica for a
 request that moved away are dropped. Health is SERVING while at least one replica is up.
 
-The membership is the --scheduler list, or the addresses a DNS name resolves to (a Kubernetes headless
-Service), re-resolved every dns_interval_s in a thread so replicas added or removed are picked up.
+Which replicas exist is router/membership.py's to say; GetStats across them is router/stats.py's.
 """
 
 from __future__ import annotations
@@ -22,34 +21,21 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import grpc
-
 from common import security
 from common.pb.tpserve.internal.v1 import scheduler_pb2
+from common.pb.tpserve.internal.v1.scheduler_pb2 import ERROR_CODE_UNAVAILABLE
 from common.pb.tpserve.v1 import generation_pb2
 from router.buckets import AdmissionQueue
+from router.membership import Membership, Resolver, resolve_dns
 from router.replicas import ReplicaLoad, ReplicaSet, Routed, RoutingPolicy
 from router.scheduler_link import QueueFull, SchedulerLink, SchedulerUnavailable
+from router.stats import gather_stats
 
 log = logging.getLogger("tpserve.router")
-
-# (host, port) -> the "HOST:PORT" addresses it resolves to now; raises OSError when it cannot tell.
-Resolver = Callable[[str, int], list[str]]
-
-
-def resolve_dns(host: str, port: int) -> list[str]:
-    """Every address a name resolves to (a headless Service: one A/AAAA record per ready pod)."""
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    out = set()
-    for family, *_, sockaddr in infos:
-        ip = sockaddr[0]
-        out.add(f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}")
-    return sorted(out)
 
 
 def prefix_key(prompt: list[int], num_tokens: int) -> str | None:
@@ -87,17 +73,19 @@ class SchedulerPool:
         check_s: float = 0.5,
         tls: security.TlsFiles | None = None,
     ):
-        if not schedulers and not dns:
-            raise ValueError("give at least one --scheduler or a --scheduler-dns")
         self.admission = admission
         self.replicas = ReplicaSet(policy)
         self.on_ready = on_ready
         self.on_admit = lambda add, waited_s: None  # the servicer's metrics hook
         self.on_failover = lambda replica, resent, failed: None
-        self._static = tuple(schedulers)
-        self._dns = dns
-        self._resolver = resolver
-        self._dns_interval_s = dns_interval_s
+        self.membership = Membership(
+            self._add,
+            self._remove,
+            schedulers=schedulers,
+            dns=dns,
+            resolver=resolver,
+            interval_s=dns_interval_s,
+        )
         self._prefix_blocks = prefix_blocks
         self._retry_s = retry_s
         self._check_s = check_s
@@ -114,24 +102,18 @@ class SchedulerPool:
     # ---- membership ----
 
     async def start(self) -> None:
-        for target in self._static:
-            self._add(target)
-        if self._dns:
-            await self._resolve_once()
-            self._tasks.append(asyncio.create_task(self._resolve_forever()))
+        await self.membership.start()
         self._tasks.append(asyncio.create_task(self._check_forever()))
 
     async def close(self) -> None:
+        self.membership.stop()
         for t in self._tasks:
             t.cancel()
         for link in list(self.links.values()):
             await link.close()
 
     def _add(self, target: str) -> None:
-        if target in self.links:
-            return
-        server_name = self._dns.rpartition(":")[0] if self._dns else None
-        link = SchedulerLink(target, self, self._retry_s, self._tls, server_name)
+        link = SchedulerLink(target, self, self._retry_s, self._tls, self.membership.server_name)
         self.links[target] = link
         self.replicas.add(target)
         link.start()
@@ -141,28 +123,10 @@ class SchedulerPool:
         link = self.links.pop(target, None)
         if link is None:
             return
-        log.info("replica %s removed (gone from DNS)", target)
         self._fail_over(target, "removed")
         self.replicas.remove(target)
         await link.close()
         self._update_health()
-
-    async def _resolve_once(self) -> None:
-        host, _, port = self._dns.rpartition(":")
-        try:
-            found = set(await asyncio.to_thread(self._resolver, host, int(port)))
-        except OSError as e:  # a DNS blip must not drop every replica: keep the ones we have
-            log.warning("resolving %s failed (%s): keeping %d replica(s)", self._dns, e, len(self.links))
-            return
-        for target in sorted(found - set(self.links)):
-            self._add(target)
-        for target in sorted(set(self.links) - found):
-            await self._remove(target)
-
-    async def _resolve_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self._dns_interval_s)
-            await self._resolve_once()
 
     async def _check_forever(self) -> None:
         """Replicas that stopped reporting are down (their stream is dropped); health follows."""
@@ -225,7 +189,7 @@ class SchedulerPool:
         if req is None:
             return
         if self.admission.remove(request_id) is not None:
-            self._report_depth()
+            self._report_queued()
         elif req.routed is not None and req.routed.replica in self.links:
             self.links[req.routed.replica].abort(request_id)
 
@@ -256,15 +220,15 @@ class SchedulerPool:
             req.routed = Routed(target, len(req.add.prompt_token_ids), req.prefix_key, req.attempts)
             self.on_admit(req.add, now - req.arrival)
             link.send(req.add)
-        self._report_depth()
+        self._report_queued()
 
-    def _report_depth(self) -> None:
+    def _report_queued(self) -> None:
         """Each replica is told its share of what waits here (any of them may get any of it)."""
         now = time.monotonic()
         up = [link for t, link in self.links.items() if self.replicas.is_up(t, now)]
         share = -(-len(self.admission) // max(1, len(up)))
         for link in up:
-            link.report_depth(share)
+            link.report_queued(share)
 
     # ---- what the links report ----
 
@@ -287,6 +251,7 @@ class SchedulerPool:
             return
         load = ReplicaLoad(
             waiting=msg.waiting,
+            swapped=msg.swapped,
             running=msg.running,
             kv_blocks_free=min(msg.kv_blocks_free, msg.kv_blocks_total),
             kv_blocks_total=msg.kv_blocks_total,
@@ -310,7 +275,12 @@ class SchedulerPool:
         if req is None or req.routed is None or req.routed.replica != link.target:
             return  # aborted, or moved to another replica: whatever this one says is stale
         # The replica refused or lost it before any token (its shards are down): try another one.
-        if out.error and out.error_code == "UNAVAILABLE" and not req.routed.streamed and self._requeue(req):
+        if (
+            out.error
+            and out.error_code == ERROR_CODE_UNAVAILABLE
+            and not req.routed.streamed
+            and self._requeue(req)
+        ):
             self._pump()
             return
         if out.token_ids:
@@ -354,7 +324,7 @@ class SchedulerPool:
                 scheduler_pb2.RequestOutput(
                     request_id=req.add.request_id,
                     error=f"the replica at {target} was lost ({reason})",
-                    error_code="UNAVAILABLE",
+                    error_code=ERROR_CODE_UNAVAILABLE,
                 )
             )
         if mine:
@@ -373,7 +343,7 @@ class SchedulerPool:
             if req is not None:
                 req.queue.put_nowait(
                     scheduler_pb2.RequestOutput(
-                        request_id=request_id, error=message, error_code="UNAVAILABLE"
+                        request_id=request_id, error=message, error_code=ERROR_CODE_UNAVAILABLE
                     )
                 )
 
@@ -393,55 +363,7 @@ class SchedulerPool:
 
     async def stats(self) -> generation_pb2.Stats:
         """Sums over the replicas whose scheduler answers, with one ReplicaStats each."""
-        targets = list(self.links)
-
-        async def ask(t):
-            try:
-                return await self.links[t].stub.GetStats(generation_pb2.StatsRequest(), timeout=5.0)
-            except grpc.RpcError:
-                return None
-
-        answers = dict(zip(targets, await asyncio.gather(*(ask(t) for t in targets)), strict=True))
-        if not any(a is not None for a in answers.values()):
+        total = await gather_stats({t: link.stub for t, link in self.links.items()}, self.replicas)
+        if total is None:
             raise SchedulerUnavailable("no scheduler answered")
-        total = generation_pb2.Stats()
-        sums = (
-            "kv_blocks_total",
-            "kv_blocks_free",
-            "num_running",
-            "num_waiting",
-            "num_swapped",
-            "num_preemptions_total",
-            "num_steps_total",
-            "batched_seqs_total",
-            "batched_tokens_total",
-            "step_seconds_total",
-            "forward_seconds_total",
-            "allreduce_seconds_total",
-        )
-        for s in answers.values():
-            if s is not None:
-                for name in sums:
-                    setattr(total, name, getattr(total, name) + getattr(s, name))
-        for r in self.replicas.stats(time.monotonic()):
-            if r.replica not in answers:
-                continue
-            s = answers[r.replica]
-            entry = total.replicas.add(
-                replica=r.replica,
-                up=r.up,
-                down_reason=r.reason,
-                report_age_seconds=r.report_age_s if r.load is not None else -1.0,
-                routed_total=r.routed_total,
-                pending=r.pending,
-                headroom=r.headroom if r.up else 0.0,
-                stats_answered=s is not None,
-            )
-            if s is not None:
-                entry.num_running, entry.num_waiting = s.num_running, s.num_waiting
-                entry.kv_blocks_total, entry.kv_blocks_free = s.kv_blocks_total, s.kv_blocks_free
-                entry.num_steps_total, entry.batched_tokens_total = s.num_steps_total, s.batched_tokens_total
-            elif r.load is not None:
-                entry.num_running, entry.num_waiting = r.load.running, r.load.waiting
-                entry.kv_blocks_total, entry.kv_blocks_free = r.load.kv_blocks_total, r.load.kv_blocks_free
         return total

@@ -8,14 +8,15 @@ never going backwards), so the policy is tested without sleeping or processes.
 Headroom, in shares of one replica's capacity (1.0: an idle replica; below 0: work queues there):
 
     headroom = min(1 - running / max_num_seqs, kv_blocks_free / kv_blocks_total)
-               - (waiting + pending) / max_num_seqs
+               - (waiting + swapped + pending) / max_num_seqs
                - step_seconds / slow_step_s
 
 - The first term is what a new request could start in right now: a free sequence slot and free KV, so
   the scarcer of the two binds. A replica with free slots but a KV cache full of long sequences would
   preempt, one with free KV but no slot would queue; either way it has no room.
-- Requests waiting there (and `pending`: those the router sent since the report, which the report does
-  not count yet) each take a slot before the new request does, so each costs one slot's share.
+- Requests waiting there or swapped out there (and `pending`: those the router sent since the report,
+  which the report does not count yet) each take a slot before the new request does, so each costs
+  one slot's share.
 - A slow recent step means every token there streams slowly (long prefills in the batch, a slower or
   degraded device, swapping), which the counts do not show. slow_step_s is the step time at which a
   replica counts as full: a 1 s step is one token a second per sequence, past any interactive use.
@@ -24,9 +25,9 @@ Headroom, in shares of one replica's capacity (1.0: an idle replica; below 0: wo
 
 Short requests (prompt below short_edge, the router's short bucket) go to the least-loaded replica, as
 in the seed: they need little KV and finish fast, so what delays them is the number of sequences ahead,
-and their score is `1 - (running + waiting + pending) / max_num_seqs - step_seconds / slow_step_s`, which
-ignores KV. It equals the headroom above whenever KV is not the scarcer resource. Long requests use the
-headroom, because they need KV and a replica short of it would preempt for them.
+and their score is `1 - (running + waiting + swapped + pending) / max_num_seqs - step_seconds /
+slow_step_s`, which ignores KV. It equals the headroom above whenever KV is not the scarcer resource.
+Long requests use the headroom, because they need KV and a replica short of it would preempt for them.
 
 Ties (within 1e-9) go round-robin in replica-id order, and every choice adds one to the chosen replica's
 `pending` until its next report, so a burst that arrives before any report changes spreads over the
@@ -60,9 +61,10 @@ class ReplicaLoad:
     max_num_seqs: int  # the scheduler's cap on running sequences
     step_seconds: float  # recent time per step (e.g. an average over the last few steps); 0.0 when idle
     shards_ready: bool  # every rank connected and serving
+    swapped: int = 0  # preempted sequences swapped to host, each to come back before new ones start
 
     def __post_init__(self):
-        for name in ("waiting", "running", "kv_blocks_free", "kv_blocks_total"):
+        for name in ("waiting", "running", "kv_blocks_free", "kv_blocks_total", "swapped"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
@@ -81,12 +83,13 @@ def headroom(load: ReplicaLoad, pending: int, slow_step_s: float) -> float:
     """The long-request score (see the module docstring): higher is emptier, 1.0 at most."""
     kv_free = load.kv_blocks_free / load.kv_blocks_total if load.kv_blocks_total else 0.0
     room = min(1.0 - load.running / load.max_num_seqs, kv_free)
-    return room - (load.waiting + pending) / load.max_num_seqs - load.step_seconds / slow_step_s
+    ahead = load.waiting + load.swapped + pending
+    return room - ahead / load.max_num_seqs - load.step_seconds / slow_step_s
 
 
 def slot_headroom(load: ReplicaLoad, pending: int, slow_step_s: float) -> float:
     """The short-request score: sequences ahead and step time only (short prompts need little KV)."""
-    ahead = load.running + load.waiting + pending
+    ahead = load.running + load.waiting + load.swapped + pending
     return 1.0 - ahead / load.max_num_seqs - load.step_seconds / slow_step_s
 
 

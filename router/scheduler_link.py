@@ -66,7 +66,7 @@ class SchedulerLink:
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._task: asyncio.Task | None = None
         self.credits = Credits()
-        self._reported_depth = 0
+        self._reported_queued = 0
         self._dropping = False  # drop() cancelled the call: not the task being cancelled
 
     @property
@@ -90,11 +90,11 @@ class SchedulerLink:
             abort = scheduler_pb2.AbortRequest(request_id=request_id)
             self._outbox.put_nowait(scheduler_pb2.RouterMessage(abort=abort))
 
-    def report_depth(self, waiting: int) -> None:
-        """Tells the scheduler how many requests are on their way (min_batch_size, static fallback)."""
-        if waiting != self._reported_depth and self._call is not None:
-            self._reported_depth = waiting
-            depth = scheduler_pb2.QueueDepth(waiting=waiting)
+    def report_queued(self, queued: int) -> None:
+        """Tells the scheduler how many requests wait here for it (min_batch_size, static fallback)."""
+        if queued != self._reported_queued and self._call is not None:
+            self._reported_queued = queued
+            depth = scheduler_pb2.QueueDepth(queued=queued)
             self._outbox.put_nowait(scheduler_pb2.RouterMessage(queue_depth=depth))
 
     def drop(self) -> None:
@@ -112,7 +112,7 @@ class SchedulerLink:
                 )
                 self._outbox = asyncio.Queue()
                 self.credits.reset()
-                self._reported_depth = 0
+                self._reported_queued = 0
                 self._call = self.stub.Connect(self._drain(self._outbox))
                 log.info("connected to the scheduler at %s", self.target)
                 self.owner.on_connected(self)

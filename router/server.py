@@ -33,6 +33,8 @@ from router.validation import Limits, ValidationError, validate_request
 log = logging.getLogger("tpserve.router")
 
 FINISH_STOP = generation_pb2.FINISH_REASON_STOP
+# The internal ErrorCode's values are gRPC's own (see scheduler.proto).
+STATUS_BY_CODE = {code.value[0]: code for code in grpc.StatusCode}
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
@@ -125,7 +127,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 out = await queue.get()
                 if out.error:
                     finished = True
-                    code = getattr(grpc.StatusCode, out.error_code, grpc.StatusCode.INTERNAL)
+                    code = STATUS_BY_CODE.get(out.error_code, grpc.StatusCode.INTERNAL)
                     await self._abort(context, span, code, out.error)
                 now = time.perf_counter()
                 if first_token_at is None:

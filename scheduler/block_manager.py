@@ -228,5 +228,32 @@ class BlockManager:
         self._seq_hashes.pop(seq.seq_id, None)
         self._seq_registered.pop(seq.seq_id, None)
 
+    def check_invariants(self, tables=None) -> None:
+        """Raises AssertionError unless the accounting adds up: every block is exactly one of free
+        (held by nobody, caching nothing), evictable (held by nobody, caching a prefix) or held (its
+        reference count > 0); the prefix map and the blocks' hashes agree; and, given the block tables
+        of every sequence holding blocks, each block's reference count is how many tables hold it."""
+        free, evictable = list(self._free), list(self._evictable)
+        assert len(set(free)) == len(free), "a block is free twice"
+        assert not set(free) & set(evictable), "a block is both free and evictable"
+        held = [b for b in range(self.num_blocks) if self._ref_count[b] > 0]
+        assert len(free) + len(evictable) + len(held) == self.num_blocks, (
+            f"free {len(free)} + evictable {len(evictable)} + held {len(held)} != {self.num_blocks} blocks"
+        )
+        for b in free:
+            assert self._ref_count[b] == 0 and self._block_hash[b] is None, f"free block {b} is in use"
+        for b in evictable:
+            assert self._ref_count[b] == 0 and self._block_hash[b] is not None, f"block {b} is not evictable"
+        for h, b in self._cached.items():
+            assert self._block_hash[b] == h, f"block {b} is cached under another hash"
+        hashed = sum(h is not None for h in self._block_hash)
+        assert hashed == len(self._cached), "a hashed block is not cached"
+        if tables is not None:
+            counts = [0] * self.num_blocks
+            for table in tables:
+                for b in table:
+                    counts[b] += 1
+            assert counts == self._ref_count, "reference counts differ from the tables holding the blocks"
+
     def slot(self, seq: Sequence, position: int) -> int:
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size

@@ -9,33 +9,35 @@ from common.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS
 
 
 class _StateCollector:
-    """Running/waiting counts and KV occupancy, read from the engine when Prometheus scrapes."""
+    """Running/waiting counts and KV occupancy, read from the engine's snapshot when Prometheus scrapes."""
 
     def __init__(self, engine):
         self.engine = engine
 
     def collect(self):
-        s = self.engine.scheduler
-        running = waiting = swapped = used = total = 0
-        if s is not None:
-            running, waiting, swapped = len(s.running), len(s.waiting), len(s.swapped)
-            total = s.blocks.num_blocks
-            used = total - s.blocks.num_free_blocks
+        snap = self.engine.snapshot()
+        running = waiting = swapped = used = total = queries = hits = cached = 0
+        if snap is not None:
+            running, waiting, swapped = snap.running, snap.waiting, snap.swapped
+            total, used = snap.kv_blocks_total, snap.kv_blocks_total - snap.kv_blocks_free
+            queries, hits, cached = (
+                snap.prefix_cache_queries,
+                snap.prefix_cache_hits,
+                snap.prefix_cache_blocks,
+            )
         yield GaugeMetricFamily(
             "tpserve_num_requests_running", "Sequences in the running batch.", value=running
         )
         yield GaugeMetricFamily(
-            "tpserve_num_requests_waiting", "Sequences waiting in the scheduler.", value=waiting
+            "tpserve_num_requests_waiting",
+            "Sequences waiting in the scheduler for admission (not swapped out).",
+            value=waiting,
         )
         yield GaugeMetricFamily(
             "tpserve_num_requests_swapped", "Preempted sequences swapped to host memory.", value=swapped
         )
         yield GaugeMetricFamily("tpserve_kv_blocks_total", "KV-cache blocks in the pool.", value=total)
         yield GaugeMetricFamily("tpserve_kv_blocks_used", "KV-cache blocks held by sequences.", value=used)
-        queries = hits = cached = 0
-        if s is not None:
-            queries, hits = s.blocks.prefix_cache_queries, s.blocks.prefix_cache_hits
-            cached = s.blocks.num_cached_blocks
         yield CounterMetricFamily(
             "tpserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", value=queries
         )

@@ -14,9 +14,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from common.pb.tpserve.v1.generation_pb2 import FINISH_REASON_ABORTED, FINISH_REASON_EOS, FINISH_REASON_LENGTH
 from common.settings import at_least, setting, validate
 from scheduler.block_manager import BlockManager, blocks_for
-from scheduler.sequence import FinishReason, Sequence, SequenceStatus
+from scheduler.sequence import Sequence, SequenceStatus
 from scheduler.swap import HostBlockPool
 
 BATCHING_MODES = ("continuous", "static")
@@ -103,6 +104,24 @@ class SchedulerOutput:
         return not (self.scheduled or self.swap_out or self.swap_in)
 
 
+@dataclass(frozen=True)
+class SchedulerSnapshot:
+    waiting: int  # sequences waiting for admission: new, or preempted to be recomputed
+    running: int  # sequences in the running batch
+    swapped: int  # preempted sequences whose KV is on host blocks, waiting to come back
+    kv_blocks_total: int
+    kv_blocks_free: int  # blocks no sequence holds (cached prefixes nobody holds count as free)
+    num_preemptions: int  # since start
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache since start
+    prefix_cache_hits: int  # of those, tokens found cached
+    prefix_cache_blocks: int  # blocks holding reusable prefixes
+
+    @property
+    def in_flight(self) -> int:
+        """Every sequence the scheduler holds."""
+        return self.waiting + self.running + self.swapped
+
+
 @dataclass
 class SequenceUpdate:
     seq: Sequence
@@ -165,7 +184,7 @@ class Scheduler:
             self.host_blocks.free(seq.seq_id)
         else:
             self.running.remove(seq)
-        self._finish(seq, FinishReason.ABORTED)
+        self._finish(seq, FINISH_REASON_ABORTED)
         return seq
 
     def has_request(self, request_id: str) -> bool:
@@ -334,14 +353,14 @@ class Scheduler:
             updates.append(SequenceUpdate(seq, token, reason is not None))
         return updates
 
-    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+    def _stop_reason(self, seq: Sequence, token: int) -> int | None:
         if token in seq.stop_token_ids or (not seq.ignore_eos and token in self.eos_token_ids):
-            return FinishReason.EOS
+            return FINISH_REASON_EOS
         if seq.num_output_tokens >= seq.max_new_tokens or seq.num_tokens >= self.policy.max_model_len:
-            return FinishReason.LENGTH
+            return FINISH_REASON_LENGTH
         return None
 
-    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+    def _finish(self, seq: Sequence, reason: int) -> None:
         self.blocks.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
@@ -357,13 +376,13 @@ class Scheduler:
         self.batching = mode
         self._static_batch = {s.seq_id for s in self.running} if mode == "static" else set()
 
-    def batch_wait_deadline(self, now: float, incoming: int) -> float | None:
+    def batch_wait_deadline(self, now: float, queued: int) -> float | None:
         """min_batch_size: when the next step would carry fewer than min_batch_size sequences and
-        `incoming` more are on their way, the time until which to wait for them; None: step now.
+        `queued` more wait in the router, the time until which to wait for them; None: step now.
         Waits at most batch_wait_timeout_ms for one batch to fill, never when nothing is on the way."""
         p = self.policy
         have = len(self.running) + len(self.waiting) + len(self.swapped)
-        if p.batch_wait_timeout_ms <= 0 or incoming == 0 or have >= p.min_batch_size:
+        if p.batch_wait_timeout_ms <= 0 or queued == 0 or have >= p.min_batch_size:
             self._batch_wait_since = None
             return None
         if self._batch_wait_since is None:
@@ -382,5 +401,28 @@ class Scheduler:
 
     # ---- introspection ----
 
-    def blocks_for_model_len(self) -> int:
-        return blocks_for(self.policy.max_model_len, self.blocks.block_size)
+    def check_invariants(self) -> None:
+        """Raises AssertionError unless the block accounting adds up (BlockManager.check_invariants over
+        the running sequences' tables), only running sequences hold device blocks, and every swapped
+        sequence holds host blocks."""
+        self.blocks.check_invariants([s.block_table for s in self.running])
+        idle = (*self.waiting, *self.swapped)
+        assert all(not s.block_table for s in idle), "a sequence not running holds blocks"
+        if self.host_blocks is not None:
+            self.host_blocks.check_invariants([s.seq_id for s in self.swapped])
+
+    def snapshot(self) -> SchedulerSnapshot:
+        """The counts every report reads (load reports, GetStats, metrics, the static fallback), so a
+        number means the same thing in each."""
+        b = self.blocks
+        return SchedulerSnapshot(
+            waiting=len(self.waiting),
+            running=len(self.running),
+            swapped=len(self.swapped),
+            kv_blocks_total=b.num_blocks,
+            kv_blocks_free=b.num_free_blocks,
+            num_preemptions=self.num_preemptions,
+            prefix_cache_queries=b.prefix_cache_queries,
+            prefix_cache_hits=b.prefix_cache_hits,
+            prefix_cache_blocks=b.num_cached_blocks,
+        )

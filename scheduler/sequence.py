@@ -6,6 +6,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.pb.tpserve.v1 import generation_pb2
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # not admitted yet, or preempted and waiting to be recomputed
@@ -14,12 +16,9 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class FinishReason(enum.IntEnum):
-    # Values equal tpserve.v1.FinishReason so the servicer can pass them through.
-    LENGTH = 1
-    EOS = 2
-    STOP = 3
-    ABORTED = 4
+# Why a sequence ended: the public API's enum itself (tpserve.v1.FinishReason; FINISH_REASON_* values),
+# so the value travels to the router and the client unchanged.
+FinishReason = generation_pb2.FinishReason
 
 
 @dataclass
@@ -40,7 +39,7 @@ class Sequence:
     # after a decode, or len(token_ids) at the moment a step samples.
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
+    finish_reason: int | None = None  # a FinishReason value once finished
     num_preemptions: int = 0
     # Prompt tokens whose KV came from the prefix cache at first admission (Usage.cached_tokens).
     num_cached_tokens: int = 0

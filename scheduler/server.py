@@ -11,9 +11,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common import metrics, security, tracing
 from common.grpc_util import SERVER_OPTIONS, write_port_file
-from common.pb.tpserve.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
+from common.pb.tpserve.internal.v1 import scheduler_pb2_grpc
 from scheduler.config import SchedulerConfig
-from scheduler.engine import Engine, RequestError, RouterStream
+from scheduler.engine import Engine
+from scheduler.router_streams import RouterStream
 
 log = logging.getLogger("tpserve.scheduler")
 
@@ -28,26 +29,18 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         async def pump():
             async for msg in request_iterator:
                 if msg.HasField("add"):
-                    router.adds_received += 1
-                    try:
-                        self.engine.add(msg.add, router)
-                    except RequestError as e:
-                        error = scheduler_pb2.RequestOutput(
-                            request_id=msg.add.request_id, error=str(e), error_code=e.code.name
-                        )
-                        router.outputs([error])
-                        self.engine.grant_credit()  # the refused add used a credit: give it back
+                    self.engine.add(msg.add, router)
                 elif msg.HasField("abort"):
                     self.engine.abort(msg.abort.request_id)
                 elif msg.HasField("queue_depth"):
-                    router.queued = msg.queue_depth.waiting
-                    self.engine.wake()
+                    router.queued = msg.queue_depth.queued
+                    self.engine.queued_changed()
 
         reader = asyncio.create_task(pump())
         self.engine.attach(router)
         try:
             while True:
-                yield await router.queue.get()
+                yield await router.outbox.get()
         finally:
             reader.cancel()
             self.engine.detach(router)

@@ -44,8 +44,13 @@ class HostBlockPool:
         self._free.extend(host)
         return list(zip(host, device_blocks[: len(host)], strict=True))
 
-    def num_blocks_of(self, seq_id: int) -> int:
-        return len(self._tables[seq_id])
+    def check_invariants(self, swapped_seq_ids) -> None:
+        """Raises AssertionError unless free + held host blocks are all of them, each once, and exactly
+        the swapped sequences hold some."""
+        held = [b for table in self._tables.values() for b in table]
+        everything = list(self._free) + held
+        assert sorted(everything) == list(range(self.num_blocks)), "host blocks lost or held twice"
+        assert set(self._tables) == set(swapped_seq_ids), "host blocks held by a sequence not swapped out"
 
     def free(self, seq_id: int) -> None:
         """Drops seq's host copy (abort while swapped)."""

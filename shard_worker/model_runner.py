@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from itertools import accumulate
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from shard_worker.model.attention import AttentionMetadata
@@ -172,25 +173,24 @@ class ModelRunner:
     def execute(self, inputs: StepInputs) -> StepOutputs:
         if not self.kv_caches:
             raise RuntimeError("allocate_kv_cache must be called before execute")
-        if not inputs.seq_ids:
+        if not len(inputs.seq_ids):
             return StepOutputs()  # the same on every rank, so no rank is left waiting in a collective
         start = time.perf_counter()
         self.tp.take_comm_seconds()  # count only this step's communication
         self._check(inputs)
         n = len(inputs.input_ids)
-        # One host-to-device copy for all per-token arrays and the block tables.
-        flat = torch.tensor(
-            inputs.input_ids + inputs.positions + inputs.slot_mapping + inputs.block_tables, dtype=torch.long
-        )
+        # One host-to-device copy for the per-token arrays, one for the block tables.
+        flat = torch.from_numpy(np.concatenate([inputs.input_ids, inputs.positions, inputs.slot_mapping]))
+        tables = torch.from_numpy(inputs.block_table)
         if self.device.type == "cuda":
-            flat = flat.pin_memory()
+            flat, tables = flat.pin_memory(), tables.pin_memory()
         flat = flat.to(self.device, non_blocking=True)
-        input_ids, positions, slot_mapping, block_tables = flat.split([n, n, n, len(inputs.block_tables)])
+        block_table = tables.to(self.device, non_blocking=True)
+        input_ids, positions, slot_mapping = flat.split([n, n, n])
         metadata = AttentionMetadata.build(
-            inputs.query_lens,
-            inputs.context_lens,
-            inputs.block_table_lens,
-            block_tables,
+            inputs.query_lens.tolist(),
+            inputs.context_lens.tolist(),
+            block_table,
             slot_mapping,
             self.block_size,
             self.model.queries_per_kv,
@@ -198,17 +198,13 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, metadata, self.kv_caches)
 
         out = StepOutputs()
-        last_rows = [
-            end - 1
-            for end, sample in zip(accumulate(inputs.query_lens), inputs.do_sample, strict=True)
-            if sample
-        ]
-        if last_rows:
-            rows = torch.tensor(last_rows, dtype=torch.long, device=self.device)
+        sampled = np.flatnonzero(inputs.do_sample)
+        if len(sampled):
+            last_rows = np.cumsum(inputs.query_lens)[sampled] - 1
+            rows = torch.from_numpy(last_rows).to(self.device)
             logits = self.model.compute_logits(hidden.index_select(0, rows))
             if logits is not None:
-                seq_ids = [s for s, sample in zip(inputs.seq_ids, inputs.do_sample, strict=True) if sample]
-                result = self.sampler.sample(seq_ids, logits)
+                result = self.sampler.sample(inputs.seq_ids[sampled].tolist(), logits)
                 out.token_ids, out.logprobs = result.token_ids, result.logprobs
                 out.top_token_ids, out.top_logprobs = result.top_token_ids, result.top_logprobs
         if self.device.type == "cuda":
@@ -219,21 +215,16 @@ class ModelRunner:
 
     def _check(self, inputs: StepInputs) -> None:
         num_seqs = len(inputs.seq_ids)
-        for name in ("query_lens", "context_lens", "do_sample", "block_table_lens"):
+        for name in ("query_lens", "context_lens", "do_sample", "block_table"):
             if len(getattr(inputs, name)) != num_seqs:
                 raise ValueError(f"{name} has {len(getattr(inputs, name))} entries for {num_seqs} sequences")
-        num_tokens = sum(inputs.query_lens)
+        num_tokens = int(inputs.query_lens.sum())
         for name in ("input_ids", "positions", "slot_mapping"):
             if len(getattr(inputs, name)) != num_tokens:
                 raise ValueError(f"{name} has {len(getattr(inputs, name))} entries for {num_tokens} tokens")
-        if sum(inputs.block_table_lens) != len(inputs.block_tables):
-            total = sum(inputs.block_table_lens)
+        if num_tokens and int(inputs.positions.max()) >= self.config.max_position_embeddings:
             raise ValueError(
-                f"block_tables has {len(inputs.block_tables)} entries, its lengths sum to {total}"
-            )
-        if num_tokens and max(inputs.positions) >= self.config.max_position_embeddings:
-            raise ValueError(
-                f"position {max(inputs.positions)} is beyond max_position_embeddings "
+                f"position {int(inputs.positions.max())} is beyond max_position_embeddings "
                 f"{self.config.max_position_embeddings}"
             )
 
@@ -245,7 +236,6 @@ class ModelRunner:
         saved_caches, saved_block_size = self.kv_caches, self.block_size
         self.allocate_kv_cache(sum(blocks), block_size)
         try:
-            tables = list(range(sum(blocks)))
             starts = [0, *accumulate(blocks)]
             inputs = StepInputs(
                 seq_ids=list(range(len(lens))),
@@ -257,8 +247,9 @@ class ModelRunner:
                 slot_mapping=[
                     s * block_size + p for q, s in zip(lens, starts[:-1], strict=True) for p in range(q)
                 ],
-                block_table_lens=blocks,
-                block_tables=tables,
+                block_table=StepInputs.pad_tables(
+                    [list(range(s, s + b)) for s, b in zip(starts, blocks, strict=False)]
+                ),
             )
             with torch.inference_mode():
                 self.execute(inputs)

@@ -8,6 +8,7 @@ import threading
 from concurrent import futures
 
 import grpc
+import numpy as np
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
@@ -15,6 +16,7 @@ from common import metrics, security, tracing
 from common.grpc_util import SERVER_OPTIONS, write_port_file
 from common.pb.tpserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from common.sampling import SamplingConfig
+from shard_worker.block_tables import BlockTables
 from shard_worker.config import WorkerConfig
 from shard_worker.metrics import WorkerMetrics
 from shard_worker.step import SequenceInit, StepInputs
@@ -22,17 +24,26 @@ from shard_worker.step import SequenceInit, StepInputs
 log = logging.getLogger("tpserve.shard_worker")
 
 
-def step_inputs(req: worker_pb2.StepRequest) -> StepInputs:
+def _array(data: bytes) -> np.ndarray:
+    """A packed little-endian int64 field of a StepRequest (see worker.proto)."""
+    return np.frombuffer(data, dtype="<i8")
+
+
+def step_inputs(req: worker_pb2.StepRequest, tables: BlockTables) -> StepInputs:
+    """The step's arrays, with each sequence's block table brought up to date from the step's deltas."""
+    seq_ids = _array(req.seq_ids)
+    block_table = tables.apply(
+        seq_ids, _array(req.table_reset), _array(req.new_block_counts), _array(req.new_block_ids)
+    )
     return StepInputs(
-        seq_ids=list(req.seq_ids),
-        query_lens=list(req.query_lens),
-        context_lens=list(req.context_lens),
-        do_sample=list(req.do_sample),
-        input_ids=list(req.input_ids),
-        positions=list(req.positions),
-        slot_mapping=list(req.slot_mapping),
-        block_table_lens=list(req.block_table_lens),
-        block_tables=list(req.block_tables),
+        seq_ids=seq_ids,
+        query_lens=_array(req.query_lens),
+        context_lens=_array(req.context_lens),
+        do_sample=_array(req.do_sample).astype(bool),
+        input_ids=_array(req.input_ids),
+        positions=_array(req.positions),
+        slot_mapping=_array(req.slot_mapping),
+        block_table=block_table,
     )
 
 
@@ -56,6 +67,8 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
         self.on_failure = lambda: None
         # One scheduler drives this worker; a second stream at once would interleave steps.
         self._step_lock = threading.Lock()
+        # Block tables of the sequences the scheduler told this worker about (InitCache starts afresh).
+        self.tables: BlockTables | None = None
 
     def Describe(self, request, context):
         info = self.runner.describe()
@@ -79,6 +92,7 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
         )
 
     def InitCache(self, request, context):
+        self.tables = BlockTables(-(-request.max_model_len // request.block_size))
         nbytes = self.runner.allocate_kv_cache(request.num_blocks, request.block_size)
         host_bytes = self.runner.allocate_host_kv_cache(request.num_host_blocks, request.block_size)
         log.info(
@@ -98,8 +112,9 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
             )
         try:
             for req in request_iterator:
-                if req.finished_seq_ids:
-                    self.runner.remove_sequences(list(req.finished_seq_ids))
+                if req.forgotten_seq_ids:
+                    self.runner.remove_sequences(list(req.forgotten_seq_ids))
+                    self.tables.forget(req.forgotten_seq_ids)
                 if req.new_sequences:
                     self.runner.add_sequences([sequence_init(m) for m in req.new_sequences])
                 # Swap out first: its device blocks may be handed to this step's tokens or swap ins.
@@ -107,17 +122,18 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
                     self.runner.swap_out(list(req.swap_out_src), list(req.swap_out_dst))
                 if req.swap_in_src:
                     self.runner.swap_in(list(req.swap_in_src), list(req.swap_in_dst))
+                inputs = step_inputs(req, self.tables)
                 parent = tracing.context_from_carrier(req.trace_context)
                 if parent is None:
-                    out = self.runner.execute(step_inputs(req))
+                    out = self.runner.execute(inputs)
                 else:
                     with self._tracer.start_as_current_span("shard_worker.forward", context=parent) as span:
-                        out = self.runner.execute(step_inputs(req))
+                        out = self.runner.execute(inputs)
                         span.set_attributes(
                             {
                                 "tpserve.rank": self.config.rank,
-                                "tpserve.batch_size": len(req.seq_ids),
-                                "tpserve.batch_tokens": len(req.input_ids),
+                                "tpserve.batch_size": len(inputs.seq_ids),
+                                "tpserve.batch_tokens": len(inputs.input_ids),
                                 "tpserve.allreduce_seconds": out.allreduce_seconds,
                             }
                         )

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from common.sampling import SamplingConfig
 
 
@@ -25,18 +27,33 @@ class SequenceInit:
 
 @dataclass
 class StepInputs:
-    """One iteration. Per-sequence lists are in batch order; per-token lists are flat, each
-    sequence's tokens contiguous and in batch order."""
+    """One iteration, as int64 arrays. Per-sequence arrays are in batch order; per-token arrays are
+    flat, each sequence's tokens contiguous and in batch order."""
 
-    seq_ids: list[int]
-    query_lens: list[int]  # tokens computed this step, per sequence
-    context_lens: list[int]  # tokens in the KV cache after this step, per sequence
-    do_sample: list[bool]  # sample after this sequence's last position?
-    input_ids: list[int]
-    positions: list[int]
-    slot_mapping: list[int]  # flat KV slot (block * block_size + offset) per token
-    block_table_lens: list[int]
-    block_tables: list[int]  # concatenated per sequence
+    seq_ids: np.ndarray  # [S]
+    query_lens: np.ndarray  # [S] tokens computed this step
+    context_lens: np.ndarray  # [S] tokens in the KV cache after this step
+    do_sample: np.ndarray  # [S] sample after this sequence's last position?
+    input_ids: np.ndarray  # [T]
+    positions: np.ndarray  # [T]
+    slot_mapping: np.ndarray  # [T] flat KV slot (block * block_size + offset) per token
+    # [S, B]: row i holds sequence i's block ids (at least ceil(context_len / block_size) of them),
+    # padded with 0.
+    block_table: np.ndarray
+
+    def __post_init__(self):
+        for name in ("seq_ids", "query_lens", "context_lens", "input_ids", "positions", "slot_mapping"):
+            setattr(self, name, np.asarray(getattr(self, name), dtype=np.int64))
+        self.do_sample = np.asarray(self.do_sample, dtype=bool)
+        self.block_table = np.asarray(self.block_table, dtype=np.int64).reshape(len(self.seq_ids), -1)
+
+    @staticmethod
+    def pad_tables(tables: list[list[int]]) -> np.ndarray:
+        """[len(tables), longest] with each table in a row, padded with 0."""
+        out = np.zeros((len(tables), max((len(t) for t in tables), default=0)), dtype=np.int64)
+        for row, table in zip(out, tables, strict=True):
+            row[: len(table)] = table
+        return out
 
 
 @dataclass

@@ -49,22 +49,40 @@ class BlockPool:
 
 def plan(pool: BlockPool, chunks: list[tuple[Seq, int]]) -> StepInputs:
     """The StepInputs computing the next n tokens of each (seq, n)."""
-    inp = StepInputs([], [], [], [], [], [], [], [], [])
+    names = ("seq_ids", "query_lens", "context_lens", "do_sample", "input_ids", "positions", "slot_mapping")
+    inp = {name: [] for name in names}
+    tables = []
     for seq, n in chunks:
         start, end = seq.num_computed, seq.num_computed + n
         pool.grow(seq, end)
-        inp.seq_ids.append(seq.seq_id)
-        inp.query_lens.append(n)
-        inp.context_lens.append(end)
-        inp.do_sample.append(end == len(seq.tokens))
-        inp.input_ids += seq.tokens[start:end]
-        inp.positions += range(start, end)
-        inp.slot_mapping += [
+        inp["seq_ids"].append(seq.seq_id)
+        inp["query_lens"].append(n)
+        inp["context_lens"].append(end)
+        inp["do_sample"].append(end == len(seq.tokens))
+        inp["input_ids"] += seq.tokens[start:end]
+        inp["positions"] += range(start, end)
+        inp["slot_mapping"] += [
             seq.blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start, end)
         ]
-        inp.block_table_lens.append(len(seq.blocks))
-        inp.block_tables += seq.blocks
-    return inp
+        tables.append(list(seq.blocks))
+    return StepInputs(**inp, block_table=StepInputs.pad_tables(tables))
+
+
+def forward_logits(runner: ModelRunner, inp: StepInputs) -> torch.Tensor:
+    """Every position's logits for a step, straight from the model (no sampling)."""
+    ids, pos, slots, table = (
+        torch.from_numpy(x) for x in (inp.input_ids, inp.positions, inp.slot_mapping, inp.block_table)
+    )
+    with torch.inference_mode():
+        md = AttentionMetadata.build(
+            inp.query_lens.tolist(),
+            inp.context_lens.tolist(),
+            table,
+            slots,
+            BLOCK_SIZE,
+            runner.model.queries_per_kv,
+        )
+        return runner.model.compute_logits(runner.model(ids, pos, md, runner.kv_caches))
 
 
 def run_step(runner: ModelRunner, pool: BlockPool, chunks: list[tuple[Seq, int]]):
@@ -141,20 +159,7 @@ def test_prefill_logits_and_logprobs_match_transformers(tiny_model, reference):
     pool = BlockPool(NUM_BLOCKS)
     seqs = [Seq(i, prompt(n, 20 + i), n) for i, n in enumerate([5, 1, 13, 8])]
     inp = plan(pool, [(s, s.prompt_len) for s in seqs])
-    ids, pos, slots, tables = (
-        torch.tensor(x) for x in (inp.input_ids, inp.positions, inp.slot_mapping, inp.block_tables)
-    )
-    with torch.inference_mode():
-        md = AttentionMetadata.build(
-            inp.query_lens,
-            inp.context_lens,
-            inp.block_table_lens,
-            tables,
-            slots,
-            BLOCK_SIZE,
-            runner.model.queries_per_kv,
-        )
-        logits = runner.model.compute_logits(runner.model(ids, pos, md, runner.kv_caches))
+    logits = forward_logits(runner, inp)
     start = 0
     for s in seqs:
         with torch.no_grad():
@@ -224,19 +229,8 @@ def test_llama_family_variants_match_transformers(tmp_path, arch):
     # Positions past original_max_position_embeddings exercise the scaled rope frequencies.
     seqs = [Seq(i, [t % 300 for t in prompt(n, i)], n) for i, n in enumerate([90, 7])]
     inp = plan(BlockPool(NUM_BLOCKS), [(s, s.prompt_len) for s in seqs])
-    tensors = (torch.tensor(x) for x in (inp.input_ids, inp.positions, inp.slot_mapping, inp.block_tables))
-    ids, pos, slots, tables = tensors
+    logits = forward_logits(runner, inp)
     with torch.inference_mode():
-        md = AttentionMetadata.build(
-            inp.query_lens,
-            inp.context_lens,
-            inp.block_table_lens,
-            tables,
-            slots,
-            BLOCK_SIZE,
-            runner.model.queries_per_kv,
-        )
-        logits = runner.model.compute_logits(runner.model(ids, pos, md, runner.kv_caches))
         want = torch.cat([reference(torch.tensor([s.tokens])).logits[0] for s in seqs])
     torch.testing.assert_close(logits, want, rtol=1e-7, atol=1e-7)
 

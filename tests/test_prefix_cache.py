@@ -309,6 +309,7 @@ def run_checking_kv(sched, arrivals, max_steps=10_000):
                 sampled.append(fake_model(s))
         for u in sched.update(out, sampled):
             outputs.setdefault(u.seq.request_id, []).append(u.new_token)
+        sched.check_invariants()
     raise AssertionError("did not finish")
 
 

@@ -2,10 +2,11 @@
 
 import pytest
 
+from common.pb.tpserve.v1.generation_pb2 import FINISH_REASON_ABORTED, FINISH_REASON_EOS, FINISH_REASON_LENGTH
 from scheduler.batch import StepBuilder
 from scheduler.block_manager import BlockManager
 from scheduler.scheduler import Scheduler, SchedulingPolicy
-from scheduler.sequence import FinishReason, Sequence, SequenceStatus
+from scheduler.sequence import Sequence, SequenceStatus
 
 BS = 16
 EOS = 2
@@ -39,6 +40,7 @@ def run_to_completion(sched, max_steps=10_000):
         tokens = [fake_model(s.seq) for s in out.scheduled if s.do_sample]
         for u in sched.update(out, tokens):
             outputs.setdefault(u.seq.request_id, []).append(u.new_token)
+        sched.check_invariants()
     raise AssertionError("did not finish")
 
 
@@ -131,7 +133,7 @@ def test_abort_frees_every_block():
     sched.update(out, [fake_model(s.seq) for s in out.scheduled if s.do_sample])
     assert sched.blocks.num_free_blocks < 32
     for i in range(5):
-        assert sched.abort(f"r{i}").finish_reason is FinishReason.ABORTED
+        assert sched.abort(f"r{i}").finish_reason == FINISH_REASON_ABORTED
     assert sched.blocks.num_free_blocks == 32
     assert not sched.has_unfinished
     assert sched.abort("r0") is None
@@ -151,9 +153,9 @@ def test_abort_during_a_step_drops_its_token():
 @pytest.mark.parametrize(
     "kwargs,token,reason",
     [
-        ({}, EOS, FinishReason.EOS),
-        ({"stop_token_ids": frozenset({77})}, 77, FinishReason.EOS),
-        ({"max_new": 1}, 50, FinishReason.LENGTH),
+        ({}, EOS, FINISH_REASON_EOS),
+        ({"stop_token_ids": frozenset({77})}, 77, FINISH_REASON_EOS),
+        ({"max_new": 1}, 50, FINISH_REASON_LENGTH),
     ],
 )
 def test_stop_conditions(kwargs, token, reason):
@@ -163,7 +165,7 @@ def test_stop_conditions(kwargs, token, reason):
     sched.add(s)
     out = sched.schedule()
     [u] = sched.update(out, [token])
-    assert u.finished and s.finish_reason is reason and s.token_ids[-1] == token
+    assert u.finished and s.finish_reason == reason and s.token_ids[-1] == token
     assert sched.blocks.num_free_blocks == sched.blocks.num_blocks
 
 
@@ -175,7 +177,7 @@ def test_ignore_eos_keeps_going_and_max_model_len_stops():
         [u] = sched.update(sched.schedule(), [EOS])
         assert not u.finished
     [u] = sched.update(sched.schedule(), [EOS])
-    assert u.finished and s.finish_reason is FinishReason.LENGTH and s.num_tokens == 8
+    assert u.finished and s.finish_reason == FINISH_REASON_LENGTH and s.num_tokens == 8
 
 
 def test_request_too_long_for_max_model_len_is_refused():
@@ -224,24 +226,37 @@ def test_static_mode_admits_no_one_until_the_batch_finishes():
 
 def test_step_builder_flat_arrays_and_slots():
     sched = make(SchedulingPolicy(max_num_batched_tokens=20, max_model_len=1024))
-    a, b = seq(0, 18), seq(1, 5)
+    a, b = seq(0, 18, max_new=30), seq(1, 5)
     sched.add(a)
     sched.add(b)
     builder = StepBuilder(BS)
     out = sched.schedule()
     plan = builder.build(out)
-    assert plan.seq_ids == [0, 1] and plan.query_lens == [18, 2] and plan.context_lens == [18, 2]
-    assert plan.do_sample == [True, False]
+    assert list(plan.seq_ids) == [0, 1] and list(plan.query_lens) == [18, 2]
+    assert list(plan.context_lens) == [18, 2]
+    assert list(plan.do_sample) == [1, 0]
     assert [s.seq_id for s in plan.new_sequences] == [0, 1]
-    assert plan.input_ids == a.token_ids + b.token_ids[:2]
-    assert plan.positions == list(range(18)) + [0, 1]
+    assert list(plan.input_ids) == a.token_ids + b.token_ids[:2]
+    assert list(plan.positions) == list(range(18)) + [0, 1]
     expected = [sched.blocks.slot(a, p) for p in range(18)] + [sched.blocks.slot(b, p) for p in range(2)]
-    assert plan.slot_mapping == expected
-    assert plan.block_table_lens == [2, 1] and plan.block_tables == a.block_table + b.block_table
+    assert list(plan.slot_mapping) == expected
+    # First sight: whole tables, flagged as resets.
+    assert list(plan.table_reset) == [1, 1] and list(plan.new_block_counts) == [2, 1]
+    assert list(plan.new_block_ids) == a.block_table + b.block_table
     sched.update(out, [7])
     plan = builder.build(sched.schedule())
     assert plan.new_sequences == []  # sampling state goes to the workers once
-    assert plan.positions == [18, 2, 3, 4]
+    assert list(plan.positions) == [18, 2, 3, 4]
+    # Neither gained a block: the workers keep their tables and the step carries no block id.
+    assert list(plan.table_reset) == [0, 0] and list(plan.new_block_counts) == [0, 0]
+    assert len(plan.new_block_ids) == 0
+    for _ in range(20):  # a's decodes cross into its third block: only that block travels
+        out = sched.schedule()
+        plan = builder.build(out)
+        sched.update(out, [7] * sum(s.do_sample for s in out.scheduled))
+        if len(a.block_table) == 3:
+            break
+    assert list(plan.new_block_ids) == [a.block_table[2]] and plan.table_reset[0] == 0
 
 
 def test_requeue_all_after_losing_the_workers_recomputes_with_same_output():
@@ -311,17 +326,17 @@ def test_min_batch_wait_is_bounded_and_never_with_nothing_on_the_way():
     policy = SchedulingPolicy(max_model_len=1024, min_batch_size=4, batch_wait_timeout_ms=500)
     sched = make(policy)
     sched.add(seq(0, 5))
-    assert sched.batch_wait_deadline(now=10.0, incoming=0) is None  # nothing on the way: step now
-    assert sched.batch_wait_deadline(now=10.0, incoming=3) == 10.5
-    assert sched.batch_wait_deadline(now=10.4, incoming=3) == 10.5  # the same wait, not a new one
-    assert sched.batch_wait_deadline(now=10.5, incoming=3) is None  # never longer than the timeout
-    assert sched.batch_wait_deadline(now=10.6, incoming=3) is None  # and not again for this batch
+    assert sched.batch_wait_deadline(now=10.0, queued=0) is None  # nothing on the way: step now
+    assert sched.batch_wait_deadline(now=10.0, queued=3) == 10.5
+    assert sched.batch_wait_deadline(now=10.4, queued=3) == 10.5  # the same wait, not a new one
+    assert sched.batch_wait_deadline(now=10.5, queued=3) is None  # never longer than the timeout
+    assert sched.batch_wait_deadline(now=10.6, queued=3) is None  # and not again for this batch
     for i in (1, 2, 3):
         sched.add(seq(i, 5))
-    assert sched.batch_wait_deadline(now=11.0, incoming=3) is None  # min_batch_size reached
+    assert sched.batch_wait_deadline(now=11.0, queued=3) is None  # min_batch_size reached
     off = make(SchedulingPolicy(max_model_len=1024, min_batch_size=4))
     off.add(seq(0, 5))
-    assert off.batch_wait_deadline(now=0.0, incoming=9) is None  # timeout 0: the wait is off
+    assert off.batch_wait_deadline(now=0.0, queued=9) is None  # timeout 0: the wait is off
 
 
 def test_switching_to_static_freezes_the_running_batch():

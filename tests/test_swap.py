@@ -4,10 +4,11 @@ A fake worker keeps a token id in every KV slot, makes the step's block copies (
 before writing the step's tokens, and reads each sequence's context back through its block table: a
 wrong copy, a copy made too late, or a block reused too early shows up as a wrong token."""
 
+from common.pb.tpserve.v1.generation_pb2 import FINISH_REASON_ABORTED
 from scheduler.batch import StepBuilder
 from scheduler.block_manager import BlockManager
 from scheduler.scheduler import Scheduler, SchedulingPolicy
-from scheduler.sequence import FinishReason, SequenceStatus
+from scheduler.sequence import SequenceStatus
 from scheduler.swap import HostBlockPool
 from tests.test_scheduler import BS, EOS, fake_model, seq
 
@@ -25,6 +26,7 @@ class FakeWorker:
     def __init__(self, num_blocks, num_host_blocks):
         self.device = [None] * (num_blocks * BS)
         self.host = [None] * (num_host_blocks * BS)
+        self.tables: dict[int, list[int]] = {}  # kept across steps, changed by the plan's deltas
 
     @staticmethod
     def _copy(src, src_blocks, dst, dst_blocks):
@@ -36,11 +38,20 @@ class FakeWorker:
         self._copy(self.host, plan.swap_in_src, self.device, plan.swap_in_dst)
         for slot, token in zip(plan.slot_mapping, plan.input_ids, strict=True):
             self.device[slot] = token
+        for seq_id in plan.forgotten_seq_ids:
+            self.tables.pop(seq_id, None)
         sampled, table_at = [], 0
-        for seq_id, ctx, n, sample in zip(
-            plan.seq_ids, plan.context_lens, plan.block_table_lens, plan.do_sample, strict=True
+        for seq_id, ctx, reset, n, sample in zip(
+            plan.seq_ids,
+            plan.context_lens,
+            plan.table_reset,
+            plan.new_block_counts,
+            plan.do_sample,
+            strict=True,
         ):
-            table = plan.block_tables[table_at : table_at + n]
+            table = [] if reset else self.tables[seq_id]
+            table += plan.new_block_ids[table_at : table_at + n]
+            self.tables[seq_id] = table
             table_at += n
             kv = [self.device[table[p // BS] * BS + p % BS] for p in range(ctx)]
             seq = seqs_by_id[seq_id]
@@ -68,6 +79,7 @@ def run(sched, num_host_blocks=0, lose_at=None):
         steps.append(out)
         for u in sched.update(out, worker.step(builder.build(out), seqs_by_id)):
             outputs.setdefault(u.seq.request_id, []).append(u.new_token)
+        sched.check_invariants()
         assert len(steps) < 10_000
     return outputs, steps
 
@@ -122,7 +134,7 @@ def test_abort_of_a_swapped_sequence_frees_its_host_blocks():
     sched.update(sched.schedule(), [fake_model(a), fake_model(b)])
     sched.schedule()
     assert b.status is SequenceStatus.SWAPPED
-    assert sched.abort("r1").finish_reason is FinishReason.ABORTED
+    assert sched.abort("r1").finish_reason == FINISH_REASON_ABORTED
     assert sched.host_blocks.num_free_blocks == 8 and sched.swapped == []
     sched.abort("r0")
     assert not sched.has_unfinished and sched.blocks.num_free_blocks == 4

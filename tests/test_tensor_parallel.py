@@ -37,23 +37,35 @@ def run_greedy(runner: ModelRunner, tp: TensorParallel) -> tuple[list[list[int]]
     computed = [0] * len(PROMPTS)
     logprobs: list[list[float]] = [[] for _ in PROMPTS]
     for step in range(STEPS):
-        inp = StepInputs([], [], [], [], [], [], [], [], [])
+        names = (
+            "seq_ids",
+            "query_lens",
+            "context_lens",
+            "do_sample",
+            "input_ids",
+            "positions",
+            "slot_mapping",
+        )
+        lists = {name: [] for name in names}
+        tables = []
         for i, toks in enumerate(tokens):
             n = len(toks) - computed[i]
             if step == 0 and i == len(PROMPTS) - 1:
                 n //= 2
             blocks = list(range(i * BLOCKS_PER_SEQ, (i + 1) * BLOCKS_PER_SEQ))
             positions = range(computed[i], computed[i] + n)
-            inp.seq_ids.append(i)
-            inp.query_lens.append(n)
-            inp.context_lens.append(computed[i] + n)
-            inp.do_sample.append(computed[i] + n == len(toks))
-            inp.input_ids += toks[computed[i] : computed[i] + n]
-            inp.positions += positions
-            inp.slot_mapping += [blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in positions]
-            inp.block_table_lens.append(BLOCKS_PER_SEQ)
-            inp.block_tables += blocks
+            lists["seq_ids"].append(i)
+            lists["query_lens"].append(n)
+            lists["context_lens"].append(computed[i] + n)
+            lists["do_sample"].append(computed[i] + n == len(toks))
+            lists["input_ids"] += toks[computed[i] : computed[i] + n]
+            lists["positions"] += positions
+            lists["slot_mapping"] += [
+                blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in positions
+            ]
+            tables.append(blocks)
             computed[i] += n
+        inp = StepInputs(**lists, block_table=StepInputs.pad_tables(tables))
         out = runner.execute(inp)
         sampled = [i for i, s in zip(inp.seq_ids, inp.do_sample, strict=True) if s]
         if tp.rank != 0:

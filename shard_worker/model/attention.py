@@ -68,15 +68,17 @@ class AttentionMetadata:
         cls,
         query_lens: list[int],
         context_lens: list[int],
-        block_table_lens: list[int],
-        block_tables: torch.Tensor,
+        block_table: torch.Tensor,
         slot_mapping: torch.Tensor,
         block_size: int,
         queries_per_kv: int,
     ) -> AttentionMetadata:
-        """query/context/block-table lengths are per sequence; block_tables (all sequences' tables
-        concatenated) and slot_mapping are tensors already on the device."""
+        """query/context lengths are per sequence; block_table [num_seqs, max_blocks] (row i: sequence
+        i's blocks, padded) and slot_mapping are tensors already on the device."""
         num_seqs = len(query_lens)
+        width = block_table.shape[1] if block_table.dim() == 2 else 0
+        block_table_lens = [width] * num_seqs
+        block_tables = block_table.reshape(-1)
         for name, values in (("context_lens", context_lens), ("block_table_lens", block_table_lens)):
             if len(values) != num_seqs:
                 raise ValueError(f"{name} has {len(values)} entries for {num_seqs} sequences")

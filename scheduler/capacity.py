@@ -1,0 +1,84 @@
+"""How much KV the ranks can hold, agreed across them: blocks, max_model_len, host (swap) blocks.
+
+Plain Python: the ranks' descriptions in, the settled capacity out. Every rank must be able to hold the
+pool, so the pool is the smallest rank's; but ranks of one tensor-parallel group hold equal shares of the
+same model on equal devices, so a rank that can hold much less than the others is a fault (another
+process on its GPU, a smaller device, a misconfigured rank), not something to silently size down to:
+past `tolerance` the group is refused with the figures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler.block_manager import blocks_for
+
+# Ranks' block counts may differ by this share of the largest (allocator rounding, NCCL buffers, the
+# CUDA context on rank 0) before the group is refused.
+CAPACITY_TOLERANCE = 0.10
+
+
+@dataclass(frozen=True)
+class RankCapacity:
+    """What one rank reports (its DescribeResponse)."""
+
+    rank: int
+    num_kv_blocks: int  # blocks of block_size tokens this rank can hold
+    kv_block_bytes: int  # bytes one such block takes on this rank (every layer)
+    max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class Capacity:
+    num_blocks: int  # the device pool, the same on every rank
+    max_model_len: int  # the longest sequence the scheduler will form
+    num_host_blocks: int  # swap space per rank, in blocks (0: none)
+    notes: tuple[str, ...] = ()  # what was capped, and why, for the log
+
+
+class CapacityError(ValueError):
+    """The ranks cannot serve together (imbalanced), or cannot hold even one sequence."""
+
+
+def settle(
+    ranks: list[RankCapacity],
+    *,
+    block_size: int,
+    max_num_seqs: int,
+    max_model_len: int = 0,
+    swap_space_gib: float = 0.0,
+    tolerance: float = CAPACITY_TOLERANCE,
+) -> Capacity:
+    """The capacity the scheduler uses. max_model_len 0: the model's context length."""
+    if not ranks:
+        raise CapacityError("no ranks described their capacity")
+    counts = [r.num_kv_blocks for r in ranks]
+    low, high = min(counts), max(counts)
+    if high > 0 and (high - low) / high > tolerance:
+        raise CapacityError(
+            f"ranks disagree on KV capacity beyond {tolerance:.0%}: blocks per rank {counts} "
+            f"(is another process using the device of rank {counts.index(low)}?)"
+        )
+    notes = []
+    num_blocks = low
+    model_positions = min(r.max_position_embeddings for r in ranks)
+    resolved = max_model_len or model_positions
+    if resolved > model_positions:
+        notes.append(f"--max-model-len {resolved} is beyond the model's {model_positions} positions: capped")
+        resolved = model_positions
+    # More blocks than max_num_seqs full-length sequences can use would only take memory.
+    useful = max_num_seqs * blocks_for(resolved, block_size)
+    if num_blocks > useful:
+        notes.append(f"pool capped at {useful} blocks: max_num_seqs sequences of max_model_len")
+        num_blocks = useful
+    if num_blocks < 1:
+        raise CapacityError(f"no KV blocks: ranks report {counts}")
+    if num_blocks * block_size < resolved:
+        notes.append(
+            f"the KV pool holds {num_blocks * block_size} tokens, fewer than max_model_len {resolved}: "
+            "max_model_len capped"
+        )
+        resolved = num_blocks * block_size
+    # Swap space in blocks: the largest block over ranks, so that every rank's copy fits.
+    num_host_blocks = int(swap_space_gib * 2**30) // max(r.kv_block_bytes for r in ranks)
+    return Capacity(num_blocks, resolved, num_host_blocks, tuple(notes))

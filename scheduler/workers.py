@@ -1,0 +1,139 @@
+"""The scheduler's link to the shard workers of its replica: describe, agree capacity, allocate the caches,
+then one step stream per rank.
+
+A step is serialized once and written to every rank at the same time; the replies are awaited together.
+Any failure of a rank (an RPC error, a stream that ended, no answer within step_timeout_s) is a
+WorkersLost: the group's caches are useless from then on and the engine rebuilds everything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import grpc
+
+from common import security
+from common.grpc_util import OPTIONS
+from common.pb.tpserve.internal.v1 import worker_pb2, worker_pb2_grpc
+from scheduler.capacity import Capacity, RankCapacity, settle
+from scheduler.config import SchedulerConfig
+
+log = logging.getLogger("tpserve.scheduler")
+
+STEP_METHOD = "/tpserve.internal.v1.ShardWorker/Step"
+
+
+class WorkersLost(Exception):
+    """A rank failed, went silent or ended its stream: the group must be connected again."""
+
+
+@dataclass(frozen=True)
+class WorkerGroupInfo:
+    """What the ranks said about themselves, and the capacity settled for them."""
+
+    describe: tuple[worker_pb2.DescribeResponse, ...]  # in rank order
+    capacity: Capacity
+
+
+class WorkerGroup:
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self._channels: list[grpc.aio.Channel] = []
+        self._streams: list = []
+
+    async def connect(self) -> WorkerGroupInfo:
+        """Describes every rank, settles the capacity, allocates the caches and opens the step streams.
+        Raises WorkersLost when a rank cannot be reached, and CapacityError when the ranks cannot serve
+        together."""
+        await self.close()
+        cfg, policy = self.config, self.config.policy
+        self._channels = [security.aio_channel(addr, cfg.internal_tls, OPTIONS) for addr in cfg.workers]
+        stubs = [worker_pb2_grpc.ShardWorkerStub(ch) for ch in self._channels]
+        describe = worker_pb2.DescribeRequest(
+            block_size=cfg.block_size,
+            num_kv_blocks=cfg.num_kv_blocks,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            cpu_kv_cache_gib=cfg.cpu_kv_cache_gib,
+            max_num_batched_tokens=policy.max_num_batched_tokens,
+            max_num_seqs=policy.max_num_seqs,
+            max_model_len=policy.max_model_len,
+        )
+        try:
+            infos = await asyncio.gather(
+                *(
+                    s.Describe(describe, wait_for_ready=True, timeout=cfg.worker_connect_timeout_s)
+                    for s in stubs
+                )
+            )
+            for rank, info in enumerate(infos):
+                if info.rank != rank or info.world_size != len(infos):
+                    raise RuntimeError(
+                        f"worker {cfg.workers[rank]} says it is rank {info.rank} of {info.world_size}, "
+                        f"expected rank {rank} of {len(infos)}"
+                    )
+            capacity = settle(
+                [
+                    RankCapacity(i.rank, i.num_kv_blocks, i.kv_block_bytes, i.max_position_embeddings)
+                    for i in infos
+                ],
+                block_size=cfg.block_size,
+                max_num_seqs=policy.max_num_seqs,
+                max_model_len=policy.max_model_len,
+                swap_space_gib=cfg.swap_space,
+            )
+            log.info(
+                "KV capacity per rank: %s blocks; the pool: %d blocks of %d tokens",
+                [i.num_kv_blocks for i in infos],
+                capacity.num_blocks,
+                cfg.block_size,
+            )
+            for note in capacity.notes:
+                log.warning("%s", note)
+            init = worker_pb2.InitCacheRequest(
+                num_blocks=capacity.num_blocks,
+                block_size=cfg.block_size,
+                num_host_blocks=capacity.num_host_blocks,
+                max_model_len=capacity.max_model_len,
+            )
+            await asyncio.gather(*(s.InitCache(init) for s in stubs))
+        except (grpc.RpcError, TimeoutError) as e:
+            raise WorkersLost(_detail(e)) from e
+        # Steps are serialized once by the engine: the stream takes bytes as they are.
+        self._streams = [
+            ch.stream_stream(STEP_METHOD, response_deserializer=worker_pb2.StepResponse.FromString)()
+            for ch in self._channels
+        ]
+        return WorkerGroupInfo(tuple(infos), capacity)
+
+    async def step(self, request: bytes, step_id: int) -> list[worker_pb2.StepResponse]:
+        """Sends one serialized StepRequest to every rank at once and returns their replies, in rank
+        order, once all have answered."""
+        try:
+            await asyncio.gather(*(stream.write(request) for stream in self._streams))
+            replies = await asyncio.wait_for(
+                asyncio.gather(*(stream.read() for stream in self._streams)), self.config.step_timeout_s
+            )
+        # A stream that already ended raises InvalidStateError on write (a rank died while idle).
+        except (grpc.RpcError, TimeoutError, asyncio.InvalidStateError) as e:
+            raise WorkersLost(_detail(e)) from e
+        for rank, r in enumerate(replies):
+            if r is grpc.aio.EOF or r.step_id != step_id:
+                raise WorkersLost(f"rank {rank}'s step stream ended")
+        return replies
+
+    async def close(self) -> None:
+        for stream in self._streams:
+            stream.cancel()
+        for ch in self._channels:
+            await ch.close()
+        self._streams, self._channels = [], []
+
+
+def _detail(e: Exception) -> str:
+    if isinstance(e, grpc.RpcError):
+        return f"{e.code().name}: {e.details()}"
+    if isinstance(e, TimeoutError):
+        return "no answer in time"
+    return f"{type(e).__name__}: {e}"
