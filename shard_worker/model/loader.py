@@ -1,7 +1,8 @@
-"""Fills a model shard from a checkpoint's *.safetensors, reading only this rank's slices."""
+"""Fills a model shard from a checkpoint's safetensors files, reading only this rank's slices."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -12,6 +13,8 @@ from shard_worker.model.llama import PACKED_MODULES
 
 # Checkpoint tensors with no parameter behind them (old checkpoints saved rotary buffers).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# A sharded checkpoint's map from tensor name to the file that holds it.
+INDEX_FILE = "model.safetensors.index.json"
 
 
 def load_weights(model: nn.Module, model_dir: str | Path, tie_word_embeddings: bool) -> None:
@@ -19,9 +22,7 @@ def load_weights(model: nn.Module, model_dir: str | Path, tie_word_embeddings: b
 
     Raises ValueError naming the first parameter the checkpoint does not provide.
     """
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    files = checkpoint_files(model_dir)
     params = dict(model.named_parameters(remove_duplicate=False))
     # Each (parameter, part) must be filled exactly once; a merged parameter has one entry per part.
     expected = set()
@@ -56,6 +57,27 @@ def load_weights(model: nn.Module, model_dir: str | Path, tie_word_embeddings: b
             f"checkpoint {model_dir} has no tensor {_checkpoint_name(*missing[0])} "
             f"({len(missing)} missing in all)"
         )
+
+
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    """The files that hold the weights: those the index names when there is one, else every *.safetensors.
+
+    The index decides because a directory may hold files that are not part of the checkpoint (some
+    repositories ship a consolidated copy beside the shards; an interrupted download leaves a partial one).
+    """
+    model_dir = Path(model_dir)
+    index = model_dir / INDEX_FILE
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        for file in files:
+            if not file.exists():
+                raise FileNotFoundError(f"{index} names {file.name}, which is not in {model_dir}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    return files
 
 
 def _param_name(ckpt_name: str) -> tuple[str, int | None]:

@@ -1,0 +1,52 @@
+"""Greedy decoding through our ModelRunner and through transformers, for comparing the two.
+
+Drives the runner with tests/test_model_runner.py's helpers (Seq, BlockPool, run_step), so that a change
+to the step inputs is made in one place: all prompts prefilled in one step, then one decode step each.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from shard_worker.model_runner import ModelRunner
+from shard_worker.parallel import TensorParallel
+from shard_worker.step import SequenceInit
+from tests.test_model_runner import BLOCK_SIZE, GREEDY, BlockPool, Seq, run_step
+
+# Prime, so BlockPool's scrambled order (i * 37 % n) is a permutation.
+NUM_BLOCKS = 499
+
+
+def runner_greedy(runner: ModelRunner, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """new_tokens greedy tokens per prompt, all prompts batched; EOS does not stop a sequence."""
+    runner.allocate_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
+    pool = BlockPool(NUM_BLOCKS)
+    seqs = [Seq(i, list(p), len(p)) for i, p in enumerate(prompts)]
+    runner.add_sequences([SequenceInit(s.seq_id, GREEDY, 0, s.tokens, s.prompt_len) for s in seqs])
+    run_step(runner, pool, [(s, s.prompt_len) for s in seqs])
+    while len(seqs[0].output) < new_tokens:
+        run_step(runner, pool, [(s, 1) for s in seqs])
+    return [s.output for s in seqs]
+
+
+def new_runner(model_dir: str | Path, dtype: torch.dtype) -> ModelRunner:
+    return ModelRunner(model_dir, dtype, torch.device("cpu"), TensorParallel())
+
+
+def hf_greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """transformers' own generate, one prompt at a time (no padding), EOS ignored."""
+    model.generation_config.eos_token_id = None
+    outputs = []
+    for ids in prompts:
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([ids]),
+                do_sample=False,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                pad_token_id=0,
+            )
+        outputs.append(out[0, len(ids) :].tolist())
+    return outputs
