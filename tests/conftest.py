@@ -32,6 +32,14 @@ def reference(tiny_model) -> dict[tuple[int, ...], list[int]]:
     return hf_greedy(tiny_model)
 
 
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory) -> dict[str, str]:
+    """A throwaway CA, certificates it signed and an untrusted CA's (tests/pki.py), made once."""
+    from tests.pki import make_pki
+
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
 @contextlib.contextmanager
 def launch(model: Path, *flags: str, startup_timeout: float = 180.0, log_level: str = "WARNING"):
     """Runs `tpserve launch` on a free port; yields (router target, ready info). Stops it by pid.

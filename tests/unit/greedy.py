@@ -13,7 +13,7 @@ import torch
 from shard_worker.model_runner import ModelRunner
 from shard_worker.parallel import TensorParallel
 from shard_worker.step import SequenceInit
-from tests.test_model_runner import BLOCK_SIZE, GREEDY, BlockPool, Seq, run_step
+from tests.unit.test_model_runner import BLOCK_SIZE, GREEDY, BlockPool, Seq, run_step
 
 # Prime, so BlockPool's scrambled order (i * 37 % n) is a permutation.
 NUM_BLOCKS = 499

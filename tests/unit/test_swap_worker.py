@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from shard_worker.step import SequenceInit
-from tests.test_model_runner import (
+from tests.unit.test_model_runner import (
     BLOCK_SIZE,
     GREEDY,
     NUM_BLOCKS,

@@ -10,7 +10,7 @@ from scheduler.block_manager import BlockManager
 from scheduler.scheduler import Scheduler, SchedulingPolicy
 from scheduler.sequence import SequenceStatus
 from scheduler.swap import HostBlockPool
-from tests.test_scheduler import BS, EOS, fake_model, seq
+from tests.unit.test_scheduler import BS, EOS, fake_model, seq
 
 
 def make(num_blocks, num_host_blocks=None, caching=False, **policy):

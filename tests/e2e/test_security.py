@@ -6,107 +6,19 @@ certificates that must be refused.
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import ipaddress
 import subprocess
 import sys
 from pathlib import Path
 
 import grpc
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common import cli
 from common.client import GenerationClient
-from common.security import read_api_keys
-from router import config as router_config
-from router.auth import ApiKeys, refusal
 from tests.conftest import ROOT, launch
+from tests.pki import API_KEY
 
-API_KEY = "tps-3f9a6c1e-not-a-real-secret-7d2b"
 PROMPT = dict(text="hello", max_new_tokens=4, ignore_eos=True, temperature=0.0)
-
-
-# ---- a throwaway PKI ----
-
-
-def _name(cn: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-
-def _write(path: Path, cert, key) -> tuple[str, str]:
-    path.with_suffix(".pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    path.with_suffix(".key").write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-    )
-    return str(path.with_suffix(".pem")), str(path.with_suffix(".key"))
-
-
-def _ca(path: Path, cn: str):
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(_name(cn))
-        .issuer_name(_name(cn))
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True
-        )
-        .sign(key, hashes.SHA256())
-    )
-    _write(path, cert, key)
-    return cert, key
-
-
-def _leaf(path: Path, cn: str, ca) -> tuple[str, str]:
-    """A certificate for 127.0.0.1 and localhost, usable as server and as client (one per process)."""
-    ca_cert, ca_key = ca
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.UTC)
-    sans = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(_name(cn))
-        .issuer_name(ca_cert.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
-        .add_extension(
-            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-            critical=False,
-        )
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .sign(ca_key, hashes.SHA256())
-    )
-    return _write(path, cert, key)
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory) -> dict[str, str]:
-    d = tmp_path_factory.mktemp("pki")
-    ca, rogue = _ca(d / "ca", "tpserve test CA"), _ca(d / "rogue-ca", "untrusted CA")
-    files = {"ca": str(d / "ca.pem"), "rogue_ca": str(d / "rogue-ca.pem")}
-    files["server"], files["server_key"] = _leaf(d / "server", "tpserve", ca)
-    files["client"], files["client_key"] = _leaf(d / "client", "a client", ca)
-    files["rogue"], files["rogue_key"] = _leaf(d / "rogue", "a stranger", rogue)
-    keys = d / "api-keys"
-    keys.write_text(f"# one key a line\n\nsome-other-key\n{API_KEY}\n")
-    files["api_keys"] = str(keys)
-    return files
 
 
 def _read(path: str) -> bytes:
@@ -242,51 +154,3 @@ def test_public_mutual_tls_refuses_clients_without_a_certificate(tiny_model, pki
         for kw in ({}, {"cert": "rogue"}):
             with _client(target, pki, key=None, **kw) as client:
                 assert refused(lambda c=client: c.complete(**PROMPT)) == grpc.StatusCode.UNAVAILABLE
-
-
-# ---- the pieces, without processes ----
-
-
-def test_refusal_messages():
-    keys = ApiKeys(["k1", "k2"])
-    assert refusal(keys, [("authorization", "Bearer k2")]) is None
-    assert refusal(keys, [("authorization", "bearer  k1 ")]) is None  # the scheme is case-insensitive
-    assert "missing" in refusal(keys, [])
-    assert "Bearer" in refusal(keys, [("authorization", "k1")])
-    assert "Bearer" in refusal(keys, [("authorization", "Basic k1")])
-    assert "not valid" in refusal(keys, [("authorization", "Bearer k3")])
-    assert "more than one" in refusal(keys, [("authorization", "Bearer k1"), ("authorization", "Bearer k2")])
-    assert "k1" not in repr(keys)
-
-
-def test_key_file_rules(tmp_path):
-    f = tmp_path / "keys"
-    f.write_text("# comment\n\n  abc  \ndef\n")
-    assert read_api_keys(str(f)) == ["abc", "def"]
-    f.write_text("# only a comment\n\n")
-    with pytest.raises(ValueError, match="holds no keys"):
-        read_api_keys(str(f))
-    f.write_text("two words\n")
-    with pytest.raises(ValueError, match="line 1") as e:
-        read_api_keys(str(f))
-    assert "two words" not in str(e.value)
-    with pytest.raises(ValueError, match="no such file"):
-        read_api_keys(str(tmp_path / "missing"))
-
-
-def test_flag_mistakes_are_start_up_errors(pki, tmp_path):
-    parser = argparse.ArgumentParser()
-    router_config.add_arguments(parser)
-    base = ["--scheduler", "127.0.0.1:1", "--model", "m"]
-    not_pem = tmp_path / "cert.der"
-    not_pem.write_bytes(b"\x30\x82")
-    internal = ["--internal-tls-cert", pki["server"], "--internal-tls-key", pki["server_key"]]
-    for flags, message in [
-        (["--tls-cert", pki["server"]], "go together"),
-        (["--tls-client-ca", pki["ca"]], "needs --tls-cert"),
-        (["--tls-cert", str(not_pem), "--tls-key", pki["server_key"]], "not PEM"),
-        (internal, "missing --internal-tls-ca"),
-    ]:
-        with pytest.raises(ValueError, match=message):
-            router_config.from_args(parser.parse_args(base + flags))
-    assert cli.main(["router", *base, "--tls-cert", pki["server"]]) == 2  # said on stderr, no traceback

@@ -6,7 +6,6 @@ No test asserts a time: figures are checked for consistency (ttft <= e2e, counts
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import math
 
@@ -14,12 +13,11 @@ import numpy as np
 import pytest
 
 from bench import cli as bench_cli
-from bench.client_run import bench_server, step_figures
+from bench.client_run import step_figures
 from bench.metrics import RUN_KEYS, STAT_KEYS, RequestResult, meets_slo, stats_ms, summarize
 from bench.report import SCHEMA, format_table, plot, write_json
 from bench.workload import WORKLOADS, WorkloadSpec, build_requests, sample_arrivals, sample_lengths
 from common.pb.tpserve.v1 import generation_pb2
-from tests.conftest import launch
 
 CHAT = WORKLOADS["chat"]
 BIG = 20_000  # samples for the distribution checks: tolerances below are several standard errors wide
@@ -241,34 +239,3 @@ def test_transformers_baselines_honour_output_lengths(tiny_model, system):
         results = baselines.run_continuous(model, reqs)
     assert [r.output_tokens for r in results] == [r.max_new_tokens for r in reqs]
     assert all(r.ok and 0 <= r.ttft_s <= r.e2e_s for r in results)
-
-
-# ---- a short bench against a real tiny stack ------------------------------------------------------------
-
-
-def test_short_bench_against_a_tiny_stack(tiny_model, tmp_path):
-    with launch(tiny_model) as (target, info):
-        run, extra, results = asyncio.run(
-            bench_server(target, SHORT, 6, slo_ttft_ms=60_000, pids=info["pids"], progress=False)
-        )
-        p = argparse.ArgumentParser()
-        bench_cli.add_arguments(p)
-        out = tmp_path / "bench.json"
-        args = ["--target", target, "--num-requests", "4", "--request-rate", "50", "--prompt-max", "24"]
-        args += ["--output-mean", "6", "--output-max", "12", "--no-progress", "--out", str(out)]
-        assert bench_cli.main(p.parse_args(args)) == 0
-    assert extra["errors"] == [] and extra["completed"] == 6 and extra["failed"] == 0
-    assert extra["length_mismatches"] == 0  # ignore_eos: exactly the workload's lengths
-    want = build_requests(SHORT, 6, vocab_size=1024, seed=0, exclude_ids=(1,))
-    assert extra["total_output_tokens"] == sum(r.max_new_tokens for r in want)
-    assert all(0 < r.ttft_s <= r.e2e_s for r in results)
-    assert run["output_tokens_per_s"] > 0 and run["requests_per_s"] > 0
-    assert run["goodput_rps"] == pytest.approx(run["requests_per_s"])  # a 60 s SLO everything meets
-    assert run["ttft_ms"]["p50"] <= run["e2e_ms"]["p50"] and run["ttft_ms"]["p99"] <= run["e2e_ms"]["p99"]
-    assert set(run["peak_rss_mb"]) == set(info["pids"]) and all(v > 0 for v in run["peak_rss_mb"].values())
-    assert 1 <= run["mean_batch_size"] <= 6  # six requests at most in a step
-    assert extra["engine"]["num_steps"] >= max(r.max_new_tokens for r in want)
-    assert 0 <= extra["engine_overhead_pct"] <= 100
-    doc = _no_nan(out.read_text())
-    assert [tuple(r) for r in doc["runs"]] == [RUN_KEYS]
-    assert doc["details"]["tpserve"]["completed"] == 4

@@ -26,7 +26,7 @@ from router import config as router_config
 from scheduler import config as scheduler_config
 from shard_worker import config as worker_config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
 KUSTOMIZATIONS = sorted(p.parent.relative_to(K8S).as_posix() for p in K8S.rglob("kustomization.yaml"))
 # The oldest Kubernetes the manifests are written for (the StatefulSet pod-index label is 1.28) and the

@@ -8,8 +8,8 @@ import grpc
 from common.pb.tpserve.v1 import generation_pb2 as pb
 from common.pb.tpserve.v1 import generation_pb2_grpc
 from tests.conftest import launch
+from tests.e2e.test_observability import scrape
 from tests.reference import assert_matches_reference
-from tests.test_observability import scrape
 
 # The tiny model in float64: 2 layers x 16 tokens x (K and V) x 2 heads x 16 dims x 8 bytes.
 BLOCK_BYTES = 2 * 16 * 2 * 2 * 16 * 8
