@@ -34,9 +34,13 @@ def _launch_parser(p: argparse.ArgumentParser) -> None:
 
 
 def _generate_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("prompt", help="prompt text")
+    p.add_argument("prompt", help="prompt text (with --chat: the user's message)")
     p.add_argument("--target", default="127.0.0.1:50051", help="router HOST:PORT")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument(
+        "--chat", action="store_true", help="send the prompt as a user message in the model's chat template"
+    )
+    p.add_argument("--system", default=None, help="with --chat: a system message before it")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="(default: the server's, 256)")
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--top-k", type=int, default=None)
@@ -89,8 +93,13 @@ def _generate(a: argparse.Namespace) -> int:
             metadata=auth.metadata,
             options=auth.options(),
         ) as client:
+            if a.chat:
+                system = [{"role": "system", "content": a.system}] if a.system else []
+                prompt = dict(messages=[*system, {"role": "user", "content": a.prompt}])
+            else:
+                prompt = dict(text=a.prompt)
             for resp in client.generate(
-                text=a.prompt,
+                **prompt,
                 max_new_tokens=a.max_new_tokens,
                 stop=a.stop,
                 ignore_eos=a.ignore_eos,

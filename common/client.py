@@ -32,7 +32,8 @@ def build_request(
     *,
     text: str = "",
     token_ids: Sequence[int] = (),
-    max_new_tokens: int = 16,
+    messages: Sequence[dict[str, str]] = (),
+    max_new_tokens: int | None = 16,
     temperature: float | None = None,
     top_p: float | None = None,
     top_k: int | None = None,
@@ -47,8 +48,9 @@ def build_request(
     top_logprobs: int = 0,
     request_id: str = "",
 ) -> generation_pb2.GenerateRequest:
-    """Builds a GenerateRequest. Nothing is checked here: the server validates, and tests rely on
-    being able to send requests it must refuse."""
+    """Builds a GenerateRequest. messages: a conversation, [{"role": "user", "content": "..."}, ...].
+    max_new_tokens None leaves it unset (the server's default). Nothing is checked here: the server
+    validates, and tests rely on being able to send requests it must refuse."""
     values = dict(
         temperature=temperature,
         top_p=top_p,
@@ -64,6 +66,7 @@ def build_request(
         request_id=request_id,
         text=text,
         token_ids=list(token_ids),
+        messages=[generation_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages],
         max_new_tokens=max_new_tokens,
         sampling=sampling,
         stop=list(stop or ()),

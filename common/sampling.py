@@ -41,6 +41,16 @@ class SamplingConfig:
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
+    def to_proto(self):
+        """A tpserve.v1.SamplingParams with every field set: what the router validated (and resolved,
+        e.g. a vanishing temperature made greedy) is what the worker samples with."""
+        from common.pb.tpserve.v1 import generation_pb2
+
+        values = {name: getattr(self, name) for name in SAMPLING_FIELDS}
+        if values["seed"] is None:
+            del values["seed"]
+        return generation_pb2.SamplingParams(**values)
+
     @classmethod
     def from_proto(cls, msg) -> SamplingConfig:
         """Builds from a tpserve.v1.SamplingParams; unset fields take the defaults above."""

@@ -51,6 +51,12 @@ class RouterConfig:
         rule=at_least(0),
         launch=True,
     )
+    default_max_new_tokens: int = setting(
+        256,
+        help="max_new_tokens of a request that leaves it unset (lowered to fit max_model_len)",
+        rule=at_least(1),
+        launch=True,
+    )
     prefix_affinity_blocks: int = setting(
         4,
         help="the prefix --prefix-affinity compares, in KV blocks",

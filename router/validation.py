@@ -1,8 +1,9 @@
 """Checks a public GenerateRequest against the served model's limits before it reaches the scheduler.
 
-Validation has two stages because the length rule needs the prompt's token count, and a text prompt
-only has one after tokenizing: `check_request_fields` runs first (cheap, and it bounds what the
-tokenizer is asked to do), `check_prompt_tokens` after. `validate_request` runs both.
+Validation has two stages because the length rule needs the prompt's token count, and a text or chat
+prompt only has one after tokenizing: `check_request_fields` runs first (cheap, and it bounds what the
+tokenizer is asked to do), `check_prompt` after, with the prompt's ids (the router tokenizes between the
+two, off its event loop). `validate_request` runs both around a synchronous tokenize.
 
 Every failure is a ValidationError naming the field (proto path, e.g. "sampling.top_p") and the limit,
 so the servicer can answer INVALID_ARGUMENT with a message a client can act on.
@@ -10,12 +11,20 @@ so the servicer can answer INVALID_ARGUMENT with a message a client can act on.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from common.pb.tpserve.v1 import generation_pb2
 from common.sampling import SamplingConfig
+
+# Temperatures below this are greedy decoding (vLLM's _SAMPLING_EPS).
+GREEDY_BELOW = 1e-5
+# Presence and frequency penalties: OpenAI's range.
+MAX_PENALTY = 2.0
+# Beyond this a repetition penalty only pushes logits toward overflow; no sensible use needs it.
+MAX_REPETITION_PENALTY = 10.0
 
 
 class ValidationError(ValueError):
@@ -48,9 +57,12 @@ class Limits:
     # The stop-string matcher holds back up to this many characters, delaying streamed text by as much.
     max_stop_string_chars: int = 256
     max_request_id_chars: int = 256
+    # max_new_tokens when the request leaves it unset (lowered to what fits in max_model_len).
+    default_max_new_tokens: int = 256
+    max_chat_messages: int = 1024
 
     def __post_init__(self):
-        for name in ("vocab_size", "max_stop_string_chars", "max_request_id_chars"):
+        for name in ("vocab_size", "max_stop_string_chars", "max_request_id_chars", "default_max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Limits.{name} must be at least 1, got {getattr(self, name)}")
         for name in ("max_stop_strings", "max_top_logprobs"):
@@ -83,7 +95,7 @@ class ValidatedRequest:
 
     request_id: str  # empty: the router assigns one
     prompt_token_ids: tuple[int, ...]
-    prompt_text: str | None  # None when the prompt came as token ids
+    prompt_text: str | None  # None when the prompt came as token ids or messages
     max_new_tokens: int
     sampling: SamplingConfig
     stop: tuple[str, ...]
@@ -92,45 +104,61 @@ class ValidatedRequest:
     top_logprobs: int
 
 
+# The prompt's three forms; exactly one must be given.
+PROMPT_FIELDS = ("text", "token_ids", "messages")
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+def prompt_field(req: generation_pb2.GenerateRequest) -> str:
+    """Which form the prompt came in (the request passed check_request_fields)."""
+    return "token_ids" if len(req.token_ids) else "messages" if len(req.messages) else "text"
+
+
 def check_request_fields(req: generation_pb2.GenerateRequest, limits: Limits) -> SamplingConfig:
     """Checks everything that does not need the prompt's token count; returns the resolved sampling.
 
-    max_new_tokens must be at least 1. proto3 cannot tell an unset uint32 from 0, so a client that
-    forgets the field gets INVALID_ARGUMENT rather than a silent default: the cost of a request (KV
-    blocks, time) is then always something the caller chose.
+    max_new_tokens, when set, must be at least 1 (unset: the server's default, see check_prompt).
     """
     if len(req.request_id) > limits.max_request_id_chars:
         raise ValidationError(
             "request_id",
             f"request_id is {len(req.request_id)} characters; the limit is {limits.max_request_id_chars}",
         )
-    has_text = bool(req.text)
-    has_ids = len(req.token_ids) > 0
-    if has_text and has_ids:
-        raise ValidationError("token_ids", "set exactly one of text or token_ids, not both")
-    if not has_text and not has_ids:
-        raise ValidationError("text", "prompt is empty: set text or token_ids (exactly one)")
-    if has_text and len(req.text) > limits.prompt_char_limit:
+    given = [
+        f
+        for f, present in zip(PROMPT_FIELDS, (req.text, req.token_ids, req.messages), strict=True)
+        if present
+    ]
+    if len(given) > 1:
+        raise ValidationError(
+            given[1], f"set exactly one of text, token_ids or messages, not {' and '.join(given)}"
+        )
+    if not given:
+        raise ValidationError("text", "prompt is empty: set text, token_ids or messages (exactly one)")
+    if len(req.text) > limits.prompt_char_limit:
         raise ValidationError(
             "text", f"text is {len(req.text)} characters; the limit is {limits.prompt_char_limit}"
         )
-    if has_ids:
+    if len(req.token_ids):
         _check_token_ids("token_ids", req.token_ids, limits.vocab_size)
+    _check_messages(req.messages, limits)
 
-    if req.max_new_tokens < 1:
-        raise ValidationError(
-            "max_new_tokens", "max_new_tokens must be at least 1 (0 or unset is not allowed)"
-        )
-    if limits.max_new_tokens is not None and req.max_new_tokens > limits.max_new_tokens:
-        raise ValidationError(
-            "max_new_tokens", f"max_new_tokens {req.max_new_tokens} exceeds the limit {limits.max_new_tokens}"
-        )
-    if req.max_new_tokens > limits.max_model_len - 1:
-        raise ValidationError(
-            "max_new_tokens",
-            f"max_new_tokens {req.max_new_tokens} leaves no room for a prompt within "
-            f"max_model_len {limits.max_model_len}",
-        )
+    if req.HasField("max_new_tokens"):
+        if req.max_new_tokens < 1:
+            raise ValidationError(
+                "max_new_tokens", "max_new_tokens must be at least 1 (or unset: the default)"
+            )
+        if limits.max_new_tokens is not None and req.max_new_tokens > limits.max_new_tokens:
+            raise ValidationError(
+                "max_new_tokens",
+                f"max_new_tokens {req.max_new_tokens} exceeds the limit {limits.max_new_tokens}",
+            )
+        if req.max_new_tokens > limits.max_model_len - 1:
+            raise ValidationError(
+                "max_new_tokens",
+                f"max_new_tokens {req.max_new_tokens} leaves no room for a prompt within "
+                f"max_model_len {limits.max_model_len}",
+            )
 
     sampling = _check_sampling(req.sampling)
 
@@ -155,6 +183,52 @@ def check_request_fields(req: generation_pb2.GenerateRequest, limits: Limits) ->
             "top_logprobs", f"top_logprobs {req.top_logprobs} is above the limit of {limits.max_top_logprobs}"
         )
     return sampling
+
+
+def _check_messages(messages, limits: Limits) -> None:
+    if len(messages) > limits.max_chat_messages:
+        raise ValidationError(
+            "messages", f"{len(messages)} messages; the limit is {limits.max_chat_messages}"
+        )
+    chars = 0
+    for i, m in enumerate(messages):
+        if m.role not in CHAT_ROLES:
+            raise ValidationError(
+                f"messages[{i}].role",
+                f"messages[{i}].role is {m.role!r}; it must be one of {', '.join(CHAT_ROLES)}",
+            )
+        chars += len(m.content)
+    if chars > limits.prompt_char_limit:
+        raise ValidationError(
+            "messages", f"messages hold {chars} characters; the limit is {limits.prompt_char_limit}"
+        )
+
+
+def check_prompt(
+    req: generation_pb2.GenerateRequest, sampling: SamplingConfig, prompt_ids: Sequence[int], limits: Limits
+) -> ValidatedRequest:
+    """The second stage, with the prompt's token ids (the request's own, or the router's tokenization of
+    its text or messages): the length rules, and max_new_tokens resolved."""
+    field = prompt_field(req)
+    prompt_ids = tuple(int(t) for t in prompt_ids)
+    if req.HasField("max_new_tokens"):
+        max_new_tokens = req.max_new_tokens
+    else:
+        room = limits.max_model_len - len(prompt_ids)
+        cap = limits.max_new_tokens or limits.default_max_new_tokens
+        max_new_tokens = max(1, min(limits.default_max_new_tokens, cap, room))
+    check_prompt_tokens(prompt_ids, max_new_tokens, limits, prompt_field=field)
+    return ValidatedRequest(
+        request_id=req.request_id,
+        prompt_token_ids=prompt_ids,
+        prompt_text=req.text or None,
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
+        stop=tuple(req.stop),
+        stop_token_ids=tuple(req.stop_token_ids),
+        ignore_eos=req.ignore_eos,
+        top_logprobs=req.top_logprobs,
+    )
 
 
 def check_prompt_tokens(
@@ -196,32 +270,22 @@ def validate_request(
     req: generation_pb2.GenerateRequest,
     limits: Limits,
     tokenize: Callable[[str], Sequence[int]] | None = None,
+    render_chat: Callable[[list[dict[str, str]]], Sequence[int]] | None = None,
 ) -> ValidatedRequest:
-    """Runs both stages. A text prompt needs `tokenize` (the router's tokenizer); token ids do not.
-
-    max_new_tokens of 0 (which is also what an unset field reads as in proto3) is INVALID_ARGUMENT.
-    """
+    """Both stages, with a synchronous tokenize(text) for text prompts and render_chat(messages) for chat
+    prompts (the router's tokenizer; token-id prompts need neither)."""
     sampling = check_request_fields(req, limits)
-    if req.token_ids:
-        prompt_ids = tuple(req.token_ids)
+    if len(req.token_ids):
+        prompt_ids = req.token_ids
+    elif len(req.messages):
+        if render_chat is None:
+            raise TypeError("validate_request needs render_chat for a chat prompt")
+        prompt_ids = render_chat([{"role": m.role, "content": m.content} for m in req.messages])
     else:
         if tokenize is None:
             raise TypeError("validate_request needs tokenize for a text prompt")
-        prompt_ids = tuple(int(t) for t in tokenize(req.text))
-    check_prompt_tokens(
-        prompt_ids, req.max_new_tokens, limits, prompt_field="token_ids" if req.token_ids else "text"
-    )
-    return ValidatedRequest(
-        request_id=req.request_id,
-        prompt_token_ids=prompt_ids,
-        prompt_text=req.text or None,
-        max_new_tokens=req.max_new_tokens,
-        sampling=sampling,
-        stop=tuple(req.stop),
-        stop_token_ids=tuple(req.stop_token_ids),
-        ignore_eos=req.ignore_eos,
-        top_logprobs=req.top_logprobs,
-    )
+        prompt_ids = tokenize(req.text)
+    return check_prompt(req, sampling, prompt_ids, limits)
 
 
 def _check_token_ids(field: str, token_ids: Sequence[int], vocab_size: int) -> None:
@@ -250,9 +314,20 @@ def _check_sampling(params: generation_pb2.SamplingParams) -> SamplingConfig:
         raise ValidationError("sampling.top_k", f"sampling.top_k must be >= 0 (0 = all), got {cfg.top_k}")
     if not 0 <= cfg.min_p <= 1:
         raise ValidationError("sampling.min_p", f"sampling.min_p must be in [0, 1], got {cfg.min_p}")
-    if cfg.repetition_penalty <= 0:
+    if not 0 < cfg.repetition_penalty <= MAX_REPETITION_PENALTY:
         raise ValidationError(
             "sampling.repetition_penalty",
-            f"sampling.repetition_penalty must be > 0, got {cfg.repetition_penalty}",
+            f"sampling.repetition_penalty must be > 0 and at most {MAX_REPETITION_PENALTY}, "
+            f"got {cfg.repetition_penalty}",
         )
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(cfg, name)
+        if not -MAX_PENALTY <= value <= MAX_PENALTY:
+            raise ValidationError(
+                f"sampling.{name}", f"sampling.{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {value}"
+            )
+    if 0 < cfg.temperature < GREEDY_BELOW:
+        # As vLLM does: dividing logits by a temperature this small overflows them (a float32 denormal
+        # even flushes to zero on the CPU); it means greedy, and greedy is what travels.
+        cfg = dataclasses.replace(cfg, temperature=0.0)
     return cfg

@@ -383,7 +383,9 @@ class Engine:
         stream.send(stream.message([error], window, self.load_report()))
 
     def _sequence(self, msg: scheduler_pb2.AddRequest) -> Sequence:
-        if not self.ready.is_set():
+        # Shards lost after they were ready do not refuse a request that was already on its way: it waits
+        # with the others for them to return (or for worker_recovery_timeout_s, then UNAVAILABLE).
+        if self.scheduler is None:
             raise RequestError(ERROR_CODE_UNAVAILABLE, "shard workers are not ready")
         if self.scheduler.has_request(msg.request_id):
             raise RequestError(ERROR_CODE_ALREADY_EXISTS, f"request_id {msg.request_id!r} is in flight")

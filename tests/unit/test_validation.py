@@ -30,7 +30,7 @@ def request(**kwargs) -> generation_pb2.GenerateRequest:
 
 def rejected(req, limits=LIMITS) -> ValidationError:
     with pytest.raises(ValidationError) as info:
-        validate_request(req, limits, tokenize=fake_tokenize)
+        validate_request(req, limits, tokenize=fake_tokenize, render_chat=lambda m: [1])
     return info.value
 
 
@@ -84,7 +84,6 @@ def test_text_prompt_without_tokenizer_is_a_programming_error():
         (request(text="hi", token_ids=[1]), "token_ids", ["text", "token_ids"]),
         (request(token_ids=[1, 1000, 2]), "token_ids[1]", ["1000", "vocab_size 1000"]),
         (request(max_new_tokens=0), "max_new_tokens", ["at least 1"]),
-        (generation_pb2.GenerateRequest(token_ids=[1]), "max_new_tokens", ["at least 1"]),
         (request(max_new_tokens=128), "max_new_tokens", ["max_model_len 128"]),
         (request(token_ids=[1] * 121, max_new_tokens=8), "max_new_tokens", ["121", "8", "max_model_len 128"]),
         (request(text="x" * 100, max_new_tokens=29), "max_new_tokens", ["100", "29", "max_model_len 128"]),
@@ -186,6 +185,53 @@ def test_tokenizer_ids_beyond_the_model_vocab_are_refused():
 def test_limits_reject_nonsense(kwargs):
     with pytest.raises(ValueError):
         Limits(**kwargs)
+
+
+def test_unset_max_new_tokens_takes_the_default_lowered_to_fit():
+    limits = Limits(vocab_size=1000, max_model_len=300, default_max_new_tokens=256)
+    assert validate_request(generation_pb2.GenerateRequest(token_ids=[1] * 10), limits).max_new_tokens == 256
+    # 100 prompt tokens leave room for 200.
+    assert validate_request(generation_pb2.GenerateRequest(token_ids=[1] * 100), limits).max_new_tokens == 200
+    capped = Limits(vocab_size=1000, max_model_len=300, max_new_tokens=50)
+    assert validate_request(generation_pb2.GenerateRequest(token_ids=[1] * 10), capped).max_new_tokens == 50
+    assert "at least 1" in str(rejected(generation_pb2.GenerateRequest(token_ids=[1], max_new_tokens=0)))
+
+
+def test_chat_prompt_is_rendered_and_checked():
+    def render(messages):
+        return [len(m["content"]) for m in messages]
+
+    req = generation_pb2.GenerateRequest(
+        messages=[generation_pb2.ChatMessage(role="user", content="hello")], max_new_tokens=4
+    )
+    assert validate_request(req, LIMITS, render_chat=render).prompt_token_ids == (5,)
+    both = generation_pb2.GenerateRequest(text="x", messages=req.messages, max_new_tokens=4)
+    assert rejected(both).field == "messages"
+    bad_role = generation_pb2.GenerateRequest(
+        messages=[generation_pb2.ChatMessage(role="robot", content="x")]
+    )
+    err = rejected(bad_role)
+    assert err.field == "messages[0].role" and "robot" in str(err)
+
+
+@pytest.mark.parametrize(
+    "sampling, field, words",
+    [
+        (dict(presence_penalty=2.5), "sampling.presence_penalty", ["[-2.0, 2.0]"]),
+        (dict(frequency_penalty=-3e38), "sampling.frequency_penalty", ["[-2.0, 2.0]"]),
+        (dict(repetition_penalty=1e30), "sampling.repetition_penalty", ["at most 10.0"]),
+    ],
+)
+def test_penalties_beyond_sane_ranges_are_refused(sampling, field, words):
+    err = rejected(request(sampling=sampling))
+    assert err.field == field and all(w in str(err) for w in words)
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-6, 0.0])
+def test_a_vanishing_temperature_is_greedy_and_travels_as_greedy(temperature):
+    v = validate_request(request(sampling=dict(temperature=temperature)), LIMITS)
+    assert v.sampling.temperature == 0.0 and v.sampling.greedy
+    assert v.sampling.to_proto().temperature == 0.0
 
 
 def test_operator_cap_on_max_new_tokens():

@@ -1,0 +1,56 @@
+"""The model's tokenizer as the router uses it: prompts (text, or a conversation rendered with the
+checkpoint's chat template) are encoded on a worker thread, never on the event loop, so one huge prompt
+does not stall every other stream's tokens while it is tokenized.
+
+Fast (Rust) tokenizers release the GIL while they encode, so the loop keeps running meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+
+class NoChatTemplate(ValueError):
+    """The model has no chat template, so a conversation cannot be rendered."""
+
+
+class Tokenizer:
+    def __init__(self, hf_tokenizer, threads: int = 2):
+        self.hf = hf_tokenizer
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="tokenize")
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str) -> Tokenizer:
+        from transformers import AutoTokenizer
+
+        return cls(AutoTokenizer.from_pretrained(model_dir))
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def encode_sync(self, text: str) -> list[int]:
+        return self.hf(text)["input_ids"]
+
+    def render_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """The conversation in the model's own template, ending with the assistant's generation prompt;
+        the ids transformers' apply_chat_template(..., add_generation_prompt=True) gives."""
+        if not self.has_chat_template:
+            raise NoChatTemplate("the model has no chat template: send the prompt as text or token_ids")
+        text = self.hf.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        # The template writes the special tokens it wants (BOS included) itself.
+        return self.hf(text, add_special_tokens=False)["input_ids"]
+
+    async def encode(self, text: str) -> list[int]:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.encode_sync, text)
+
+    async def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self.render_chat, messages)
+
+    def decode(self, ids: Sequence[int], **kwargs) -> str:
+        return self.hf.decode(ids, **kwargs)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
