@@ -280,28 +280,7 @@ def launch(config: LaunchConfig) -> int:
             config.tp,
         )
         if config.ready_file:
-            replicas = [
-                {
-                    "scheduler": f"127.0.0.1:{sched_port}",
-                    "workers": [f"127.0.0.1:{port}" for port in worker_ports],
-                }
-                for sched_port, worker_ports in zip(stack.scheduler_ports, stack.worker_ports, strict=True)
-            ]
-            info = {
-                "target": target,
-                # Replica 0's processes keep the single-replica names ("scheduler", "shard-worker rank
-                # 0"); replica i's are "scheduler i", "shard-worker i rank 0", ...
-                "pids": {c.name: c.proc.pid for c in stack.children},
-                "metrics_ports": stack.metrics,
-                # Internal ports, for tests and tools that talk to a process directly: replica 0's, and
-                # every replica's under "replicas".
-                "scheduler": replicas[0]["scheduler"],
-                "workers": replicas[0]["workers"],
-                "replicas": replicas,
-            }
-            tmp = Path(f"{config.ready_file}.tmp")
-            tmp.write_text(json.dumps(info))
-            os.replace(tmp, config.ready_file)
+            _write_ready_file(config.ready_file, stack, target)
         restarts = 0
         while not stop.wait(0.2):
             dead = stack.first_dead()
@@ -314,6 +293,8 @@ def launch(config: LaunchConfig) -> int:
                 log.error(
                     "%s: replica %d is down for good, %d left", what, dead.replica, stack.live_replicas()
                 )
+                if config.ready_file:
+                    _write_ready_file(config.ready_file, stack, target)
                 continue
             if dead.name == "router" or restarts >= config.max_restarts:
                 log.error("%s: stopping", what)
@@ -325,11 +306,36 @@ def launch(config: LaunchConfig) -> int:
             except (RuntimeError, TimeoutError) as e:
                 log.error("restart failed: %s", e)
                 return 1
+            if config.ready_file:  # the restarted process has a new pid
+                _write_ready_file(config.ready_file, stack, target)
         log.info("stopping")
         return 0
     finally:
         stack.stop()
         time.sleep(0)  # let log lines flush in order
+
+
+def _write_ready_file(path: str, stack: Stack, target: str) -> None:
+    """What a test or a tool needs to reach every process: rewritten after each restart (new pids)."""
+    replicas = [
+        {"scheduler": f"127.0.0.1:{sched_port}", "workers": [f"127.0.0.1:{port}" for port in worker_ports]}
+        for sched_port, worker_ports in zip(stack.scheduler_ports, stack.worker_ports, strict=True)
+    ]
+    info = {
+        "target": target,
+        # Replica 0's processes keep the single-replica names ("scheduler", "shard-worker rank 0");
+        # replica i's are "scheduler i", "shard-worker i rank 0", ...
+        "pids": {c.name: c.proc.pid for c in stack.children},
+        "metrics_ports": stack.metrics,
+        # Internal ports, for tests and tools that talk to a process directly: replica 0's, and every
+        # replica's under "replicas".
+        "scheduler": replicas[0]["scheduler"],
+        "workers": replicas[0]["workers"],
+        "replicas": replicas,
+    }
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps(info))
+    os.replace(tmp, path)
 
 
 class LaunchFailed(RuntimeError):
@@ -359,7 +365,9 @@ def running_stack(model, *flags: str, timeout_s: float = 600.0, log_level: str =
             if time.monotonic() > deadline:
                 raise LaunchFailed(f"tpserve launch not serving after {timeout_s:.0f}s{tail()}")
             time.sleep(0.1)
-        yield json.loads(ready.read_text()), proc
+        info = json.loads(ready.read_text())
+        info["ready_file"] = ready  # rewritten with the new pids whenever a process is restarted
+        yield info, proc
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)

@@ -63,6 +63,13 @@ class RouterConfig:
         rule=at_least(1),
         launch=True,
     )
+    replica_wait_timeout_s: float = setting(
+        60.0,
+        help="while no replica is up (a scheduler restarting), requests wait this long for one, then get "
+        "UNAVAILABLE",
+        rule=above(0),
+        launch=True,
+    )
     admission: AdmissionPolicy = nested(AdmissionPolicy)
     routing: RoutingPolicy = nested(RoutingPolicy)
     # Keys clients must send as `authorization: Bearer <key>`; read in serve(), so never held here.

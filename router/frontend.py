@@ -103,7 +103,7 @@ class Frontend:
 
     def _ready_limits(self) -> Limits:
         info = self.pool.model_info
-        if not self.pool.ready or info is None:
+        if not self.pool.accepting or info is None:
             raise RequestFailed(
                 grpc.StatusCode.UNAVAILABLE, "the server is starting or its shards are unavailable"
             )

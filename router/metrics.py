@@ -142,6 +142,12 @@ class RouterMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.resumed = Counter(
+            "tpserve_requests_resumed",
+            "Requests that had streamed tokens when their scheduler was lost, resumed on another (or the "
+            "restarted) one where they stopped.",
+            registry=r,
+        )
         self.failed = Counter(
             "tpserve_requests_failed",
             "Requests answered with an error, by gRPC status code.",

@@ -6,12 +6,18 @@ the queue: whenever some replica has credit, the next request is popped and Repl
 the replicas that have credit (router/replicas.py: most headroom, short ones to the least loaded, prefix
 affinity). So a busy replica never holds requests an idle one could start.
 
-Failover. A replica whose stream breaks, or whose reports stop for stale_after_s (checked every
+Failover and resume. A replica whose stream breaks, or whose reports stop for stale_after_s (checked every
 check_s; the scheduler reports at least every 0.5 s), is marked down and its stream dropped (the
-scheduler then drops this router's requests, so none runs twice). Its requests that have not streamed a
-token go back to the queue with their arrival time, to be sent elsewhere; those that have get
-UNAVAILABLE (a client cannot be shown a seam mid-stream). Outputs that still arrive from a replica for a
-request that moved away are dropped. Health is SERVING while at least one replica is up.
+scheduler then drops this router's requests, so none runs twice). Its requests go back to the queue with
+their arrival time, to be sent elsewhere or to the restarted scheduler. A request that had streamed
+tokens resumes: its prompt becomes the prompt plus every token the client received, marked as output
+(AddRequest.num_output_tokens), so the new scheduler recomputes its KV and goes on with the same
+max_new_tokens budget and, for seeded sampling, the same random stream (the worker's draw for output
+position i depends only on (seed, i)); no token is sent twice. A request goes to at most
+max_attempts schedulers (it may itself be what crashes them), then ends with UNAVAILABLE naming the
+cap. Outputs that still arrive from a replica for a request that moved away are dropped. While no
+replica is up, requests (new ones too, once the model is known) wait up to replica_wait_timeout_s for
+one to come back, then get UNAVAILABLE. Health is SERVING while at least one replica is up.
 
 Which replicas exist is router/membership.py's to say; GetStats across them is router/stats.py's.
 """
@@ -23,7 +29,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common import security
 from common.pb.tpserve.internal.v1 import scheduler_pb2
@@ -55,6 +61,18 @@ class _Request:
     prefix_key: str | None
     routed: Routed | None = None  # where it runs; None while it waits in the admission queue
     attempts: int = 0  # replicas it was sent to
+    prompt: tuple[int, ...] = ()  # the client's prompt
+    generated: list[int] = field(default_factory=list)  # every token the client has been sent
+
+    def resumed(self) -> scheduler_pb2.AddRequest:
+        """The request as it goes to its next scheduler: the prompt plus what it already generated."""
+        add = scheduler_pb2.AddRequest()
+        add.CopyFrom(self.add)
+        del add.prompt_token_ids[:]
+        add.prompt_token_ids.extend(self.prompt)
+        add.prompt_token_ids.extend(self.generated)
+        add.num_output_tokens = len(self.generated)
+        return add
 
 
 class SchedulerPool:
@@ -71,6 +89,7 @@ class SchedulerPool:
         prefix_blocks: int = 4,  # --prefix-affinity: the key covers this many KV blocks of the prompt
         retry_s: float = 0.5,
         check_s: float = 0.5,
+        replica_wait_timeout_s: float = 60.0,
         tls: security.TlsFiles | None = None,
     ):
         self.admission = admission
@@ -78,6 +97,7 @@ class SchedulerPool:
         self.on_ready = on_ready
         self.on_admit = lambda add, waited_s: None  # the servicer's metrics hook
         self.on_failover = lambda replica, resent, failed: None
+        self.on_resume = lambda request_id: None  # a request that had streamed goes on elsewhere
         self.membership = Membership(
             self._add,
             self._remove,
@@ -96,7 +116,7 @@ class SchedulerPool:
         # While no replica is ready, queued requests wait this long (like the schedulers' own recovery
         # timeout) and then get UNAVAILABLE: every accepted request ends, even if no replica returns.
         self._unready_since: float | None = None
-        self._queued_timeout_s = 60.0
+        self._queued_timeout_s = replica_wait_timeout_s
         self._tasks: list[asyncio.Task] = []
 
     # ---- membership ----
@@ -167,9 +187,19 @@ class SchedulerPool:
     def in_flight(self, request_id: str) -> bool:
         return request_id in self._requests
 
+    @property
+    def accepting(self) -> bool:
+        """Whether new requests are taken: a replica is up, or one was (the model is known) and the wait
+        for one to come back has not run out. Requests taken meanwhile wait in the queue."""
+        if self._ready:
+            return True
+        if self.model_info is None or self._unready_since is None:
+            return False
+        return time.monotonic() - self._unready_since < self._queued_timeout_s
+
     def submit(self, add: scheduler_pb2.AddRequest) -> asyncio.Queue:
         """Queues the request for admission; its outputs arrive on the returned queue."""
-        if not self.ready:
+        if not self.accepting:
             raise SchedulerUnavailable("no replica is ready")
         now = time.monotonic()
         if not self.admission.push(add.request_id, len(add.prompt_token_ids), now, add.request_id):
@@ -178,7 +208,7 @@ class SchedulerPool:
         info = self.model_info
         if self.replicas.policy.prefix_affinity and info is not None:
             key = prefix_key(add.prompt_token_ids, self._prefix_blocks * info.block_size)
-        req = _Request(add, now, asyncio.Queue(), key)
+        req = _Request(add, now, asyncio.Queue(), key, prompt=tuple(add.prompt_token_ids))
         self._requests[add.request_id] = req
         self._pump()
         return req.queue
@@ -274,17 +304,14 @@ class SchedulerPool:
         req = self._requests.get(out.request_id)
         if req is None or req.routed is None or req.routed.replica != link.target:
             return  # aborted, or moved to another replica: whatever this one says is stale
-        # The replica refused or lost it before any token (its shards are down): try another one.
-        if (
-            out.error
-            and out.error_code == ERROR_CODE_UNAVAILABLE
-            and not req.routed.streamed
-            and self._requeue(req)
-        ):
+        # The replica refused it or lost its shards for good: it goes on elsewhere, if it may.
+        if out.error and out.error_code == ERROR_CODE_UNAVAILABLE:
+            self._move(req, link.target, out.error)
             self._pump()
             return
         if out.token_ids:
             req.routed.streamed = True
+            req.generated.extend(out.token_ids)
         req.queue.put_nowait(out)
         if out.finish_reason or out.error:
             self._requests.pop(out.request_id, None)
@@ -298,42 +325,51 @@ class SchedulerPool:
 
     # ---- failover ----
 
-    def _requeue(self, req: _Request) -> bool:
-        """Puts a request back in the queue (its arrival kept); False when no replica could take it."""
-        if not self.ready:
-            return False
-        req.routed = None
-        self.admission.requeue(
-            req.add.request_id, len(req.add.prompt_token_ids), req.arrival, req.add.request_id
-        )
-        return True
-
-    def _fail_over(self, target: str, reason: str) -> None:
-        """Replica target is gone: its requests that streamed nothing are queued again (sent elsewhere
-        as credit allows), the others end with UNAVAILABLE (ReplicaSet.may_resend decides which)."""
-        self._update_health()
-        mine = [r for r in self._requests.values() if r.routed is not None and r.routed.replica == target]
-        resent = failed = 0
-        for req in sorted(mine, key=lambda r: r.arrival):
-            if self.replicas.may_resend(req.routed) and self._requeue(req):
-                resent += 1
-                continue
-            failed += 1
+    def _move(self, req: _Request, target: str, reason: str) -> str:
+        """Takes a request off a replica that lost it: back in the queue (resumed where it stopped if it
+        had streamed tokens) while it has attempts left, else it ends with UNAVAILABLE. Returns what
+        happened: "resent", "resumed" or "failed"."""
+        cap = self.replicas.policy.max_attempts
+        if not self.replicas.may_resend(req.routed):
             self._requests.pop(req.add.request_id, None)
             req.queue.put_nowait(
                 scheduler_pb2.RequestOutput(
                     request_id=req.add.request_id,
-                    error=f"the replica at {target} was lost ({reason})",
+                    error=f"the request ran on {req.attempts} schedulers, the most one may "
+                    f"(--max-request-attempts {cap}), and the last, {target}, lost it: {reason}",
                     error_code=ERROR_CODE_UNAVAILABLE,
                 )
             )
+            return "failed"
+        outcome = "resent"
+        if req.generated:
+            req.add = req.resumed()
+            outcome = "resumed"
+            self.on_resume(req.add.request_id)
+        req.routed = None
+        self.admission.requeue(req.add.request_id, len(req.prompt), req.arrival, req.add.request_id)
+        return outcome
+
+    def _fail_over(self, target: str, reason: str) -> None:
+        """Replica target is gone: its requests go back to the queue, to run elsewhere or on the
+        restarted scheduler (resumed where they stopped), within their attempts."""
+        self._update_health()
+        mine = [r for r in self._requests.values() if r.routed is not None and r.routed.replica == target]
+        outcomes = [
+            self._move(req, target, f"the replica was lost ({reason})")
+            for req in sorted(mine, key=lambda r: r.arrival)
+        ]
         if mine:
+            failed = outcomes.count("failed")
             log.warning(
-                "replica %s lost (%s): %d request(s) requeued, %d failed", target, reason, resent, failed
+                "replica %s lost (%s): %d request(s) resumed, %d resent, %d failed",
+                target,
+                reason,
+                outcomes.count("resumed"),
+                outcomes.count("resent"),
+                failed,
             )
-            self.on_failover(target, resent, failed)
-        if not self.ready:
-            self._fail_queued("no replica is ready")
+            self.on_failover(target, len(mine) - failed, failed)
         self._pump()
 
     def _fail_queued(self, message: str) -> None:

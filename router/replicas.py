@@ -119,9 +119,13 @@ class RoutingPolicy:
     affinity_factor: float = 2.0
     affinity_slack: float = 0.25
     affinity_capacity: int = 10_000  # prefixes remembered (least recently used dropped first)
-    # Replicas a request is tried on at most when replicas fail before it streams a token: a request
-    # that itself crashes schedulers must not take every replica down in turn.
-    max_attempts: int = 2
+    max_attempts: int = setting(
+        3,
+        flag="--max-request-attempts",
+        help="schedulers a request may run on when the one running it is lost (it resumes where it stopped); "
+        "a request that itself crashes schedulers must not take every replica down in turn",
+        launch=True,
+    )
 
     def __post_init__(self):
         def positive_int(name):
@@ -349,11 +353,10 @@ class ReplicaSet:
     # Failover.
 
     def may_resend(self, req: Routed) -> bool:
-        """Whether a request on a lost replica may run again elsewhere: only if no token has reached
-        the client (running it again is then invisible; sampling is not reproducible across replicas,
-        so a streamed one would show a seam) and it has attempts left (it may itself be what crashes
-        schedulers). The others must end with UNAVAILABLE."""
-        return not req.streamed and req.attempts < self.policy.max_attempts
+        """Whether a request on a lost replica may run again (elsewhere, or on the restarted scheduler):
+        while it has attempts left, since it may itself be what crashes schedulers. One that streamed
+        tokens resumes where it stopped (the router holds them). The others end with UNAVAILABLE."""
+        return req.attempts < self.policy.max_attempts
 
     # Observability.
 

@@ -60,11 +60,13 @@ async def serve(config: RouterConfig) -> None:
         dns_interval_s=config.dns_interval_s,
         prefix_blocks=config.prefix_affinity_blocks,
         retry_s=config.scheduler_retry_s,
+        replica_wait_timeout_s=config.replica_wait_timeout_s,
         tls=config.internal_tls,
     )
     router_metrics.watch_replicas(pool)
     pool.on_admit = lambda add, waited_s: router_metrics.queue_time.observe(waited_s)
     pool.on_failover = router_metrics.count_failover
+    pool.on_resume = lambda request_id: router_metrics.resumed.inc()
     frontend = Frontend(config, tokenizer, pool, router_metrics)
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(frontend), server)
     # Server reflection: grpcurl, Postman and evans work without the .proto files.

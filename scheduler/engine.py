@@ -389,11 +389,18 @@ class Engine:
             raise RequestError(ERROR_CODE_UNAVAILABLE, "shard workers are not ready")
         if self.scheduler.has_request(msg.request_id):
             raise RequestError(ERROR_CODE_ALREADY_EXISTS, f"request_id {msg.request_id!r} is in flight")
+        if msg.num_output_tokens >= len(msg.prompt_token_ids):
+            raise RequestError(
+                ERROR_CODE_INVALID_ARGUMENT,
+                f"num_output_tokens {msg.num_output_tokens} leaves no prompt in "
+                f"{len(msg.prompt_token_ids)} tokens",
+            )
         return Sequence(
             seq_id=self._next_seq_id,
             request_id=msg.request_id,
             token_ids=list(msg.prompt_token_ids),
-            num_prompt_tokens=len(msg.prompt_token_ids),
+            # A resumed request's own outputs are outputs here too (max_new_tokens, seeded draws).
+            num_prompt_tokens=len(msg.prompt_token_ids) - msg.num_output_tokens,
             max_new_tokens=msg.max_new_tokens,
             stop_token_ids=frozenset(msg.stop_token_ids),
             ignore_eos=msg.ignore_eos,

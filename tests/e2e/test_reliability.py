@@ -120,24 +120,17 @@ def test_killed_rank_of_a_tp2_group_restarts_the_group_and_no_request_is_lost(ti
     kill_mid_load(tiny_model, reference, "shard-worker rank 1", "--tp", "2")
 
 
-def test_lost_scheduler_gives_unavailable_until_it_is_back(tiny_model):
+def test_requests_sent_while_the_scheduler_restarts_wait_for_it(tiny_model):
     with launch(tiny_model, "--max-restarts", "1") as (target, info):
         with grpc.insecure_channel(target) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
-            stream = stub.Generate(pb.GenerateRequest(text="in flight", max_new_tokens=900, ignore_eos=True))
-            next(stream)
+            assert generate(stub, text="before", max_new_tokens=3, ignore_eos=True)[0]
             os.kill(info["pids"]["scheduler"], signal.SIGKILL)
-            with pytest.raises(grpc.RpcError) as e:
-                for _ in stream:
-                    pass
-            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-            # The launcher restarts the scheduler; the same router serves again.
-            tokens = wait_until(
-                lambda: _try(lambda: generate(stub, text="back", max_new_tokens=3, ignore_eos=True)[0]),
-                90,
-                "a request served after the scheduler's restart",
-            )
-            assert len(tokens) == 3
+            wait_until(lambda: not serving(target), 30, "health NOT_SERVING while no scheduler is up")
+            # Sent while no replica is up: it waits in the router for the restarted scheduler.
+            tokens, _, reason, _ = generate(stub, text="during", max_new_tokens=3, ignore_eos=True)
+            assert len(tokens) == 3 and reason == pb.FINISH_REASON_LENGTH
+            wait_until(lambda: serving(target), 30, "health SERVING again")
             os.kill(info["pids"]["router"], 0)  # still the original router process
 
 

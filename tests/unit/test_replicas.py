@@ -228,11 +228,13 @@ def test_membership_changes():
         rs.report("a", load(), 0.0)  # a stream that outlived its replica's removal: the link drops it
 
 
-def test_failover_resends_only_requests_without_tokens_and_with_attempts_left():
+def test_failover_resends_requests_with_attempts_left_streamed_or_not():
     rs = replicas("a", "b")
+    cap = rs.policy.max_attempts
     assert rs.may_resend(Routed("a", LONG))
-    assert not rs.may_resend(Routed("a", SHORT, streamed=True))  # the client saw tokens: UNAVAILABLE
-    assert not rs.may_resend(Routed("a", SHORT, attempts=2))  # already failed over once (max_attempts 2)
+    assert rs.may_resend(Routed("a", SHORT, streamed=True))  # it resumes where it stopped
+    assert rs.may_resend(Routed("a", SHORT, attempts=cap - 1, streamed=True))
+    assert not rs.may_resend(Routed("a", SHORT, attempts=cap))  # it may be what crashes schedulers
 
 
 def test_stats_per_replica():
