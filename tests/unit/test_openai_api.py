@@ -411,6 +411,15 @@ def test_http_completion_whole_and_streamed():
     assert events[2]["choices"] == [] and events[2]["usage"]["completion_tokens"] == 3
 
 
+def test_http_x_request_id_is_the_request_id():
+    async def test(session, url, frontend, server):
+        headers = {"X-Request-Id": "abc-1"}
+        async with session.post(f"{url}/v1/completions", json={"prompt": "x"}, headers=headers) as r:
+            return (await r.json())["id"], frontend.requests[0].request_id
+
+    assert serve(two_responses, test) == ("cmpl-abc-1", "abc-1")
+
+
 def test_http_chat_stream_starts_with_the_role():
     async def test(session, url, frontend, server):
         body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "stream": True}
