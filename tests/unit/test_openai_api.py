@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 from types import SimpleNamespace
 
 import aiohttp
@@ -14,6 +15,7 @@ import grpc
 import pytest
 
 from common.pb.tpserve.v1 import generation_pb2 as pb
+from common.security import TlsFiles
 from router.auth import ApiKeys
 from router.frontend import RequestFailed
 from router.openai_api import OpenAIServer
@@ -545,3 +547,28 @@ def test_a_client_that_disconnects_closes_the_frontends_generator(script):
         return True
 
     assert serve(script, test)
+
+
+def test_http_with_the_grpc_ports_tls_files_refuses_plaintext_and_clients_without_a_certificate(pki):
+    """--tls-* cover the HTTP port too: it is never a plaintext side door to a TLS server."""
+    tls = TlsFiles(cert=pki["server"], key=pki["server_key"], ca=pki["ca"])
+
+    def client_tls(cert: str | None) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=pki["ca"])
+        if cert:
+            ctx.load_cert_chain(pki[cert], pki[f"{cert}_key"])
+        return ctx
+
+    async def test(session, url, frontend, server):
+        https = url.replace("http://", "https://")
+        async with session.get(f"{https}/health", ssl=client_tls("client")) as r:
+            out = [r.status]
+        for attempt in (dict(url=f"{url}/health"), dict(url=f"{https}/health", ssl=client_tls(None))):
+            try:
+                async with session.get(**attempt) as r:
+                    out.append(r.status)
+            except aiohttp.ClientError:
+                out.append("refused")
+        return out
+
+    assert serve(two_responses, test, tls=tls) == [200, "refused", "refused"]
