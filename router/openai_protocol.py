@@ -85,8 +85,7 @@ def bad_request(param: str, message: str) -> ApiError:
 def from_failure(e: RequestFailed, params: dict[str, str]) -> ApiError:
     """The one mapping of a Frontend failure to an HTTP error. params: GenerateRequest field -> the name the
     client's request used for it; the field and its mentions in the message are renamed."""
-    param = message = None
-    message = e.message
+    param, message = None, e.message
     if e.field:
         base = re.match(r"[A-Za-z_.]*", e.field).group()
         name = params.get(base, base)
