@@ -27,12 +27,13 @@ OPTIONS = [
 SERVER_OPTIONS = OPTIONS + [("grpc.http2.min_ping_interval_without_data_ms", 5_000)]
 
 
-def write_port_file(path: str | None, port: int, metrics_port: int | None = None) -> None:
-    """Tells whoever started us which ports we bound (we bind port 0 to avoid races over free ports)."""
+def write_port_file(path: str | None, port: int, metrics_port: int | None = None, **more_ports: int) -> None:
+    """Tells whoever started us which ports we bound (we bind port 0 to avoid races over free ports).
+    more_ports: other ports the process serves (the router's http_port)."""
     if not path:
         return
     tmp = Path(f"{path}.tmp")
-    tmp.write_text(json.dumps({"port": port, "metrics_port": metrics_port}))
+    tmp.write_text(json.dumps({"port": port, "metrics_port": metrics_port, **more_ports}))
     os.replace(tmp, path)
 
 

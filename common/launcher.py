@@ -54,7 +54,7 @@ class LaunchConfig:
     replicas: int = setting(
         1, help="model replicas (a scheduler and --tp workers each) behind the router", rule=at_least(1)
     )
-    ready_file: str | None = setting(None, help="write {target, pids} as JSON here once serving")
+    ready_file: str | None = setting(None, help="write {target, pids, http_port} as JSON here once serving")
     startup_timeout_s: float = setting(
         600.0, flag="--startup-timeout", help="seconds to wait for SERVING", rule=above(0)
     )
@@ -106,6 +106,7 @@ class Stack:
         self.config = config
         self.children: list[Child] = []
         self.metrics: dict[str, int] = {}  # child name -> its /metrics port
+        self.http_port: int | None = None  # the router's OpenAI-compatible API, when --http-port is set
         self.tmp = Path(tempfile.mkdtemp(prefix="tpserve-"))
 
     def _spawn(self, name: str, args: list[str], port_file: Path, replica: int | None = None) -> Child:
@@ -140,6 +141,8 @@ class Stack:
         if ports.get("metrics_port") is not None:
             self.metrics[child.name] = ports["metrics_port"]
             log.info("%s metrics on http://127.0.0.1:%d/metrics", child.name, ports["metrics_port"])
+        if ports.get("http_port") is not None:
+            self.http_port = ports["http_port"]
         return ports["port"]
 
     @staticmethod
@@ -327,6 +330,7 @@ def _write_ready_file(path: str, stack: Stack, target: str) -> None:
         # replica i's are "scheduler i", "shard-worker i rank 0", ...
         "pids": {c.name: c.proc.pid for c in stack.children},
         "metrics_ports": stack.metrics,
+        "http_port": stack.http_port,  # None without --http-port
         # Internal ports, for tests and tools that talk to a process directly: replica 0's, and every
         # replica's under "replicas".
         "scheduler": replicas[0]["scheduler"],

@@ -36,6 +36,13 @@ class RouterConfig:
     host: str = setting("127.0.0.1", help="address to bind; 0.0.0.0 to serve other hosts", launch=True)
     port: int = setting(50051, help="0: any free port (see --port-file)", rule=at_least(0), launch=True)
     port_file: str | None = setting(None, help="write the bound port here once serving")
+    http_port: int | None = setting(
+        None,
+        help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) on this "
+        "port, same host, keys and TLS (0: any free port; unset: no HTTP)",
+        rule=at_least(0),
+        launch=True,
+    )
     scheduler_retry_s: float = setting(
         0.5, help="pause before reconnecting to a scheduler whose stream broke", rule=above(0)
     )

@@ -1,5 +1,6 @@
-"""The router process: wires the public APIs (gRPC, with reflection and health) to the shared request path
-(router/frontend.py) and the replicas (router/pool.py), serves until SIGTERM, then drains."""
+"""The router process: wires the public APIs (gRPC, with reflection and health; the OpenAI-compatible HTTP
+API when --http-port is set) to the shared request path (router/frontend.py) and the replicas
+(router/pool.py), serves until SIGTERM, then drains."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from router.config import RouterConfig
 from router.frontend import Frontend
 from router.grpc_api import GenerationServicer
 from router.metrics import RouterMetrics
+from router.openai_api import OpenAIServer
 from router.pool import SchedulerPool
 from router.tokenizer import Tokenizer
 
@@ -34,10 +36,14 @@ async def serve(config: RouterConfig) -> None:
     router_metrics = RouterMetrics(admission)
     tokenizer = Tokenizer.from_pretrained(config.model)
     interceptors = []
+    keys = None
+
+    def refused() -> None:  # on either API
+        router_metrics.failed.labels(code=grpc.StatusCode.UNAUTHENTICATED.name).inc()
+
     if config.api_key_file:
         keys = ApiKeys(security.read_api_keys(config.api_key_file))
-        refused = router_metrics.failed.labels(code=grpc.StatusCode.UNAUTHENTICATED.name)
-        interceptors.append(ApiKeyInterceptor(keys, on_refused=refused.inc))
+        interceptors.append(ApiKeyInterceptor(keys, on_refused=refused))
         log.info("API keys required: %d loaded from %s", len(keys), config.api_key_file)
     server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
     health_servicer = health.aio.HealthServicer()
@@ -75,11 +81,27 @@ async def serve(config: RouterConfig) -> None:
     await server.start()
     await pool.start()
     metrics_port = metrics.serve(router_metrics.registry, config.host, config.metrics_port)
-    write_port_file(config.port_file, port, metrics_port)
+    http, http_ports = None, {}
+    if config.http_port is not None:
+        # The same keys, TLS files and Frontend as gRPC; aiohttp runs in this event loop.
+        http = OpenAIServer(
+            frontend,
+            keys=keys,
+            on_refused=refused,
+            tls=config.tls,
+            drain_timeout_s=config.drain_timeout_s,
+        )
+        http_ports["http_port"] = await http.start(config.host, config.http_port)
+    write_port_file(config.port_file, port, metrics_port, **http_ports)
     mode = "plaintext" if config.tls is None else "TLS" if config.tls.ca is None else "mutual TLS"
     log.info("router serving tpserve.v1.Generation on %s:%d (%s)", config.host, port, mode)
     if metrics_port is not None:
         log.info("router metrics on http://%s:%d/metrics", config.host, metrics_port)
+    if http is not None:
+        scheme = "http" if config.tls is None else "https"
+        log.info(
+            "router OpenAI-compatible API on %s://%s:%d/v1", scheme, config.host, http_ports["http_port"]
+        )
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -89,7 +111,7 @@ async def serve(config: RouterConfig) -> None:
     # Drain: probes see NOT_SERVING, new calls are refused (UNAVAILABLE), calls in flight may finish.
     log.info("draining: up to %.0fs for requests in flight", config.drain_timeout_s)
     await health_servicer.enter_graceful_shutdown()
-    await server.stop(grace=config.drain_timeout_s)
+    await asyncio.gather(server.stop(grace=config.drain_timeout_s), *([http.stop()] if http else []))
     await pool.close()
     tokenizer.close()
     if provider is not None:

@@ -1,0 +1,234 @@
+"""The OpenAI-compatible HTTP API: aiohttp's server in the router's own event loop, a thin layer over the
+same Frontend as the gRPC servicer (router/grpc_api.py).
+
+Each handler decodes the body into a GenerateRequest (router/openai_protocol.py), iterates
+`Frontend.generate`, and encodes what comes out as one JSON answer or as server-sent events. Validation,
+admission, buckets, metrics and tracing are the Frontend's, so they are the same on both APIs.
+
+The first response is awaited before anything is sent: validation and admission fail there, so a bad
+request is a 400 and a full queue a 429 even when streaming. A failure after the first event can only
+travel as an event: `data: {"error": {...}}`, then `data: [DONE]`.
+
+A client that goes away must not keep its KV blocks: the runner cancels a handler whose connection is
+lost (handler_cancellation), the cancellation reaches the Frontend's generator where it waits for the
+next token, and its `finally` aborts the request; a write that fails closes the generator the same way
+(contextlib.aclosing).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import ssl
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+from aiohttp import web
+
+from common import tracing
+from common.grpc_util import MAX_MESSAGE_BYTES
+from common.pb.tpserve.v1 import generation_pb2 as pb
+from common.security import TlsFiles
+from router import openai_protocol as oai
+from router.auth import ApiKeys, refusal
+from router.frontend import Frontend, RequestFailed
+
+log = logging.getLogger("tpserve.router")
+
+EXEMPT_PATHS = ("/health",)  # probes need no key, as gRPC health
+
+
+def ssl_context(tls: TlsFiles) -> ssl.SSLContext:
+    """The public port's TLS (the same files as gRPC's); with tls.ca, clients must present certificates."""
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(tls.cert, tls.key)
+    if tls.ca:
+        ctx.load_verify_locations(tls.ca)
+        ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
+def _error(e: oai.ApiError) -> web.Response:
+    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+    return web.json_response(e.body(), status=e.status, headers=headers)
+
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+class OpenAIServer:
+    def __init__(
+        self,
+        frontend: Frontend,
+        *,
+        keys: ApiKeys | None = None,
+        on_refused: Callable[[], None] = lambda: None,
+        tls: TlsFiles | None = None,
+        drain_timeout_s: float = 30.0,
+    ):
+        self.frontend = frontend
+        self.keys = keys
+        self.on_refused = on_refused
+        self.tls = tls
+        self.draining = False
+        # Token-id prompts of long contexts are megabytes: the same bound as gRPC messages.
+        app = web.Application(middlewares=[self._errors, self._auth], client_max_size=MAX_MESSAGE_BYTES)
+        app.add_routes(
+            [
+                web.post("/v1/completions", self.completions),
+                web.post("/v1/chat/completions", self.chat_completions),
+                web.get("/v1/models", self.models),
+                web.get("/health", self.health),
+            ]
+        )
+        self.app = app
+        self._runner = web.AppRunner(
+            app, handler_cancellation=True, shutdown_timeout=drain_timeout_s, access_log=None
+        )
+
+    async def start(self, host: str, port: int) -> int:
+        """Listens on host:port (0: any free port); returns the bound port."""
+        await self._runner.setup()
+        tls = ssl_context(self.tls) if self.tls is not None else None
+        site = web.TCPSite(self._runner, host, port, ssl_context=tls)
+        await site.start()
+        return self._runner.addresses[0][1]
+
+    async def stop(self) -> None:
+        """Drain: /health turns 503, new requests get 503, requests in flight may finish within
+        drain_timeout_s (then they are cancelled, which aborts them)."""
+        self.draining = True
+        await self._runner.cleanup()
+
+    # ---- middlewares ----
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except oai.ApiError as e:
+            return _error(e)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            # aiohttp's own refusals (unknown path, wrong method, body too large) in OpenAI's shape too.
+            return _error(oai.ApiError(e.status, f"{request.method} {request.path}: {e.reason}"))
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler) -> web.StreamResponse:
+        if self.keys is not None and request.path not in EXEMPT_PATHS:
+            values = request.headers.getall("Authorization", [])
+            message = refusal(self.keys, [("authorization", v) for v in values])
+            if message is not None:
+                self.on_refused()
+                raise oai.ApiError(401, message, code="UNAUTHENTICATED")  # the message holds no key
+        return await handler(request)
+
+    # ---- endpoints ----
+
+    async def health(self, request: web.Request) -> web.Response:
+        serving = self.frontend.pool.ready and not self.draining
+        return web.json_response(
+            {"status": "SERVING" if serving else "NOT_SERVING"}, status=200 if serving else 503
+        )
+
+    async def models(self, request: web.Request) -> web.Response:
+        info = self._model_info()
+        card = {
+            "id": info.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "tpserve",
+            "max_model_len": info.max_model_len,
+        }
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, oai.parse_completion)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, oai.parse_chat)
+
+    # ---- the path ----
+
+    def _model_info(self) -> pb.ModelInfo:
+        try:
+            return self.frontend.model_info()
+        except RequestFailed as e:
+            raise oai.from_failure(e, {}) from None
+
+    def _check_model(self, name: str | None) -> pb.ModelInfo:
+        """The served model, or 404 for another name. Its name (as /v1/models lists it) and the --model
+        path the router was given are both accepted."""
+        info = self._model_info()
+        if name is not None and name not in (info.model_name, self.frontend.config.model):
+            raise oai.ApiError(
+                404,
+                f"The model `{name}` does not exist (this server serves `{info.model_name}`)",
+                param="model",
+                code="NOT_FOUND",
+            )
+        return info
+
+    async def _generate(self, request: web.Request, parse) -> web.StreamResponse:
+        if self.draining:
+            raise oai.ApiError(503, "the server is shutting down", code="UNAVAILABLE")
+        try:
+            body = await request.json()
+        except ValueError as e:
+            raise oai.bad_request(None, f"the request body is not valid JSON: {e}") from None
+        req = parse(body, request.headers.get("X-Request-Id") or uuid.uuid4().hex)
+        info = self._check_model(req.model)
+        encoder = oai.Encoder(req, info.model_name)
+        parent = tracing.context_from_metadata((k.lower(), v) for k, v in request.headers.items())
+        async with contextlib.aclosing(self.frontend.generate(req.generate, parent)) as responses:
+            try:
+                first = await anext(responses)
+            except RequestFailed as e:
+                raise oai.from_failure(e, req.params) from None
+            if req.stream:
+                return await self._stream(request, req, encoder, first, responses)
+            whole = [first]
+            try:
+                whole += [resp async for resp in responses]
+            except RequestFailed as e:
+                raise oai.from_failure(e, req.params) from None
+            return web.json_response(encoder.whole(whole))
+
+    async def _stream(
+        self,
+        request: web.Request,
+        req: oai.ApiRequest,
+        encoder: oai.Encoder,
+        first: pb.GenerateResponse,
+        rest: AsyncIterator[pb.GenerateResponse],
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await response.prepare(request)
+        try:
+            if req.chat:
+                await response.write(_sse(encoder.role_chunk()))
+            resp = first
+            while True:
+                chunk = encoder.chunk(resp)
+                if chunk is not None:
+                    await response.write(_sse(chunk))
+                if resp.finish_reason:
+                    break
+                try:
+                    resp = await anext(rest)
+                except RequestFailed as e:
+                    await response.write(_sse(oai.from_failure(e, req.params).body()))
+                    break
+            if req.include_usage and resp.finish_reason:
+                await response.write(_sse(encoder.usage_chunk(resp.usage)))
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        except ConnectionResetError:
+            # The client went away between tokens: leaving closes the generator, which aborts the request.
+            log.debug("client of %s disconnected", encoder.id)
+        return response
