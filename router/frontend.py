@@ -9,6 +9,7 @@ one place. A request whose caller goes away (the generator is closed) is aborted
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -20,6 +21,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from common import tracing
 from common.pb.tpserve.internal.v1 import scheduler_pb2
 from common.pb.tpserve.v1 import generation_pb2
+from common.sampling import SamplingConfig
 from router.config import RouterConfig
 from router.detokenizer import IncrementalDetokenizer
 from router.metrics import RouterMetrics
@@ -56,6 +58,7 @@ class Frontend:
         self.metrics = metrics
         self._tracer = tracing.tracer("tpserve.router")
         self._limits: Limits | None = None
+        self._sampling_defaults = SamplingConfig.model_defaults(config.model)
 
     # ---- what the APIs call ----
 
@@ -90,8 +93,11 @@ class Frontend:
         start = time.perf_counter()
         span = self._tracer.start_span("tpserve.Generate", context=parent, kind=SpanKind.SERVER)
         try:
-            async for resp in self._generate(request, span, start):
-                yield resp
+            # Closing this generator (the caller went away) closes the inner one at once, whose cleanup
+            # aborts the request, rather than leaving that to the event loop's finalizer.
+            async with contextlib.aclosing(self._generate(request, span, start)) as responses:
+                async for resp in responses:
+                    yield resp
         except RequestFailed as e:
             self.metrics.failed.labels(code=e.code.name).inc()
             span.set_status(Status(StatusCode.ERROR, f"{e.code.name}: {e.message}"))
@@ -118,6 +124,7 @@ class Frontend:
                 else None,
                 max_new_tokens=cfg.max_new_tokens_limit or None,
                 default_max_new_tokens=cfg.default_max_new_tokens,
+                sampling_defaults=self._sampling_defaults,
             )
         return self._limits
 

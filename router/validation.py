@@ -59,6 +59,8 @@ class Limits:
     max_request_id_chars: int = 256
     # max_new_tokens when the request leaves it unset (lowered to what fits in max_model_len).
     default_max_new_tokens: int = 256
+    # What a request's unset sampling fields take: the model's generation_config.json defaults.
+    sampling_defaults: SamplingConfig = SamplingConfig()
     max_chat_messages: int = 1024
 
     def __post_init__(self):
@@ -160,7 +162,7 @@ def check_request_fields(req: generation_pb2.GenerateRequest, limits: Limits) ->
                 f"max_model_len {limits.max_model_len}",
             )
 
-    sampling = _check_sampling(req.sampling)
+    sampling = _check_sampling(req.sampling, limits.sampling_defaults)
 
     if len(req.stop) > limits.max_stop_strings:
         raise ValidationError(
@@ -297,8 +299,8 @@ def _check_token_ids(field: str, token_ids: Sequence[int], vocab_size: int) -> N
         )
 
 
-def _check_sampling(params: generation_pb2.SamplingParams) -> SamplingConfig:
-    cfg = SamplingConfig.from_proto(params)
+def _check_sampling(params: generation_pb2.SamplingParams, defaults: SamplingConfig) -> SamplingConfig:
+    cfg = SamplingConfig.from_proto(params, defaults)
     floats = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
     for name in floats:
         value = getattr(cfg, name)

@@ -99,6 +99,7 @@ def test_builder_does_nothing_when_already_built(tmp_path, capsys):
         "package": model_builder.SMOLLM2.requirement,
         "file": model_builder.SMOLLM2.member,
         "sha256": model_builder.SMOLLM2.sha256,
+        "recipe": model_builder.RECIPE,
     }
     (tmp_path / model_builder.SOURCE_FILE).write_text(json.dumps(source))
     # An empty cache: anything but the up-to-date check would have to download.

@@ -240,3 +240,14 @@ def test_operator_cap_on_max_new_tokens():
         validate_request(generation_pb2.GenerateRequest(token_ids=[5], max_new_tokens=11), limits)
     assert e.value.field == "max_new_tokens" and "10" in str(e.value)
     assert validate_request(generation_pb2.GenerateRequest(token_ids=[5], max_new_tokens=10), limits)
+
+
+def test_unset_sampling_fields_take_the_models_defaults(tmp_path):
+    (tmp_path / "generation_config.json").write_text('{"do_sample": true, "temperature": 0.2, "top_p": 0.9}')
+    defaults = SamplingConfig.model_defaults(tmp_path)
+    assert (defaults.temperature, defaults.top_p, defaults.top_k) == (0.2, 0.9, 0)
+    limits = Limits(vocab_size=1000, max_model_len=128, sampling_defaults=defaults)
+    assert validate_request(request(), limits).sampling == defaults
+    chosen = validate_request(request(sampling=dict(temperature=0.0)), limits).sampling
+    assert chosen.temperature == 0.0 and chosen.top_p == 0.9  # the request's own wins, field by field
+    assert SamplingConfig.model_defaults(tmp_path / "nowhere") == SamplingConfig()
