@@ -183,7 +183,11 @@ class Sampler:
             values = [_uniform(draw_seed(seqs[i].config.seed, seqs[i].num_sampled)) for i in seeded]
             u.index_copy_(0, self._tensor(seeded, torch.long), self._tensor(values, u.dtype))
         target = (u * cdf[:, -1]).unsqueeze(1)
-        sampled = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=self.vocab_size - 1)
+        sampled = torch.searchsorted(cdf, target, right=True).squeeze(1)
+        # A draw that rounds up to the whole mass (u of 1 - 2^-53 is 1.0 in float32) lands past every
+        # token: it belongs to the last token that has any probability, never to one outside the kept set.
+        last_kept = self.vocab_size - 1 - (probs.flip(-1) > 0).to(torch.int8).argmax(dim=-1)
+        sampled = torch.minimum(sampled, last_kept)
         if not any(c.greedy for c in cfgs):
             return sampled
         return torch.where(greedy, logits.argmax(dim=-1), sampled)

@@ -1,5 +1,7 @@
 """Seeded property-based fuzzing of the public API: any request gets a result or INVALID_ARGUMENT,
-never INTERNAL, and the server stays healthy with every block free."""
+never INTERNAL; what comes back is sane (token ids in the vocabulary, a vanishing temperature decodes
+as greedy does, no stream stuck on the last vocabulary id as garbage logits used to give); and the
+server stays healthy with every block free."""
 
 from __future__ import annotations
 
@@ -59,10 +61,18 @@ def requests(draw):
     return pb.GenerateRequest(**kw)
 
 
+VOCAB = 1024  # the tiny model's
+GREEDY_BELOW = 1e-5  # router/validation.py: a smaller temperature is greedy decoding
+
+
 @pytest.fixture(scope="module")
 def stack(tiny_model):
     with launch(tiny_model) as (target, _), grpc.insecure_channel(target) as channel:
         yield target, generation_pb2_grpc.GenerationStub(channel)
+
+
+def tokens_of(stub, request) -> list[int]:
+    return [t for r in stub.Generate(request, timeout=60) for t in r.token_ids]
 
 
 @settings(
@@ -81,7 +91,17 @@ def test_any_request_gets_a_result_or_invalid_argument(stack, request):
         return
     last = responses[-1]
     assert last.finish_reason != pb.FINISH_REASON_UNSPECIFIED
-    assert sum(len(r.token_ids) for r in responses) == last.usage.completion_tokens <= request.max_new_tokens
+    tokens = [t for r in responses for t in r.token_ids]
+    assert len(tokens) == last.usage.completion_tokens <= request.max_new_tokens
+    assert all(0 <= t < VOCAB for t in tokens), tokens
+    assert not (len(tokens) >= 3 and set(tokens) == {VOCAB - 1}), ("stuck on the last id", request)
+    temperature = request.sampling.temperature
+    if request.sampling.HasField("temperature") and 0 < temperature < GREEDY_BELOW:
+        greedy = pb.GenerateRequest()
+        greedy.CopyFrom(request)
+        greedy.request_id = ""
+        greedy.sampling.temperature = 0.0
+        assert tokens_of(stub, greedy) == tokens, ("a vanishing temperature is not greedy", request)
 
 
 def test_server_is_healthy_with_every_block_free_after_the_fuzz(stack):

@@ -194,3 +194,13 @@ def test_candidate_shortcut_keeps_the_same_tokens_as_a_full_sort(monkeypatch, sp
     probs = torch.softmax(logits[3].topk(5).values, dim=-1)
     want = int((probs.cumsum(0) - probs < 0.5).sum())
     assert int(fast[3].isfinite().sum()) == want
+
+
+@pytest.mark.parametrize("config", [SamplingConfig(seed=1), SamplingConfig(seed=1, top_p=0.5, top_k=3)])
+def test_a_uniform_draw_that_rounds_to_one_still_picks_a_kept_token(monkeypatch, config):
+    # The largest double below 1 becomes 1.0 in float32: the draw then lands at the very end of the CDF,
+    # past every token, and must not fall on the last vocabulary id (probability zero here).
+    monkeypatch.setattr(sampler_module, "_uniform", lambda bits: 1.0 - 2.0**-53)
+    sampler = make_sampler(config)
+    token = sampler.sample([0], logits_for_probs([0.2, 0.5, 0.3]).unsqueeze(0)).token_ids[0]
+    assert token in (0, 1, 2)
