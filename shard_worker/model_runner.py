@@ -189,8 +189,7 @@ class ModelRunner:
         metadata = AttentionMetadata.build(
             inputs.query_lens,
             inputs.context_lens,
-            inputs.block_table_lens,
-            block_tables,
+            padded_block_table(block_tables, inputs.block_table_lens),
             slot_mapping,
             self.block_size,
             self.model.queries_per_kv,
@@ -268,3 +267,14 @@ class ModelRunner:
                     torch.log_softmax(logits.float(), dim=-1).sort(dim=-1)  # the sampler's temporaries
         finally:
             self.kv_caches, self.block_size = saved_caches, saved_block_size
+
+
+def padded_block_table(flat: torch.Tensor, lens: list[int]) -> torch.Tensor:
+    """[num_seqs, max(lens)] from the concatenated tables, each row padded with block 0."""
+    num_seqs, total = len(lens), flat.numel()
+    table = flat.new_zeros(num_seqs, max(lens))
+    lens_t = torch.tensor(lens, device=flat.device)
+    row = torch.repeat_interleave(torch.arange(num_seqs, device=flat.device), lens_t, output_size=total)
+    starts = torch.cumsum(lens_t, 0) - lens_t
+    table[row, torch.arange(total, device=flat.device) - starts.index_select(0, row)] = flat
+    return table

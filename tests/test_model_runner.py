@@ -12,7 +12,7 @@ from transformers import LlamaForCausalLM
 
 from common.sampling import SamplingConfig
 from shard_worker.model.attention import AttentionMetadata
-from shard_worker.model_runner import ModelRunner
+from shard_worker.model_runner import ModelRunner, padded_block_table
 from shard_worker.parallel import TensorParallel
 from shard_worker.step import SequenceInit, StepInputs
 
@@ -148,8 +148,7 @@ def test_prefill_logits_and_logprobs_match_transformers(tiny_model, reference):
         md = AttentionMetadata.build(
             inp.query_lens,
             inp.context_lens,
-            inp.block_table_lens,
-            tables,
+            padded_block_table(tables, inp.block_table_lens),
             slots,
             BLOCK_SIZE,
             runner.model.queries_per_kv,
@@ -230,8 +229,7 @@ def test_llama_family_variants_match_transformers(tmp_path, arch):
         md = AttentionMetadata.build(
             inp.query_lens,
             inp.context_lens,
-            inp.block_table_lens,
-            tables,
+            padded_block_table(tables, inp.block_table_lens),
             slots,
             BLOCK_SIZE,
             runner.model.queries_per_kv,
