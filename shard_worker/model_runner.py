@@ -15,17 +15,13 @@ from pathlib import Path
 
 import torch
 
-from shard_worker.model.attention import AttentionMetadata
+from shard_worker.model.attention import PREFILL_MIN_QUERY, AttentionMetadata
 from shard_worker.model.config import ModelConfig
 from shard_worker.model.llama import LlamaModel
 from shard_worker.model.loader import load_weights
 from shard_worker.parallel import TensorParallel
 from shard_worker.sampler import Sampler
 from shard_worker.step import SequenceInit, StepInputs, StepOutputs
-
-# Rows of logits the memory profile allows for, beyond the batch's tokens: the most sequences one step
-# may sample (the scheduler's max_num_seqs default is 128).
-PROFILE_SAMPLED_ROWS = 256
 
 
 @contextlib.contextmanager
@@ -81,15 +77,24 @@ class ModelRunner:
         max_num_batched_tokens: int,
         gpu_memory_utilization: float,
         cpu_kv_cache_gib: float,
+        max_num_seqs: int = 128,
+        max_model_len: int | None = None,
     ) -> int:
-        """KV blocks this rank can hold. On CUDA this runs a forward pass with collectives, so every rank
-        must profile at the same time."""
+        """KV blocks this rank can hold, after running the worst step the scheduler can form with these
+        limits (max_num_seqs: the scheduler's sequence cap, its default here; max_model_len: None for the
+        model's max_position_embeddings). The step also compiles the attention kernels, so start-up pays
+        for that, not a request. It runs a forward pass with collectives, so every rank must profile at the
+        same time."""
         # A scheduler reconnecting to a live worker profiles again: drop the old caches first, or their
         # memory would count against the new ones (InitCache always follows and allocates afresh).
         self.kv_caches = []
         self.host_kv_caches = []
         per_block = self.kv_block_bytes(block_size)
+        max_model_len = min(
+            max_model_len or self.config.max_position_embeddings, self.config.max_position_embeddings
+        )
         if self.device.type != "cuda":
+            self._dummy_step(block_size, max_num_batched_tokens, max_num_seqs, max_model_len)
             budget = int(cpu_kv_cache_gib * 2**30)
         else:
             torch.cuda.empty_cache()
@@ -97,7 +102,7 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info(self.device)
             # The CUDA context, NCCL buffers and other processes: memory our allocator does not manage.
             outside_torch = total - free - torch.cuda.memory_reserved(self.device)
-            self._dummy_step(block_size, max_num_batched_tokens)
+            self._dummy_step(block_size, max_num_batched_tokens, max_num_seqs, max_model_len)
             peak = torch.cuda.max_memory_allocated(self.device)
             torch.cuda.empty_cache()
             budget = int(total * gpu_memory_utilization) - outside_torch - peak
@@ -236,37 +241,69 @@ class ModelRunner:
                 f"{self.config.max_position_embeddings}"
             )
 
-    def _dummy_step(self, block_size: int, num_tokens: int) -> None:
-        """A forward pass as large as the biggest step, to measure peak activation memory."""
-        seq_len = min(num_tokens, self.config.max_position_embeddings)
-        lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
-        blocks = [-(-q // block_size) for q in lens]
+    def _dummy_step(
+        self, block_size: int, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int
+    ):
+        """Runs the worst step (worst_step) for its peak memory, then a decode and a prompt together, so
+        both attention kernels are compiled whatever the limits."""
+        worst, worst_blocks = worst_step(block_size, max_num_batched_tokens, max_num_seqs, max_model_len)
+        prompt_len = min(PREFILL_MIN_QUERY + block_size, max_model_len)
+        both, both_blocks = _step(
+            [(1, min(block_size + 1, max_model_len)), (prompt_len, prompt_len)], block_size
+        )
         saved_caches, saved_block_size = self.kv_caches, self.block_size
-        self.allocate_kv_cache(sum(blocks), block_size)
+        self.allocate_kv_cache(max(worst_blocks, both_blocks), block_size)
         try:
-            tables = list(range(sum(blocks)))
-            starts = [0, *accumulate(blocks)]
-            inputs = StepInputs(
-                seq_ids=list(range(len(lens))),
-                query_lens=lens,
-                context_lens=lens,
-                do_sample=[False] * len(lens),
-                input_ids=[0] * num_tokens,
-                positions=[p for q in lens for p in range(q)],
-                slot_mapping=[
-                    s * block_size + p for q, s in zip(lens, starts[:-1], strict=True) for p in range(q)
-                ],
-                block_table_lens=blocks,
-                block_tables=tables,
-            )
             with torch.inference_mode():
-                self.execute(inputs)
-                hidden = torch.zeros(min(PROFILE_SAMPLED_ROWS, num_tokens), self.config.hidden_size)
+                self.execute(worst)
+                # Its logits, one row per sequence (each samples at most one token), and the sampler's
+                # temporaries.
+                hidden = torch.zeros(len(worst.seq_ids), self.config.hidden_size)
                 logits = self.model.compute_logits(hidden.to(self.device, self.dtype))
                 if logits is not None:
-                    torch.log_softmax(logits.float(), dim=-1).sort(dim=-1)  # the sampler's temporaries
+                    torch.log_softmax(logits.float(), dim=-1).sort(dim=-1)
+                self.execute(both)
         finally:
             self.kv_caches, self.block_size = saved_caches, saved_block_size
+
+
+def worst_step(
+    block_size: int, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int
+) -> tuple[StepInputs, int]:
+    """The step needing the most memory that the scheduler can form, and the KV blocks it uses: the whole
+    token budget over as many sequences as allowed, each attending over max_model_len keys, i.e. decodes
+    at max_model_len plus prefill chunks (as few as fit, each ending at max_model_len) for the rest."""
+    tokens = min(max_num_batched_tokens, max_num_seqs * max_model_len)
+    decodes = min(max_num_seqs - 1, tokens - 1)
+    while decodes + -(-(tokens - decodes) // max_model_len) > max_num_seqs:
+        decodes = max_num_seqs - -(-(tokens - decodes) // max_model_len)
+    rest = tokens - decodes
+    chunks = [min(max_model_len, rest - start) for start in range(0, rest, max_model_len)]
+    return _step([(1, max_model_len)] * decodes + [(q, max_model_len) for q in chunks], block_size)
+
+
+def _step(lens: list[tuple[int, int]], block_size: int) -> tuple[StepInputs, int]:
+    """A step of (query_len, context_len) sequences of token 0, sampling nothing, and the blocks it uses.
+    The sequences' cached blocks are one shared prefix (attention reads the cache in place, so sharing
+    changes nothing it does, and the cache stays small); the blocks a sequence writes are its own."""
+    shared = -(-max(c for _, c in lens) // block_size)
+    step = StepInputs([], [], [], [], [], [], [], [], [])
+    next_block = shared
+    for seq_id, (q, c) in enumerate(lens):
+        first_written = (c - q) // block_size
+        num_written = -(-c // block_size) - first_written
+        table = list(range(first_written)) + list(range(next_block, next_block + num_written))
+        next_block += num_written
+        step.seq_ids.append(seq_id)
+        step.query_lens.append(q)
+        step.context_lens.append(c)
+        step.do_sample.append(False)
+        step.input_ids += [0] * q
+        step.positions += range(c - q, c)
+        step.slot_mapping += [table[p // block_size] * block_size + p % block_size for p in range(c - q, c)]
+        step.block_table_lens.append(len(table))
+        step.block_tables += table
+    return step, next_block
 
 
 def padded_block_table(flat: torch.Tensor, lens: list[int]) -> torch.Tensor:
