@@ -241,28 +241,40 @@ class ModelRunner:
                 f"{self.config.max_position_embeddings}"
             )
 
+    def warm_up(self, block_size: int) -> None:
+        """Compiles the attention kernels with a step of a decode and a prompt (one of each tiling), so no
+        request pays for it. profile_num_blocks does this; a worker given its KV capacity instead of
+        profiling it should call this before serving."""
+        max_len = self.config.max_position_embeddings
+        prompt_len = min(PREFILL_MIN_QUERY + block_size, max_len)
+        step, num_blocks = synthetic_step(
+            [(1, min(block_size + 1, max_len)), (prompt_len, prompt_len)], block_size
+        )
+        with self._scratch_cache(num_blocks, block_size), torch.inference_mode():
+            self.execute(step)
+
     def _dummy_step(
         self, block_size: int, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int
-    ):
-        """Runs the worst step (worst_step) for its peak memory, then a decode and a prompt together, so
-        both attention kernels are compiled whatever the limits."""
-        worst, worst_blocks = worst_step(block_size, max_num_batched_tokens, max_num_seqs, max_model_len)
-        prompt_len = min(PREFILL_MIN_QUERY + block_size, max_model_len)
-        both, both_blocks = _step(
-            [(1, min(block_size + 1, max_model_len)), (prompt_len, prompt_len)], block_size
-        )
+    ) -> None:
+        """Runs the worst step (worst_step) for its peak memory, then warm_up, so both attention kernels
+        are compiled whatever the limits."""
+        worst, num_blocks = worst_step(block_size, max_num_batched_tokens, max_num_seqs, max_model_len)
+        with self._scratch_cache(num_blocks, block_size), torch.inference_mode():
+            self.execute(worst)
+            # Its logits, one row per sequence (each samples at most one token), and the sampler's
+            # temporaries.
+            hidden = torch.zeros(len(worst.seq_ids), self.config.hidden_size)
+            logits = self.model.compute_logits(hidden.to(self.device, self.dtype))
+            if logits is not None:
+                torch.log_softmax(logits.float(), dim=-1).sort(dim=-1)
+        self.warm_up(block_size)
+
+    @contextlib.contextmanager
+    def _scratch_cache(self, num_blocks: int, block_size: int) -> Iterator[None]:
         saved_caches, saved_block_size = self.kv_caches, self.block_size
-        self.allocate_kv_cache(max(worst_blocks, both_blocks), block_size)
+        self.allocate_kv_cache(num_blocks, block_size)
         try:
-            with torch.inference_mode():
-                self.execute(worst)
-                # Its logits, one row per sequence (each samples at most one token), and the sampler's
-                # temporaries.
-                hidden = torch.zeros(len(worst.seq_ids), self.config.hidden_size)
-                logits = self.model.compute_logits(hidden.to(self.device, self.dtype))
-                if logits is not None:
-                    torch.log_softmax(logits.float(), dim=-1).sort(dim=-1)
-                self.execute(both)
+            yield
         finally:
             self.kv_caches, self.block_size = saved_caches, saved_block_size
 
@@ -279,10 +291,10 @@ def worst_step(
         decodes = max_num_seqs - -(-(tokens - decodes) // max_model_len)
     rest = tokens - decodes
     chunks = [min(max_model_len, rest - start) for start in range(0, rest, max_model_len)]
-    return _step([(1, max_model_len)] * decodes + [(q, max_model_len) for q in chunks], block_size)
+    return synthetic_step([(1, max_model_len)] * decodes + [(q, max_model_len) for q in chunks], block_size)
 
 
-def _step(lens: list[tuple[int, int]], block_size: int) -> tuple[StepInputs, int]:
+def synthetic_step(lens: list[tuple[int, int]], block_size: int) -> tuple[StepInputs, int]:
     """A step of (query_len, context_len) sequences of token 0, sampling nothing, and the blocks it uses.
     The sequences' cached blocks are one shared prefix (attention reads the cache in place, so sharing
     changes nothing it does, and the cache stays small); the blocks a sequence writes are its own."""

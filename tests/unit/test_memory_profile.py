@@ -9,7 +9,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from common.sampling import SamplingConfig
-from shard_worker.model_runner import ModelRunner, worst_step
+from shard_worker.model_runner import ModelRunner, synthetic_step, worst_step
 from shard_worker.parallel import TensorParallel
 from shard_worker.step import SequenceInit
 
@@ -37,6 +37,7 @@ def test_worst_step_fills_the_budget_and_the_sequence_cap(budget, max_seqs, max_
 
 
 def test_profiled_worst_step_runs_on_the_allocated_cache(tiny_model):
+    torch._dynamo.reset()  # forget kernels compiled by earlier tests: the profile must compile them
     runner = ModelRunner(tiny_model, torch.float32, torch.device("cpu"), TensorParallel())
     limits = dict(block_size=16, max_num_batched_tokens=200, max_num_seqs=24, max_model_len=300)
     num_blocks = runner.profile_num_blocks(gpu_memory_utilization=0.9, cpu_kv_cache_gib=0.01, **limits)
@@ -54,3 +55,16 @@ def test_profiled_worst_step_runs_on_the_allocated_cache(tiny_model):
     out = runner.execute(step)
     assert counters["stats"]["unique_graphs"] == graphs, "the step compiled a kernel: the profile did not"
     assert len(out.token_ids) == 24
+
+
+def test_warm_up_compiles_what_requests_need(tiny_model):
+    """For a worker given its KV capacity (no profile): after warm_up, a step of decodes, a long prompt
+    chunk and short queries compiles nothing."""
+    torch._dynamo.reset()
+    runner = ModelRunner(tiny_model, torch.float32, torch.device("cpu"), TensorParallel())
+    runner.allocate_kv_cache(40, 16)
+    runner.warm_up(16)
+    step, _ = synthetic_step([(1, 100), (1, 37), (50, 90), (3, 3)], 16)
+    graphs = counters["stats"]["unique_graphs"]
+    runner.execute(step)
+    assert counters["stats"]["unique_graphs"] == graphs
