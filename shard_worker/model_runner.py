@@ -10,23 +10,18 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from itertools import accumulate
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from shard_worker.model.attention import AttentionMetadata
+from shard_worker.model.attention import PREFILL_MIN_QUERY, AttentionMetadata
 from shard_worker.model.config import ModelConfig
 from shard_worker.model.llama import LlamaModel
 from shard_worker.model.loader import load_weights
 from shard_worker.parallel import TensorParallel
 from shard_worker.sampler import Sampler
 from shard_worker.step import SequenceInit, StepInputs, StepOutputs
-
-# Rows of logits the memory profile allows for, beyond the batch's tokens: the most sequences one step
-# may sample (the scheduler's max_num_seqs default is 128).
-PROFILE_SAMPLED_ROWS = 256
 
 
 @contextlib.contextmanager
@@ -82,15 +77,24 @@ class ModelRunner:
         max_num_batched_tokens: int,
         gpu_memory_utilization: float,
         cpu_kv_cache_gib: float,
+        max_num_seqs: int,
+        max_model_len: int | None = None,
     ) -> int:
-        """KV blocks this rank can hold. On CUDA this runs a forward pass with collectives, so every rank
-        must profile at the same time."""
+        """KV blocks this rank can hold, after running the worst step the scheduler can form with these
+        limits (max_num_seqs: the scheduler's sequence cap; max_model_len: None or 0 for the model's
+        max_position_embeddings). The step also compiles the attention kernels, so start-up pays
+        for that, not a request. It runs a forward pass with collectives, so every rank must profile at the
+        same time."""
         # A scheduler reconnecting to a live worker profiles again: drop the old caches first, or their
         # memory would count against the new ones (InitCache always follows and allocates afresh).
         self.kv_caches = []
         self.host_kv_caches = []
         per_block = self.kv_block_bytes(block_size)
+        max_model_len = min(
+            max_model_len or self.config.max_position_embeddings, self.config.max_position_embeddings
+        )
         if self.device.type != "cuda":
+            self._dummy_step(block_size, max_num_batched_tokens, max_num_seqs, max_model_len)
             budget = int(cpu_kv_cache_gib * 2**30)
         else:
             torch.cuda.empty_cache()
@@ -98,7 +102,7 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info(self.device)
             # The CUDA context, NCCL buffers and other processes: memory our allocator does not manage.
             outside_torch = total - free - torch.cuda.memory_reserved(self.device)
-            self._dummy_step(block_size, max_num_batched_tokens)
+            self._dummy_step(block_size, max_num_batched_tokens, max_num_seqs, max_model_len)
             peak = torch.cuda.max_memory_allocated(self.device)
             torch.cuda.empty_cache()
             budget = int(total * gpu_memory_utilization) - outside_torch - peak
@@ -228,34 +232,81 @@ class ModelRunner:
                 f"{self.config.max_position_embeddings}"
             )
 
-    def _dummy_step(self, block_size: int, num_tokens: int) -> None:
-        """A forward pass as large as the biggest step, to measure peak activation memory."""
-        seq_len = min(num_tokens, self.config.max_position_embeddings)
-        lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
-        blocks = [-(-q // block_size) for q in lens]
+    def warm_up(self, block_size: int) -> None:
+        """Compiles the attention kernels with a step of a decode and a prompt (one of each tiling), so no
+        request pays for it. profile_num_blocks does this; a worker given its KV capacity instead of
+        profiling it should call this before serving."""
+        max_len = self.config.max_position_embeddings
+        prompt_len = min(PREFILL_MIN_QUERY + block_size, max_len)
+        step, num_blocks = synthetic_step(
+            [(1, min(block_size + 1, max_len)), (prompt_len, prompt_len)], block_size
+        )
+        with self._scratch_cache(num_blocks, block_size), torch.inference_mode():
+            self.execute(step)
+
+    def _dummy_step(
+        self, block_size: int, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int
+    ) -> None:
+        """Runs the worst step (worst_step) for its peak memory, then warm_up, so both attention kernels
+        are compiled whatever the limits."""
+        worst, num_blocks = worst_step(block_size, max_num_batched_tokens, max_num_seqs, max_model_len)
+        with self._scratch_cache(num_blocks, block_size), torch.inference_mode():
+            self.execute(worst)
+            # Its logits, one row per sequence (each samples at most one token), and the sampler's
+            # temporaries.
+            hidden = torch.zeros(len(worst.seq_ids), self.config.hidden_size)
+            logits = self.model.compute_logits(hidden.to(self.device, self.dtype))
+            if logits is not None:
+                torch.log_softmax(logits.float(), dim=-1).sort(dim=-1)
+        self.warm_up(block_size)
+
+    @contextlib.contextmanager
+    def _scratch_cache(self, num_blocks: int, block_size: int) -> Iterator[None]:
         saved_caches, saved_block_size = self.kv_caches, self.block_size
-        self.allocate_kv_cache(sum(blocks), block_size)
+        self.allocate_kv_cache(num_blocks, block_size)
         try:
-            starts = [0, *accumulate(blocks)]
-            inputs = StepInputs(
-                seq_ids=list(range(len(lens))),
-                query_lens=lens,
-                context_lens=lens,
-                do_sample=[False] * len(lens),
-                input_ids=[0] * num_tokens,
-                positions=[p for q in lens for p in range(q)],
-                slot_mapping=[
-                    s * block_size + p for q, s in zip(lens, starts[:-1], strict=True) for p in range(q)
-                ],
-                block_table=StepInputs.pad_tables(
-                    [list(range(s, s + b)) for s, b in zip(starts, blocks, strict=False)]
-                ),
-            )
-            with torch.inference_mode():
-                self.execute(inputs)
-                hidden = torch.zeros(min(PROFILE_SAMPLED_ROWS, num_tokens), self.config.hidden_size)
-                logits = self.model.compute_logits(hidden.to(self.device, self.dtype))
-                if logits is not None:
-                    torch.log_softmax(logits.float(), dim=-1).sort(dim=-1)  # the sampler's temporaries
+            yield
         finally:
             self.kv_caches, self.block_size = saved_caches, saved_block_size
+
+
+def worst_step(
+    block_size: int, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int
+) -> tuple[StepInputs, int]:
+    """The step needing the most memory that the scheduler can form, and the KV blocks it uses: the whole
+    token budget over as many sequences as allowed, each attending over max_model_len keys, i.e. decodes
+    at max_model_len plus prefill chunks (as few as fit, each ending at max_model_len) for the rest."""
+    tokens = min(max_num_batched_tokens, max_num_seqs * max_model_len)
+    decodes = min(max_num_seqs - 1, tokens - 1)
+    while decodes + -(-(tokens - decodes) // max_model_len) > max_num_seqs:
+        decodes = max_num_seqs - -(-(tokens - decodes) // max_model_len)
+    rest = tokens - decodes
+    chunks = [min(max_model_len, rest - start) for start in range(0, rest, max_model_len)]
+    return synthetic_step([(1, max_model_len)] * decodes + [(q, max_model_len) for q in chunks], block_size)
+
+
+def synthetic_step(lens: list[tuple[int, int]], block_size: int) -> tuple[StepInputs, int]:
+    """A step of (query_len, context_len) sequences of token 0, sampling nothing, and the blocks it uses.
+    The sequences' cached blocks are one shared prefix (attention reads the cache in place, so sharing
+    changes nothing it does, and the cache stays small); the blocks a sequence writes are its own."""
+    shared = -(-max(c for _, c in lens) // block_size)
+    names = ("seq_ids", "query_lens", "context_lens", "do_sample", "input_ids", "positions", "slot_mapping")
+    step = {name: [] for name in names}
+    tables = []
+    next_block = shared
+    for seq_id, (q, c) in enumerate(lens):
+        first_written = (c - q) // block_size
+        num_written = -(-c // block_size) - first_written
+        table = list(range(first_written)) + list(range(next_block, next_block + num_written))
+        next_block += num_written
+        step["seq_ids"].append(seq_id)
+        step["query_lens"].append(q)
+        step["context_lens"].append(c)
+        step["do_sample"].append(False)
+        step["input_ids"] += [0] * q
+        step["positions"] += range(c - q, c)
+        step["slot_mapping"] += [
+            table[p // block_size] * block_size + p % block_size for p in range(c - q, c)
+        ]
+        tables.append(table)
+    return StepInputs(**step, block_table=StepInputs.pad_tables(tables)), next_block

@@ -72,12 +72,18 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
 
     def Describe(self, request, context):
         info = self.runner.describe()
-        num_blocks = request.num_kv_blocks or self.runner.profile_num_blocks(
-            block_size=request.block_size,
-            max_num_batched_tokens=request.max_num_batched_tokens,
-            gpu_memory_utilization=request.gpu_memory_utilization,
-            cpu_kv_cache_gib=request.cpu_kv_cache_gib,
-        )
+        if request.num_kv_blocks:
+            num_blocks = request.num_kv_blocks
+            self.runner.warm_up(request.block_size)  # what profiling would have compiled
+        else:
+            num_blocks = self.runner.profile_num_blocks(
+                block_size=request.block_size,
+                max_num_batched_tokens=request.max_num_batched_tokens,
+                gpu_memory_utilization=request.gpu_memory_utilization,
+                cpu_kv_cache_gib=request.cpu_kv_cache_gib,
+                max_num_seqs=request.max_num_seqs,
+                max_model_len=request.max_model_len or None,
+            )
         return worker_pb2.DescribeResponse(
             rank=self.config.rank,
             world_size=self.config.world_size,

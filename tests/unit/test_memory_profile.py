@@ -1,0 +1,70 @@
+"""The memory profile runs the worst step the scheduler can form: the whole token budget, as many
+sequences as allowed, every one attending over max_model_len keys; and that step runs afterwards on the
+cache the profile sized, without compiling anything on the request path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from common.sampling import SamplingConfig
+from shard_worker.model_runner import ModelRunner, synthetic_step, worst_step
+from shard_worker.parallel import TensorParallel
+from shard_worker.step import SequenceInit
+
+torch.set_flush_denormal(True)
+
+
+@pytest.mark.parametrize(
+    "budget,max_seqs,max_len",
+    [(2048, 128, 1024), (200, 24, 300), (32, 128, 2048), (5000, 3, 2048), (10_000, 2, 100), (7, 1, 50)],
+)
+def test_worst_step_fills_the_budget_and_the_sequence_cap(budget, max_seqs, max_len):
+    step, num_blocks = worst_step(16, budget, max_seqs, max_len)
+    tokens = min(budget, max_seqs * max_len)
+    assert sum(step.query_lens) == len(step.input_ids) == len(step.slot_mapping) == tokens
+    assert set(step.context_lens.tolist()) == {max_len}  # everyone attends over the longest context allowed
+    assert all(q <= max_len for q in step.query_lens)
+    chunks = [q for q in step.query_lens if q > 1]
+    # As many sequences as the cap and the budget allow: decodes, plus the fewest chunks for the rest.
+    assert len(step.seq_ids) == min(max_seqs, tokens)
+    assert len(chunks) <= -(-tokens // max_len)
+    # Slots written are distinct and inside the blocks the step says it uses.
+    assert len(set(step.slot_mapping)) == tokens
+    assert max(step.slot_mapping) < num_blocks * 16
+    assert step.block_table.max() < num_blocks
+
+
+def test_profiled_worst_step_runs_on_the_allocated_cache(tiny_model):
+    torch._dynamo.reset()  # forget kernels compiled by earlier tests: the profile must compile them
+    runner = ModelRunner(tiny_model, torch.float32, torch.device("cpu"), TensorParallel())
+    limits = dict(block_size=16, max_num_batched_tokens=200, max_num_seqs=24, max_model_len=300)
+    num_blocks = runner.profile_num_blocks(gpu_memory_utilization=0.9, cpu_kv_cache_gib=0.01, **limits)
+    runner.allocate_kv_cache(num_blocks, 16)
+    step, blocks_used = worst_step(16, 200, 24, 300)
+    assert blocks_used <= num_blocks
+    assert len(step.seq_ids) == 24 and sum(step.query_lens) == 200
+    assert list(step.query_lens).count(1) == 23 and set(step.context_lens.tolist()) == {300}
+    # Every sequence samples, so the logits and sampler rows are the most a step can have too.
+    greedy = SamplingConfig(temperature=0.0)
+    runner.add_sequences([SequenceInit(s, greedy, 0, [0] * 300, 300) for s in step.seq_ids])
+    step.do_sample[:] = True
+    # The profile compiled the attention kernels; this step (another cache size) must reuse them.
+    graphs = counters["stats"]["unique_graphs"]
+    out = runner.execute(step)
+    assert counters["stats"]["unique_graphs"] == graphs, "the step compiled a kernel: the profile did not"
+    assert len(out.token_ids) == 24
+
+
+def test_warm_up_compiles_what_requests_need(tiny_model):
+    """For a worker given its KV capacity (no profile): after warm_up, a step of decodes, a long prompt
+    chunk and short queries compiles nothing."""
+    torch._dynamo.reset()
+    runner = ModelRunner(tiny_model, torch.float32, torch.device("cpu"), TensorParallel())
+    runner.allocate_kv_cache(40, 16)
+    runner.warm_up(16)
+    step, _ = synthetic_step([(1, 100), (1, 37), (50, 90), (3, 3)], 16)
+    graphs = counters["stats"]["unique_graphs"]
+    runner.execute(step)
+    assert counters["stats"]["unique_graphs"] == graphs
