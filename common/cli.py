@@ -62,6 +62,12 @@ def _bench_parser(p: argparse.ArgumentParser) -> None:
     bench_cli.add_arguments(p)
 
 
+def _check_comm_parser(p: argparse.ArgumentParser) -> None:
+    from shard_worker import comm_check
+
+    comm_check.add_arguments(p)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tpserve", description=__doc__)
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -75,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     worker_config.add_arguments(sub.add_parser("shard-worker", help="one tensor-parallel rank of the model"))
     _generate_parser(sub.add_parser("generate", help="stream a completion from a running server"))
     _bench_parser(sub.add_parser("bench", help="load a server, report latency and throughput"))
+    _check_comm_parser(
+        sub.add_parser("check-comm", help="all-reduce sweep: is this node fit for tensor parallel?")
+    )
     return parser
 
 
@@ -154,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
             serve(worker_config.from_args(a))
         elif a.command == "generate":
             return _generate(a)
+        elif a.command == "check-comm":
+            from shard_worker import comm_check
+
+            return comm_check.main(a)
         elif a.command == "bench":
             from bench import cli as bench_cli
 
