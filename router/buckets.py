@@ -228,11 +228,3 @@ class Credits:
             return False
         self.sent += 1
         return True
-
-
-def admit(queue: AdmissionQueue, credits: Credits, now: float) -> list[Any]:
-    """Pops as many requests as there is credit for, in admission order: what to send now."""
-    out = []
-    while len(queue) and credits.take():
-        out.append(queue.pop(now))
-    return out

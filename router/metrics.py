@@ -10,20 +10,27 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from common.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS
 
 
-class _BucketCollector:
-    """Waiting requests and the oldest wait per length bucket, read at scrape time."""
+def _direct(fn):
+    return fn()
 
-    def __init__(self, admission):
+
+class _BucketCollector:
+    """Waiting requests and the oldest wait per length bucket, read at scrape time on the event loop (the
+    queues are the loop's: read from the scrape thread, a bucket emptied mid-read breaks the scrape)."""
+
+    def __init__(self, admission, on_loop):
         self.admission = admission
+        self.on_loop = on_loop
 
     def collect(self):
+        stats = self.on_loop(lambda: self.admission.stats(time.monotonic()))
         waiting = GaugeMetricFamily(
             "tpserve_router_queue_waiting_requests", "Requests waiting per length bucket.", labels=["bucket"]
         )
         oldest = GaugeMetricFamily(
             "tpserve_router_queue_oldest_wait_seconds", "Oldest wait per length bucket.", labels=["bucket"]
         )
-        for b in self.admission.stats(time.monotonic()):
+        for b in stats:
             waiting.add_metric([b.name], b.waiting)
             oldest.add_metric([b.name], b.oldest_wait_s)
         yield waiting
@@ -45,8 +52,9 @@ class _ReplicaCollector:
         ("report_age_seconds", "Seconds since the replica's last load report."),
     )
 
-    def __init__(self):
+    def __init__(self, on_loop):
         self.pool = None
+        self.on_loop = on_loop
 
     def collect(self):
         families = {
@@ -58,7 +66,8 @@ class _ReplicaCollector:
             "Requests sent to the replica (failover resends included).",
             labels=["replica"],
         )
-        stats = self.pool.replicas.stats(time.monotonic()) if self.pool is not None else []
+        pool = self.pool
+        stats = self.on_loop(lambda: pool.replicas.stats(time.monotonic())) if pool is not None else []
         for r in stats:
             load = r.load
             values = {
@@ -79,11 +88,13 @@ class _ReplicaCollector:
 
 
 class RouterMetrics:
-    def __init__(self, admission=None):
+    def __init__(self, admission=None, on_loop=_direct):
+        """on_loop(fn): runs fn where the router's state lives (its event loop) and returns the result;
+        the scrape thread reads queues and replicas only through it. Direct by default (tests)."""
         r = self.registry = CollectorRegistry()
         if admission is not None:
-            r.register(_BucketCollector(admission))
-        self._replicas = _ReplicaCollector()
+            r.register(_BucketCollector(admission, on_loop))
+        self._replicas = _ReplicaCollector(on_loop)
         r.register(self._replicas)
         self.failovers = Counter(
             "tpserve_router_failover_requests",

@@ -85,7 +85,12 @@ class OpenAIServer:
         )
         self.app = app
         self._runner = web.AppRunner(
-            app, handler_cancellation=True, shutdown_timeout=drain_timeout_s, access_log=None
+            # Past the drain timeout the router ends what is left with FINISH_REASON_ABORTED (pool.drain):
+            # a few seconds more for those last messages.
+            app,
+            handler_cancellation=True,
+            shutdown_timeout=drain_timeout_s + 5.0,
+            access_log=None,
         )
 
     async def start(self, host: str, port: int) -> int:

@@ -35,6 +35,7 @@ from common import security
 from common.pb.tpserve.internal.v1 import scheduler_pb2
 from common.pb.tpserve.internal.v1.scheduler_pb2 import ERROR_CODE_UNAVAILABLE
 from common.pb.tpserve.v1 import generation_pb2
+from common.pb.tpserve.v1.generation_pb2 import FINISH_REASON_ABORTED
 from router.buckets import AdmissionQueue
 from router.membership import Membership, Resolver, resolve_dns
 from router.replicas import ReplicaLoad, ReplicaSet, Routed, RoutingPolicy
@@ -222,6 +223,20 @@ class SchedulerPool:
             self._report_queued()
         elif req.routed is not None and req.routed.replica in self.links:
             self.links[req.routed.replica].abort(request_id)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Waits up to timeout_s for the requests in flight to end; those left end with
+        FINISH_REASON_ABORTED, their KV freed."""
+        deadline = time.monotonic() + timeout_s
+        while self._requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self._requests:
+            log.warning("drain timeout: ending %d request(s) with FINISH_REASON_ABORTED", len(self._requests))
+        for request_id, req in list(self._requests.items()):
+            self.abort(request_id)
+            req.queue.put_nowait(
+                scheduler_pb2.RequestOutput(request_id=request_id, finish_reason=FINISH_REASON_ABORTED)
+            )
 
     def done(self, request_id: str) -> None:
         """The request ended normally: stop routing to it."""

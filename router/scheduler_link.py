@@ -133,6 +133,8 @@ class SchedulerLink:
             await asyncio.sleep(self.retry_s)
 
     def _receive(self, msg: scheduler_pb2.SchedulerMessage) -> None:
+        if msg.HasField("model_info"):  # the shards came back, maybe with another max_model_len
+            self.model_info = msg.model_info
         if msg.HasField("shards_ready"):
             log.log(
                 logging.INFO if msg.shards_ready else logging.WARNING,

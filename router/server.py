@@ -30,10 +30,23 @@ log = logging.getLogger("tpserve.router")
 GENERATION = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
+def on_loop(loop: asyncio.AbstractEventLoop, timeout_s: float = 2.0):
+    """Runs a function on the loop from another thread (the metrics scrape) and waits for its result, so
+    what it reads is one consistent state of the loop's objects."""
+
+    def run(fn):
+        async def call():
+            return fn()
+
+        return asyncio.run_coroutine_threadsafe(call(), loop).result(timeout_s)
+
+    return run
+
+
 async def serve(config: RouterConfig) -> None:
     provider = tracing.setup(config.tracing, "router")
     admission = AdmissionQueue(config.admission)
-    router_metrics = RouterMetrics(admission)
+    router_metrics = RouterMetrics(admission, on_loop=on_loop(asyncio.get_running_loop()))
     tokenizer = Tokenizer.from_pretrained(config.model)
     interceptors = []
     keys = None
@@ -108,10 +121,14 @@ async def serve(config: RouterConfig) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    # Drain: probes see NOT_SERVING, new calls are refused (UNAVAILABLE), calls in flight may finish.
+    # Drain: probes see NOT_SERVING, new calls are refused (UNAVAILABLE), calls in flight may finish; those
+    # still running at the drain timeout end with FINISH_REASON_ABORTED (a final message, not a cut).
     log.info("draining: up to %.0fs for requests in flight", config.drain_timeout_s)
     await health_servicer.enter_graceful_shutdown()
-    await asyncio.gather(server.stop(grace=config.drain_timeout_s), *([http.stop()] if http else []))
+    grace = config.drain_timeout_s + 5.0  # beyond the drain: time for the aborted streams' last message
+    stopping = asyncio.gather(server.stop(grace=grace), *([http.stop()] if http else []))
+    await pool.drain(config.drain_timeout_s)
+    await stopping
     await pool.close()
     tokenizer.close()
     if provider is not None:

@@ -152,18 +152,6 @@ class BlockManager:
                 self._cached[h] = block
         self._seq_registered[seq.seq_id] = num_full
 
-    def reset_prefix_cache(self) -> int:
-        """Forgets every cached prefix (the workers restarted, so their KV is gone); returns how many
-        blocks were dropped. Blocks still held stay held but are no longer reusable; the scheduler must
-        recompute (preempt) the sequences holding them anyway, since their KV is gone too."""
-        dropped = len(self._cached)
-        for block in self._cached.values():
-            self._block_hash[block] = None
-        self._cached.clear()
-        self._free.extend(self._evictable)
-        self._evictable.clear()
-        return dropped
-
     # ---- allocation ----
 
     def can_allocate(
@@ -181,17 +169,22 @@ class BlockManager:
         fresh = self.blocks_needed(seq, num_tokens) - len(cached)
         return fresh + reserve <= self.num_free_blocks - taken_from_free
 
-    def allocate(self, seq: Sequence, num_tokens: int, num_cached_tokens: int = 0) -> bool:
+    def allocate(
+        self, seq: Sequence, num_tokens: int, num_cached_tokens: int = 0, count_query: bool = True
+    ) -> bool:
         """Gives seq slots for its first num_tokens tokens; all or nothing.
 
         num_cached_tokens (admission only, see can_allocate): seq's block table starts with the cached
-        blocks of that prefix, and the scheduler sets seq.num_computed_tokens to it."""
+        blocks of that prefix, and the scheduler sets seq.num_computed_tokens to it. count_query: this
+        admission counts in the prefix-cache metrics (a client request's first; not a sequence coming
+        back after a preemption or a swap, which would count the same prompt again)."""
         cached = self._cached_blocks_for(seq, num_cached_tokens)
         if not self._fits(seq, num_tokens, 0, cached):
             return False
         if self.enable_prefix_caching and not seq.block_table:
-            self.prefix_cache_queries += seq.num_tokens
-            self.prefix_cache_hits += num_cached_tokens
+            if count_query:
+                self.prefix_cache_queries += seq.num_tokens
+                self.prefix_cache_hits += num_cached_tokens
             self._seq_registered[seq.seq_id] = len(cached)
         # Reused blocks leave the evictable set before any fresh block is taken, so taking fresh blocks
         # can never evict the very blocks this sequence is about to reuse.
@@ -254,6 +247,3 @@ class BlockManager:
                 for b in table:
                     counts[b] += 1
             assert counts == self._ref_count, "reference counts differ from the tables holding the blocks"
-
-    def slot(self, seq: Sequence, position: int) -> int:
-        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size

@@ -170,7 +170,9 @@ class Engine:
         while True:
             self._wakeup.clear()  # cleared before scheduling, so an add during the step is not missed
             now = time.monotonic()
-            wait_until = self.scheduler.batch_wait_deadline(now, self.routers.queued())
+            wait_until = self.scheduler.batch_wait_deadline(
+                now, self.routers.queued(), self.config.admission_window
+            )
             out = None
             if wait_until is None:
                 out = self.scheduler.schedule(now)
@@ -273,8 +275,14 @@ class Engine:
         if self.scheduler is None:
             policy = cfg.resolved_policy(cap.max_model_len)
             self.scheduler = Scheduler(policy, blocks, first.eos_token_ids, host_blocks)
-        else:  # the ranks came back: same requests, fresh caches
-            self.scheduler.replace_blocks(blocks, host_blocks)
+        else:  # the ranks came back: same requests, fresh caches (and maybe another capacity)
+            too_long = self.scheduler.replace_blocks(blocks, host_blocks, cap.max_model_len)
+            self._fail(
+                [s.request_id for s in too_long],
+                ERROR_CODE_UNAVAILABLE,
+                f"the replica's ranks came back holding at most {cap.max_model_len} tokens per sequence, "
+                "fewer than the request needs",
+            )
         self.model_info = generation_pb2.ModelInfo(
             model_name=first.model_name,
             vocab_size=first.vocab_size,
@@ -311,17 +319,17 @@ class Engine:
         await asyncio.sleep(seconds)
         request_ids = self.routers.request_ids
         log.error("shard workers still lost after %.0fs: failing %d request(s)", seconds, len(request_ids))
+        self._fail(request_ids, ERROR_CODE_UNAVAILABLE, "a shard worker was lost and did not return in time")
+
+    def _fail(self, request_ids: list[str], code: int, message: str) -> None:
+        """Ends these requests with an error their routers pass on (UNAVAILABLE: they may go elsewhere)."""
+        if not request_ids:
+            return
         outputs = []
         for request_id in request_ids:
             self.scheduler.abort(request_id)
-            self.spans.end(request_id, "unavailable")
-            outputs.append(
-                scheduler_pb2.RequestOutput(
-                    request_id=request_id,
-                    error="a shard worker was lost and did not return in time",
-                    error_code=ERROR_CODE_UNAVAILABLE,
-                )
-            )
+            self.spans.end(request_id, "failed")
+            outputs.append(scheduler_pb2.RequestOutput(request_id=request_id, error=message, error_code=code))
         self._report(outputs)
         for request_id in request_ids:
             self.routers.release(request_id)
@@ -333,7 +341,7 @@ class Engine:
             self.ready.clear()
         for listener in list(self._status_listeners):
             listener(ready)
-        self.routers.shards_ready(ready)
+        self.routers.shards_ready(ready, self.model_info)
         self._report(force_load=True)
 
     def watch_status(self, listener) -> None:
@@ -349,7 +357,7 @@ class Engine:
     def attach(self, stream: RouterStream) -> None:
         """A router opened its stream: it learns the shards' state, its credit and the load at once."""
         self.routers.attach(stream)
-        self.routers.shards_ready(self.ready.is_set(), stream)
+        self.routers.shards_ready(self.ready.is_set(), self.model_info, stream)
         self._report(force_load=True)
 
     def detach(self, stream: RouterStream) -> None:

@@ -96,9 +96,13 @@ class RouterStreams:
         """Requests the routers hold for lack of credit: on their way here."""
         return sum(s.queued for s in self._streams)
 
-    def shards_ready(self, ready: bool, stream: RouterStream | None = None) -> None:
+    def shards_ready(self, ready: bool, model_info=None, stream: RouterStream | None = None) -> None:
+        """The shards' state, with the model's description when known (its limits may have changed)."""
         for s in [stream] if stream is not None else self._streams:
-            s.send(scheduler_pb2.SchedulerMessage(shards_ready=ready))
+            msg = scheduler_pb2.SchedulerMessage(shards_ready=ready)
+            if model_info is not None:
+                msg.model_info.CopyFrom(model_info)
+            s.send(msg)
 
     def publish(
         self,

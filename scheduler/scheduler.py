@@ -11,6 +11,7 @@ same. Swapped sequences come back (into fresh device blocks) before any waiting 
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -206,7 +207,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.blocks.allocate(seq, seq.num_computed_tokens + num_new):
+            while not self.blocks.allocate(seq, seq.num_computed_tokens + num_new, count_query=False):
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is seq:
@@ -234,7 +235,7 @@ class Scheduler:
             reserve = self._watermark_blocks if self.running else 0
             if not self.blocks.can_allocate(seq, seq.num_computed_tokens + num_new, reserve):
                 break
-            self.blocks.allocate(seq, seq.num_computed_tokens + num_new)
+            self.blocks.allocate(seq, seq.num_computed_tokens + num_new, count_query=False)
             out.swap_in += self.host_blocks.swap_in(seq.seq_id, seq.block_table)
             self.swapped.pop(0)
             seq.status = SequenceStatus.RUNNING
@@ -266,7 +267,9 @@ class Scheduler:
             reserve = self._watermark_blocks if self.running else 0
             if not self.blocks.can_allocate(seq, num_cached + num_new, reserve, num_cached_tokens=num_cached):
                 break  # first come, first served: nobody jumps the queue
-            self.blocks.allocate(seq, num_cached + num_new, num_cached_tokens=num_cached)
+            first = not seq.admitted_before
+            self.blocks.allocate(seq, num_cached + num_new, num_cached_tokens=num_cached, count_query=first)
+            seq.admitted_before = True
             seq.num_computed_tokens = num_cached
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = num_cached
@@ -319,13 +322,27 @@ class Scheduler:
         self.swapped = []
         self._forgotten = []  # the new workers know nothing to forget
 
-    def replace_blocks(self, block_manager: BlockManager, host_blocks: HostBlockPool | None = None) -> None:
-        """Fresh pools after the workers came back (their capacity may differ)."""
+    def replace_blocks(
+        self,
+        block_manager: BlockManager,
+        host_blocks: HostBlockPool | None = None,
+        max_model_len: int | None = None,
+    ) -> list[Sequence]:
+        """Fresh pools after the workers came back. Their capacity may differ: with a smaller
+        max_model_len, sequences that can no longer fit are dropped and returned (the engine fails them)."""
         if self.running or self.swapped:
             raise RuntimeError("requeue_all() first: sequences hold blocks of the old pools")
         self.blocks = block_manager
         self.host_blocks = host_blocks
         self._watermark_blocks = int(self.policy.admission_watermark * block_manager.num_blocks)
+        too_long = []
+        if max_model_len is not None and max_model_len != self.policy.max_model_len:
+            self.policy = dataclasses.replace(self.policy, max_model_len=max_model_len)
+            too_long = [s for s in self.waiting if s.num_prompt_tokens + s.max_new_tokens > max_model_len]
+            for seq in too_long:
+                self.waiting.remove(seq)
+                self._finish(seq, FINISH_REASON_ABORTED)
+        return too_long
 
     # ---- results of the iteration ----
 
@@ -376,13 +393,28 @@ class Scheduler:
         self.batching = mode
         self._static_batch = {s.seq_id for s in self.running} if mode == "static" else set()
 
-    def batch_wait_deadline(self, now: float, queued: int) -> float | None:
-        """min_batch_size: when the next step would carry fewer than min_batch_size sequences and
-        `queued` more wait in the router, the time until which to wait for them; None: step now.
-        Waits at most batch_wait_timeout_ms for one batch to fill, never when nothing is on the way."""
+    def batch_wait_deadline(
+        self, now: float, queued: int, admission_depth: int | None = None
+    ) -> float | None:
+        """min_batch_size: before a batch starts from nothing, the time until which to wait for requests
+        the router holds (`queued`) that this scheduler would take now, so that the first step does not
+        carry one or two sequences of a burst; None: step now.
+
+        Never delays sequences already running (or swapped out, waiting to come back), never waits for
+        requests it would grant no credit to, and never for more than can join (the batch target is at
+        most max_num_seqs and the admission depth). Waits at most batch_wait_timeout_ms per batch."""
         p = self.policy
-        have = len(self.running) + len(self.waiting) + len(self.swapped)
-        if p.batch_wait_timeout_ms <= 0 or queued == 0 or have >= p.min_batch_size:
+        target = min(p.min_batch_size, p.max_num_seqs, admission_depth or p.max_num_seqs)
+        depth = admission_depth or p.max_num_seqs
+        joinable = min(queued, self.admission_window(depth))
+        if (
+            p.batch_wait_timeout_ms <= 0
+            or self.running
+            or self.swapped
+            or not self.waiting
+            or len(self.waiting) >= target
+            or joinable == 0
+        ):
             self._batch_wait_since = None
             return None
         if self._batch_wait_since is None:

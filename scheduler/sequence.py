@@ -43,6 +43,9 @@ class Sequence:
     num_preemptions: int = 0
     # Prompt tokens whose KV came from the prefix cache at first admission (Usage.cached_tokens).
     num_cached_tokens: int = 0
+    # Admitted at least once: a re-admission (after a recompute preemption or lost ranks) is the same
+    # client request, and is not counted again in the prefix-cache metrics.
+    admitted_before: bool = False
 
     @property
     def num_tokens(self) -> int:

