@@ -28,8 +28,15 @@ from router.metrics import RouterMetrics
 from router.pool import SchedulerPool
 from router.scheduler_link import QueueFull, SchedulerUnavailable
 from router.stop_strings import StopStringMatcher
-from router.tokenizer import NoChatTemplate, Tokenizer
-from router.validation import Limits, ValidatedRequest, ValidationError, check_prompt, check_request_fields
+from router.tokenizer import NoChatTemplate, NoTokenizer, Tokenizer
+from router.validation import (
+    Limits,
+    ValidatedRequest,
+    ValidationError,
+    check_prompt,
+    check_request_fields,
+    prompt_field,
+)
 
 log = logging.getLogger("tpserve.router")
 
@@ -145,6 +152,8 @@ class Frontend:
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field) from None
         except NoChatTemplate as e:
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e), "messages") from None
+        except NoTokenizer as e:
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e), prompt_field(request)) from None
 
     async def _generate(self, request, span, start: float):
         req = await self._validate(request)

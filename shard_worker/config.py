@@ -17,6 +17,7 @@ from common.tracing import TracingConfig
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 DEVICES = ("cpu", "cuda")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,13 @@ class WorkerConfig:
     )
     dtype: str = setting("float32", help="weights, activations and KV cache", choices=DTYPES, launch=True)
     num_threads: int = setting(0, help="torch CPU threads (0: cores / world size)", rule=at_least(0))
+    load_format: str = setting(
+        "auto",
+        help="auto: the checkpoint's weights; dummy: random weights from config.json alone (benchmarks at "
+        "real shapes, no checkpoint on disk)",
+        choices=LOAD_FORMATS,
+        launch=True,
+    )
     metrics_port: int | None = None
     tracing: TracingConfig = TracingConfig()
     internal_tls: TlsFiles | None = None  # mutual TLS: only a scheduler with a certificate gets in

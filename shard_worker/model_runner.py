@@ -37,7 +37,16 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 class ModelRunner:
-    def __init__(self, model_dir: str | Path, dtype: torch.dtype, device: torch.device, tp: TensorParallel):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        dtype: torch.dtype,
+        device: torch.device,
+        tp: TensorParallel,
+        load_format: str = "auto",
+    ):
+        """load_format "auto" reads the checkpoint's weights; "dummy" fills them with small random values
+        on the device from config.json alone (vLLM's name), for benchmarks at real shapes."""
         self.model_dir = Path(model_dir)
         self.dtype = dtype
         self.device = torch.device(device)
@@ -48,7 +57,10 @@ class ModelRunner:
         self.config = ModelConfig.from_pretrained(self.model_dir)
         with torch.device(self.device), _default_dtype(dtype):
             self.model = LlamaModel(self.config, tp)
-        load_weights(self.model, self.model_dir, self.config.tie_word_embeddings)
+        if load_format == "dummy":
+            init_dummy_weights(self.model)
+        else:
+            load_weights(self.model, self.model_dir, self.config.tie_word_embeddings)
         self.model.eval()
         self.kv_caches: list[torch.Tensor] = []
         # Swap space: the same layout as kv_caches, in host memory (pinned on CUDA, for fast copies).
@@ -268,6 +280,18 @@ class ModelRunner:
             yield
         finally:
             self.kv_caches, self.block_size = saved_caches, saved_block_size
+
+
+@torch.no_grad()
+def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
+    """Small random weights where they are (on the device), norms at one: a forward of the right shape
+    and cost, producing finite logits, with no checkpoint read."""
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        else:
+            param.uniform_(-0.05, 0.05, generator=generator)
 
 
 def worst_step(

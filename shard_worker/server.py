@@ -208,7 +208,7 @@ def serve(config: WorkerConfig) -> None:
         device = torch.device("cuda", config.rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     tp = init_tensor_parallel(config.rank, config.world_size, config.dist_init, device)
-    runner = ModelRunner(config.model, getattr(torch, config.dtype), device, tp)
+    runner = ModelRunner(config.model, getattr(torch, config.dtype), device, tp, config.load_format)
 
     stop = threading.Event()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=SERVER_OPTIONS)
