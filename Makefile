@@ -19,7 +19,7 @@ MODEL_BUILD_REQS = $(PY) -c 'import shlex, tomllib; \
 	print(shlex.join([d for d in p["dependencies"] if d.startswith("torch==")] \
 	+ p["optional-dependencies"]["model-build"]))'
 
-.PHONY: install proto model model-tiny model-smollm2 run test lint format bench clean
+.PHONY: install proto model model-tiny model-smollm2 run test lint format bench gpu-check-wheels clean
 
 install: $(VENV)/.installed $(PB_STAMP)
 
@@ -72,7 +72,15 @@ format: install
 	$(VENV)/bin/ruff check --fix .
 
 clean:
-	rm -rf $(PB_OUT)/tpserve $(MODEL_DIR) results
+	rm -rf $(PB_OUT)/tpserve $(MODEL_DIR) results .whl
+
+# The wheels the GPU check carries to a device machine (Python 3.12, x86-64), which has CUDA torch and
+# transformers but reaches no registry: see bench/gpu_check.py.
+gpu-check-wheels: install
+	rm -rf .whl
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl $$($(PY) -m bench.gpu_check --wheels)
 
 # The benchmark (issue 4): tpserve continuous and static against transformers, burst then Poisson. The chat
 # workload is scaled by 1/4 (prompts 4..64, outputs mean 24 capped at 64): the same prompt/output balance
