@@ -27,6 +27,23 @@ OPTIONS = [
 SERVER_OPTIONS = OPTIONS + [("grpc.http2.min_ping_interval_without_data_ms", 5_000)]
 
 
+def public_server_options(max_pending_calls: int) -> list[tuple[str, object]]:
+    """SERVER_OPTIONS for a server that clients may hit with a burst of new calls (the router).
+
+    A grpc.aio server takes new calls from gRPC core one at a time, on its event loop; calls that arrive
+    faster wait in core's queue of calls the application has not yet requested. Core sheds that queue
+    with random early detection between grpc.server.max_pending_requests (default 1000) and
+    ..._hard_limit (default 3000), and in grpcio 1.85 a shed call ends with CANCELLED and nothing logged
+    (src/core/server/server.h; grpc/grpc#34782). Soft limit = hard limit = max_pending_calls: no call
+    is shed below it, so each one reaches the router, which answers it (RESOURCE_EXHAUSTED when its own
+    queue is full). Core still cancels a call that waits there longer than 30 s
+    (grpc.server_max_unrequested_time_in_server)."""
+    return SERVER_OPTIONS + [
+        ("grpc.server.max_pending_requests", max_pending_calls),
+        ("grpc.server.max_pending_requests_hard_limit", max_pending_calls),
+    ]
+
+
 def write_port_file(path: str | None, port: int, metrics_port: int | None = None, **more_ports: int) -> None:
     """Tells whoever started us which ports we bound (we bind port 0 to avoid races over free ports).
     more_ports: other ports the process serves (the router's http_port)."""

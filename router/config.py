@@ -77,6 +77,15 @@ class RouterConfig:
         rule=above(0),
         launch=True,
     )
+    # Not the admission bound (--max-queued-requests is): the room gRPC core gives a burst of new calls
+    # until the router's event loop has taken each one and can answer it (common/grpc_util.py).
+    max_pending_calls: int = setting(
+        16384,
+        help="new gRPC calls held for the router while it takes earlier ones (a burst); past that gRPC "
+        "cancels them (CANCELLED), so keep it above the largest burst clients send (~12 KB each)",
+        rule=at_least(1),
+        launch=True,
+    )
     admission: AdmissionPolicy = nested(AdmissionPolicy)
     routing: RoutingPolicy = nested(RoutingPolicy)
     # Keys clients must send as `authorization: Bearer <key>`; read in serve(), so never held here.

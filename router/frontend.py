@@ -180,7 +180,10 @@ class Frontend:
         except SchedulerUnavailable as e:
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, str(e)) from None
         except QueueFull as e:
-            raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
+            limit = self.config.admission.max_queued_requests
+            raise RequestFailed(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e} (the limit: --max-queued-requests {limit})"
+            ) from None
 
         detok = IncrementalDetokenizer(self.tokenizer, list(req.prompt_token_ids))
         stops = StopStringMatcher(req.stop) if req.stop else None

@@ -13,7 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common import metrics, security, tracing
-from common.grpc_util import SERVER_OPTIONS, write_port_file
+from common.grpc_util import public_server_options, write_port_file
 from common.pb.tpserve.v1 import generation_pb2, generation_pb2_grpc
 from router.auth import ApiKeyInterceptor, ApiKeys
 from router.buckets import AdmissionQueue
@@ -58,7 +58,9 @@ async def serve(config: RouterConfig) -> None:
         keys = ApiKeys(security.read_api_keys(config.api_key_file))
         interceptors.append(ApiKeyInterceptor(keys, on_refused=refused))
         log.info("API keys required: %d loaded from %s", len(keys), config.api_key_file)
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
+    # Room in gRPC core for a burst of new calls, so each one reaches the Frontend and gets a real answer.
+    options = public_server_options(config.max_pending_calls)
+    server = grpc.aio.server(options=options, interceptors=interceptors)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
 
