@@ -444,6 +444,24 @@ def test_only_the_router_is_exposed(directory):
 
 
 @pytest.mark.parametrize("directory", KUSTOMIZATIONS)
+def test_router_serves_the_openai_api_behind_its_service_and_drains_before_it_is_killed(directory):
+    """OpenAI clients reach --http-port through the public Service's `http` port; SIGTERM gives requests
+    in flight on either API --drain-timeout-s, which must end before the kubelet's SIGKILL."""
+    objects = render(directory)
+    deployment = _one(objects, "Deployment", "router")
+    _, router = _tpserve(deployment, objects)
+    container = _main_container(deployment)
+    named = {p.get("name"): p["containerPort"] for p in container["ports"]}
+    assert router.http_port is not None and named.get("http") == router.http_port
+    (service,) = [s for s in _by_kind(objects, "Service") if s["spec"].get("type") == "LoadBalancer"]
+    assert {"grpc", "http"} <= {p.get("targetPort") for p in service["spec"]["ports"]}
+    sleep, pre_stop_s = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert sleep == "sleep"
+    grace = _pod_spec(deployment)["terminationGracePeriodSeconds"]
+    assert grace > float(pre_stop_s) + router.drain_timeout_s, f"{grace} s to drain and stop"
+
+
+@pytest.mark.parametrize("directory", KUSTOMIZATIONS)
 def test_servers_bind_every_interface_and_probe_the_port_they_serve(directory):
     """The processes default to loopback, where neither Services nor the kubelet's probes reach them.
 
