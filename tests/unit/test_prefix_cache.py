@@ -338,4 +338,3 @@ def test_scheduler_outputs_equal_with_caching_on_and_off(num_blocks):
         assert on_sched.num_preemptions > 0
     assert on_sched.blocks.num_free_blocks == num_blocks
     assert off_sched.blocks.num_free_blocks == num_blocks
-
