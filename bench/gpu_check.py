@@ -76,9 +76,9 @@ def reference_check(a: argparse.Namespace, work: Path, result: dict) -> None:
     from transformers import AutoModelForCausalLM
 
     from common.launcher import running_stack
-    from common.model_builder import build_model
     from common.pb.tpserve.v1 import generation_pb2 as pb
     from common.pb.tpserve.v1 import generation_pb2_grpc
+    from shard_worker.model.builder import build_model
 
     model_dir = build_model("tiny" if a.quick else "small", work / "random")
     new_tokens = 8 if a.quick else 32

@@ -18,7 +18,7 @@ TINY = ROOT / "models" / "tiny"
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
     if not (TINY / "config.json").is_file():
-        from common.model_builder import build_model
+        from shard_worker.model.builder import build_model
 
         build_model("tiny", TINY)
     return TINY

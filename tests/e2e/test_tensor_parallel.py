@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from common.model_builder import build_model
 from common.sampling import SamplingConfig
+from shard_worker.model.builder import build_model
 from shard_worker.model_runner import ModelRunner
 from shard_worker.parallel import TensorParallel, init_tensor_parallel
 from shard_worker.step import SequenceInit, StepInputs

@@ -32,7 +32,7 @@ def test_tp2_equals_transformers_under_preemption(tiny_model, reference):
 
 
 def test_tp2_with_one_kv_head_replicates_it(tmp_path):
-    from common.model_builder import build_model
+    from shard_worker.model.builder import build_model
 
     model = build_model("tiny", tmp_path / "tiny-1kv", num_kv_heads=1)
     reference = hf_greedy(model)

@@ -1,6 +1,6 @@
 """The incremental detokenizer against tokenizer.decode of the whole sequence, the independent reference.
 
-Two small tokenizers trained here (independent of common/model_builder.py): a GPT-2 / Llama 3 style
+Two small tokenizers trained here (independent of shard_worker/model/builder.py): a GPT-2 / Llama 3 style
 byte-level BPE, and a Llama 2 / Mistral style SentencePiece BPE with byte fallback, whose decoder drops
 the first token's leading space (so a token's text depends on its left context).
 """

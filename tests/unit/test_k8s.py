@@ -842,8 +842,8 @@ def test_every_command_line_is_accepted_by_the_cli(key):
 def _check_model_builder(argv: list[str]) -> None:
     """The CPU overlay's init container; its parser lives in main(), read from the source (the module
     itself imports torch and transformers, seconds this test does not need to spend)."""
-    assert argv[:3] == ["python", "-m", "common.model_builder"], argv
-    tree = ast.parse((ROOT / "common" / "model_builder.py").read_text())
+    assert argv[:3] == ["python", "-m", "shard_worker.model.builder"], argv
+    tree = ast.parse((ROOT / "shard_worker" / "model" / "builder.py").read_text())
     flags = {
         node.args[0].value
         for node in ast.walk(tree)

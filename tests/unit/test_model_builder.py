@@ -7,7 +7,7 @@ import json
 
 from transformers import AutoConfig, AutoTokenizer
 
-from common.model_builder import build_tokenizer
+from shard_worker.model.builder import build_tokenizer
 
 
 def test_tokenizer_round_trips_unicode_and_fills_the_vocab(tiny_model):

