@@ -13,7 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common import metrics, security, tracing
-from common.grpc_util import SERVER_OPTIONS, write_port_file
+from common.grpc_util import SERVER_OPTIONS, check_ports_free, write_port_file
 from common.pb.tpserve.v1 import generation_pb2, generation_pb2_grpc
 from router.auth import ApiKeyInterceptor, ApiKeys
 from router.buckets import AdmissionQueue
@@ -31,6 +31,8 @@ GENERATION = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
 async def serve(config: RouterConfig) -> None:
+    ports = {"--port": config.port, "--metrics-port": config.metrics_port, "--http-port": config.http_port}
+    check_ports_free(config.host, ports)  # before the gRPC server is up, so none is left half-started
     provider = tracing.setup(config.tracing, "router")
     admission = AdmissionQueue(config.admission)
     router_metrics = RouterMetrics(admission)

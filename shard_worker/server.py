@@ -13,7 +13,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common import metrics, security, tracing
-from common.grpc_util import SERVER_OPTIONS, write_port_file
+from common.grpc_util import SERVER_OPTIONS, check_ports_free, write_port_file
 from common.pb.tpserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from common.sampling import SamplingConfig
 from shard_worker import devices
@@ -181,6 +181,8 @@ def select_device(config: WorkerConfig) -> torch.device:
 def serve(config: WorkerConfig) -> None:
     from shard_worker.model_runner import ModelRunner
 
+    # Before the model loads, which can take minutes: a taken port fails at once.
+    check_ports_free(config.host, {"--port": config.port, "--metrics-port": config.metrics_port})
     provider = tracing.setup(config.tracing, f"shard-worker-{config.rank}")
     from shard_worker.parallel import init_tensor_parallel
 
