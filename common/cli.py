@@ -7,6 +7,7 @@ import asyncio
 import sys
 
 from common import logs, security, settings, tracing
+from common.grpc_util import write_port_error
 from common.sampling import SAMPLING_FIELDS
 from router import config as router_config
 from router.config import RouterConfig
@@ -127,6 +128,12 @@ def main(argv: list[str] | None = None) -> int:
                     a,
                     model=a.model,
                     host=a.host,
+                    device=a.device,
+                    router_ports=(
+                        ("--port", a.port),
+                        ("--http-port", a.http_port),
+                        ("--metrics-port", a.metrics_port),
+                    ),
                     log_level=a.log_level,
                     log_format=a.log_format,
                     scheduler_args=tuple(settings.to_argv(a, SchedulerConfig)),
@@ -160,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             return bench_cli.main(a)
     except ValueError as e:  # configuration errors: say what is wrong, no traceback
         print(f"tpserve {a.command}: {e}", file=sys.stderr)
+        write_port_error(getattr(a, "port_file", None), str(e))  # for `tpserve launch`, which reports it
         return 2
     return 0
 

@@ -43,8 +43,18 @@ def write_port_file(path: str | None, port: int, metrics_port: int | None = None
     os.replace(tmp, path)
 
 
+def write_port_error(path: str | None, message: str) -> None:
+    """Tells whoever started us why we exited: the port file holds {"error": message} instead."""
+    if not path:
+        return
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps({"error": message}))
+    os.replace(tmp, path)
+
+
 def read_port_file(path: str | Path, timeout: float, alive=lambda: True) -> dict:
-    """Waits for a port file written by write_port_file; alive() false means the writer died."""
+    """Waits for a port file written by write_port_file (or write_port_error: then it has "error");
+    alive() false means the writer died."""
     deadline = time.monotonic() + timeout
     path = Path(path)
     while time.monotonic() < deadline:
