@@ -165,7 +165,9 @@ def main(argv: list[str] | None = None) -> int:
             from bench import cli as bench_cli
 
             return bench_cli.main(a)
-    except ValueError as e:  # configuration errors: say what is wrong, no traceback
+    except ValueError as e:
+        # A misconfiguration (a flag, the machine: devices, ports; the checkpoint), ours or, for launch, a
+        # child's: one line naming it, no traceback, exit 2. A crash keeps its traceback and exits 1.
         print(f"tpserve {a.command}: {e}", file=sys.stderr)
         write_port_error(getattr(a, "port_file", None), str(e))  # for `tpserve launch`, which reports it
         return 2
