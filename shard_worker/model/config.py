@@ -107,13 +107,16 @@ def _rope(hf, head_dim: int) -> tuple[torch.Tensor, float]:
 def read_json(path: Path) -> dict:
     """A checkpoint's JSON file; ValueError naming the file when it is missing or unreadable."""
     try:
-        return json.loads(path.read_text())
+        content = json.loads(path.read_text())
     except FileNotFoundError:
         raise ValueError(f"--model {path.parent}: no {path.name} there") from None
     except OSError as e:
         raise ValueError(f"{path}: cannot read it ({e.strerror})") from None
     except ValueError as e:  # not UTF-8, or not JSON
         raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(content, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    return content
 
 
 def _generation_eos_ids(model_dir: str | Path) -> tuple[int, ...]:
