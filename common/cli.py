@@ -7,6 +7,7 @@ import asyncio
 import sys
 
 from common import logs, security, settings, tracing
+from common.grpc_util import write_port_error
 from common.sampling import SAMPLING_FIELDS
 from router import config as router_config
 from router.config import RouterConfig
@@ -136,6 +137,12 @@ def main(argv: list[str] | None = None) -> int:
                     a,
                     model=a.model,
                     host=a.host,
+                    device=a.device,
+                    router_ports=(
+                        ("--port", a.port),
+                        ("--http-port", a.http_port),
+                        ("--metrics-port", a.metrics_port),
+                    ),
                     log_level=a.log_level,
                     log_format=a.log_format,
                     scheduler_args=tuple(settings.to_argv(a, SchedulerConfig)),
@@ -171,8 +178,11 @@ def main(argv: list[str] | None = None) -> int:
             from bench import cli as bench_cli
 
             return bench_cli.main(a)
-    except ValueError as e:  # configuration errors: say what is wrong, no traceback
+    except ValueError as e:
+        # A misconfiguration (a flag, the machine: devices, ports; the checkpoint), ours or, for launch, a
+        # child's: one line naming it, no traceback, exit 2. A crash keeps its traceback and exits 1.
         print(f"tpserve {a.command}: {e}", file=sys.stderr)
+        write_port_error(getattr(a, "port_file", None), str(e))  # for `tpserve launch`, which reports it
         return 2
     return 0
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -24,7 +25,12 @@ OPTIONS = [
     ("grpc.http2.max_pings_without_data", 0),
 ]
 
-SERVER_OPTIONS = OPTIONS + [("grpc.http2.min_ping_interval_without_data_ms", 5_000)]
+SERVER_OPTIONS = OPTIONS + [
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    # gRPC sets SO_REUSEPORT by default: a second router started on a taken port would bind it too and
+    # silently receive half of the new connections. Off, a taken port is a bind error.
+    ("grpc.so_reuseport", 0),
+]
 
 
 def public_server_options(max_pending_calls: int) -> list[tuple[str, object]]:
@@ -54,8 +60,18 @@ def write_port_file(path: str | None, port: int, metrics_port: int | None = None
     os.replace(tmp, path)
 
 
+def write_port_error(path: str | None, message: str) -> None:
+    """Tells whoever started us why we exited: the port file holds {"error": message} instead."""
+    if not path:
+        return
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps({"error": message}))
+    os.replace(tmp, path)
+
+
 def read_port_file(path: str | Path, timeout: float, alive=lambda: True) -> dict:
-    """Waits for a port file written by write_port_file; alive() false means the writer died."""
+    """Waits for a port file written by write_port_file (or write_port_error: then it has "error");
+    alive() false means the writer died."""
     deadline = time.monotonic() + timeout
     path = Path(path)
     while time.monotonic() < deadline:
@@ -65,6 +81,43 @@ def read_port_file(path: str | Path, timeout: float, alive=lambda: True) -> dict
             raise RuntimeError(f"process died before writing {path}")
         time.sleep(0.05)
     raise TimeoutError(f"no port in {path} after {timeout:.0f}s")
+
+
+def check_ports_free(host: str, ports: dict[str, int | None]) -> None:
+    """ValueError "port N is in use on HOST (--flag)" for the first of ports (flag -> port; 0 and None:
+    any port) that another process listens on, or when host is not an address of this machine.
+
+    Servers ask before they load anything, so a taken port fails at once rather than after the model
+    loads, and in words: gRPC's own bind error is a RuntimeError naming no cause. A port in TIME_WAIT
+    counts as free, as it does for gRPC (both set SO_REUSEADDR).
+    """
+    for flag, port in ports.items():
+        if not port:
+            continue
+        errors = _bind_errors(host, port)
+        if errno.EADDRINUSE in errors:
+            raise ValueError(f"port {port} is in use on {host} ({flag})")
+        if errors and set(errors) == {errno.EADDRNOTAVAIL}:  # gRPC binds if any address of host does
+            raise ValueError(f"--host {host}: not an address of this machine")
+
+
+def _bind_errors(host: str, port: int) -> list[int]:
+    """The errno of binding host:port for each address host resolves to that does not bind."""
+    try:
+        addresses = socket.getaddrinfo(
+            host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except socket.gaierror:
+        return []  # not a host name: binding says so
+    errors = []
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(address)
+            except OSError as e:
+                errors.append(e.errno)
+    return errors
 
 
 def free_port(host: str = "127.0.0.1") -> int:

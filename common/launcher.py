@@ -21,9 +21,10 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import NoReturn
 
 from common import security, settings, tracing
-from common.grpc_util import free_port, read_port_file, wait_for_health
+from common.grpc_util import check_ports_free, free_port, read_port_file, wait_for_health
 from common.security import ClientAuth, TlsFiles
 from common.settings import above, at_least, setting
 from common.tracing import TracingConfig
@@ -64,6 +65,8 @@ class LaunchConfig:
         rule=at_least(0),
     )
     host: str = "127.0.0.1"  # the router's (its --host, in router_args)
+    device: str = "cpu"  # the workers' (in worker_args), for check_machine
+    router_ports: tuple[tuple[str, int | None], ...] = ()  # (flag, port): the router's, for check_machine
     log_level: str = "INFO"
     log_format: str = "text"
     scheduler_args: tuple[str, ...] = field(default_factory=tuple)  # passed through unchanged
@@ -132,18 +135,35 @@ class Stack:
         return child
 
     def _port_of(self, child: Child) -> int:
+        """Waits for child's port file. Any child's death ends the wait (the other ranks of a group wait
+        for a failed one for minutes), raising what it wrote in its port file (common/cli.py) as a
+        ValueError, or, when it died without a word, a RuntimeError."""
         try:
-            ports = read_port_file(child.port_file, self.config.startup_timeout_s, lambda: child.alive)
+            ports = read_port_file(
+                child.port_file, self.config.startup_timeout_s, lambda: self.first_dead() is None
+            )
         except RuntimeError:
-            raise RuntimeError(
-                f"{child.name} exited with code {child.proc.returncode} while starting"
-            ) from None
+            self._raise_death()
+        if "error" in ports:
+            raise ValueError(f"{child.name}: {ports['error']}")
         if ports.get("metrics_port") is not None:
             self.metrics[child.name] = ports["metrics_port"]
             log.info("%s metrics on http://127.0.0.1:%d/metrics", child.name, ports["metrics_port"])
         if ports.get("http_port") is not None:
             self.http_port = ports["http_port"]
         return ports["port"]
+
+    def _raise_death(self) -> NoReturn:
+        """Raises what the first dead child wrote in its port file as it exited (common/cli.py), as a
+        ValueError; or, when it died without a word (a crash), a RuntimeError."""
+        dead = self.first_dead()
+        try:
+            error = json.loads(dead.port_file.read_text()).get("error")
+        except (OSError, ValueError):  # no file yet, or a half-written one
+            error = None
+        if error:
+            raise ValueError(f"{dead.name}: {error}")
+        raise RuntimeError(f"{dead.name} exited with code {dead.proc.returncode} while starting")
 
     @staticmethod
     def scheduler_name(replica: int) -> str:
@@ -196,15 +216,17 @@ class Stack:
         router = self._spawn("router", args, port_file)
         router_addr = f"{'127.0.0.1' if cfg.host == '0.0.0.0' else cfg.host}:{self._port_of(router)}"
 
-        dead = self.first_dead
         auth = replace(cfg.health_auth, tls=cfg.tls is not None)
-        wait_for_health(
-            router_addr,
-            cfg.startup_timeout_s,
-            alive=lambda: dead() is None,
-            credentials=auth.credentials(),
-            options=auth.options(),
-        )
+        try:
+            wait_for_health(
+                router_addr,
+                cfg.startup_timeout_s,
+                alive=lambda: self.first_dead() is None,
+                credentials=auth.credentials(),
+                options=auth.options(),
+            )
+        except RuntimeError:
+            self._raise_death()
         return router_addr
 
     def restart(self, dead: Child) -> None:
@@ -263,7 +285,23 @@ class Stack:
         self.tmp.rmdir()
 
 
+def check_machine(config: LaunchConfig) -> None:
+    """What this machine must offer, checked before anything starts (loading a model can take minutes):
+    the router's ports free, and with --device cuda a device for each of the --tp ranks (replicas share
+    them). ValueError names what is missing."""
+    check_ports_free(config.host, dict(config.router_ports))
+    if config.device == "cuda":
+        import torch  # only here: a CPU launch does not load it
+
+        from shard_worker.devices import check_cuda_devices
+
+        check_cuda_devices(config.tp, torch.cuda.device_count())
+
+
 def launch(config: LaunchConfig) -> int:
+    """Serves until SIGINT/SIGTERM (0), or a child's death (1). A misconfiguration, the launcher's own
+    (check_machine) or one a child reports while starting, raises ValueError once every child stopped."""
+    check_machine(config)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import grpc
 
+from common.grpc_util import check_ports_free
+
 
 def _read(path: str | None) -> bytes | None:
     return Path(path).read_bytes() if path else None
@@ -70,10 +72,19 @@ class TlsFiles:
 
 
 def add_port(server, address: str, tls: TlsFiles | None) -> int:
-    """Binds address on a grpc.Server or grpc.aio.Server: TLS when tls is given; returns the port."""
-    if tls is None:
-        return server.add_insecure_port(address)
-    return server.add_secure_port(address, tls.server_credentials())
+    """Binds address on a grpc.Server or grpc.aio.Server: TLS when tls is given; returns the port.
+
+    ValueError when the port is taken (check_ports_free) or gRPC cannot bind it for another reason."""
+    host, _, port = address.rpartition(":")
+    check_ports_free(host, {"--port": int(port)})
+    try:
+        if tls is None:
+            return server.add_insecure_port(address)
+        return server.add_secure_port(address, tls.server_credentials())
+    except RuntimeError:  # "Failed to bind": a race to the port lost since the check, or a foreign host
+        raise ValueError(
+            f"cannot bind {address}: in use, or not an address of this machine (--host)"
+        ) from None
 
 
 def channel(target: str, tls: TlsFiles | None, options: Sequence[tuple[str, object]]) -> grpc.Channel:

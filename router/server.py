@@ -13,7 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common import metrics, security, tracing
-from common.grpc_util import public_server_options, write_port_file
+from common.grpc_util import check_ports_free, public_server_options, write_port_file
 from common.pb.tpserve.v1 import generation_pb2, generation_pb2_grpc
 from router.auth import ApiKeyInterceptor, ApiKeys
 from router.buckets import AdmissionQueue
@@ -44,6 +44,8 @@ def on_loop(loop: asyncio.AbstractEventLoop, timeout_s: float = 2.0):
 
 
 async def serve(config: RouterConfig) -> None:
+    ports = {"--port": config.port, "--metrics-port": config.metrics_port, "--http-port": config.http_port}
+    check_ports_free(config.host, ports)  # before the gRPC server is up, so none is left half-started
     provider = tracing.setup(config.tracing, "router")
     admission = AdmissionQueue(config.admission)
     router_metrics = RouterMetrics(admission, on_loop=on_loop(asyncio.get_running_loop()))

@@ -10,7 +10,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common import metrics, security, tracing
-from common.grpc_util import SERVER_OPTIONS, write_port_file
+from common.grpc_util import SERVER_OPTIONS, check_ports_free, write_port_file
 from common.pb.tpserve.internal.v1 import scheduler_pb2_grpc
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
@@ -55,6 +55,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
 
 async def serve(config: SchedulerConfig) -> None:
+    check_ports_free(config.host, {"--port": config.port, "--metrics-port": config.metrics_port})
     provider = tracing.setup(config.tracing, "scheduler")
     engine = Engine(config)
     server = grpc.aio.server(options=SERVER_OPTIONS)

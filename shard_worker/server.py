@@ -15,9 +15,10 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common import metrics, security, tracing
-from common.grpc_util import SERVER_OPTIONS, write_port_file
+from common.grpc_util import SERVER_OPTIONS, check_ports_free, write_port_file
 from common.pb.tpserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from common.sampling import SamplingConfig
+from shard_worker import devices
 from shard_worker.block_tables import BlockTables
 from shard_worker.config import WorkerConfig
 from shard_worker.metrics import WorkerMetrics
@@ -193,20 +194,33 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
         )
 
 
+def select_device(config: WorkerConfig) -> torch.device:
+    """This rank's device, set as current; ValueError when this machine cannot give it (devices.py)."""
+    if config.device == "cpu":
+        # Randomly initialised weights produce denormals that slow CPU matmuls 10-30x.
+        torch.set_flush_denormal(True)
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    devices.check_cuda_devices(1, count)
+    device = torch.device("cuda", devices.cuda_index(config.rank, count))
+    try:
+        torch.cuda.set_device(device)
+    except RuntimeError as e:  # a driver older than this torch, a GPU in exclusive use elsewhere, ...
+        raise ValueError(f"--device cuda: cannot use {device}: {str(e).strip().splitlines()[0]}") from None
+    devices.check_dtype("cuda", config.dtype, torch.cuda.is_bf16_supported(including_emulation=False))
+    return device
+
+
 def serve(config: WorkerConfig) -> None:
     from shard_worker.model_runner import ModelRunner
 
+    # Before the model loads, which can take minutes: a taken port fails at once.
+    check_ports_free(config.host, {"--port": config.port, "--metrics-port": config.metrics_port})
     provider = tracing.setup(config.tracing, f"shard-worker-{config.rank}")
     from shard_worker.parallel import init_tensor_parallel
 
     torch.set_num_threads(config.threads)
-    if config.device == "cpu":
-        # Randomly initialised weights produce denormals that slow CPU matmuls 10-30x.
-        torch.set_flush_denormal(True)
-        device = torch.device("cpu")
-    else:
-        device = torch.device("cuda", config.rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
+    device = select_device(config)
     tp = init_tensor_parallel(config.rank, config.world_size, config.dist_init, device)
     runner = ModelRunner(config.model, getattr(torch, config.dtype), device, tp, config.load_format)
 

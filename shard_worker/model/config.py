@@ -6,6 +6,7 @@ authors meant); the forward pass reads only this object.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +42,7 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
+        read_json(Path(model_dir) / "config.json")  # a clear error first: transformers' would not name it
         hf = AutoConfig.from_pretrained(model_dir)
         return cls.from_hf(hf, _generation_eos_ids(model_dir))
 
@@ -102,9 +104,26 @@ def _rope(hf, head_dim: int) -> tuple[torch.Tensor, float]:
     return inv_freq.float(), attention_scaling
 
 
+def read_json(path: Path) -> dict:
+    """A checkpoint's JSON file; ValueError naming the file when it is missing or unreadable."""
+    try:
+        content = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"--model {path.parent}: no {path.name} there") from None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read it ({e.strerror})") from None
+    except ValueError as e:  # not UTF-8, or not JSON
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(content, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    return content
+
+
 def _generation_eos_ids(model_dir: str | Path) -> tuple[int, ...]:
-    if not (Path(model_dir) / "generation_config.json").exists():
+    path = Path(model_dir) / "generation_config.json"
+    if not path.exists():
         return ()
+    read_json(path)
     return _as_ids(GenerationConfig.from_pretrained(model_dir).eos_token_id)
 
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from shard_worker.model.config import read_json
 from shard_worker.model.llama import PACKED_MODULES
 
 # Checkpoint tensors with no parameter behind them (old checkpoints saved rotary buffers).
@@ -20,7 +20,8 @@ INDEX_FILE = "model.safetensors.index.json"
 def load_weights(model: nn.Module, model_dir: str | Path, tie_word_embeddings: bool) -> None:
     """Copies each parameter's shard in through its weight_loader (or whole, for replicated ones).
 
-    Raises ValueError naming the first parameter the checkpoint does not provide.
+    Raises ValueError naming the first parameter the checkpoint does not provide, or the file it cannot
+    read.
     """
     files = checkpoint_files(model_dir)
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -33,7 +34,7 @@ def load_weights(model: nn.Module, model_dir: str | Path, tie_word_embeddings: b
         expected.update([(name, p) for p in range(parts)] if parts else [(name, None)])
     loaded = set()
     for file in files:
-        with safe_open(file, framework="pt", device="cpu") as f:
+        with _open(file) as f:
             for ckpt_name in f.keys():  # noqa: SIM118 (safe_open objects are not iterable)
                 if ckpt_name.endswith(IGNORED_SUFFIXES):
                     continue
@@ -68,16 +69,26 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     model_dir = Path(model_dir)
     index = model_dir / INDEX_FILE
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: no weight_map in it")
         files = [model_dir / name for name in sorted(set(weight_map.values()))]
         for file in files:
             if not file.exists():
-                raise FileNotFoundError(f"{index} names {file.name}, which is not in {model_dir}")
+                raise ValueError(f"{index} names {file.name}, which is not in {model_dir}")
         return files
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+        raise ValueError(f"--model {model_dir}: no *.safetensors files there")
     return files
+
+
+def _open(file: Path):
+    """safe_open, with a truncated or corrupt file (its header does not cover it) a ValueError naming it."""
+    try:
+        return safe_open(file, framework="pt", device="cpu")
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
 
 
 def _param_name(ckpt_name: str) -> tuple[str, int | None]:

@@ -16,6 +16,7 @@ PURE = [
     "router.replicas",
     "router.stop_strings",
     "common.settings",
+    "shard_worker.devices",
 ]
 
 

@@ -1,0 +1,131 @@
+"""Every start-up misconfiguration ends with one line naming it on stderr, no traceback, and exit 2,
+through the real processes: each server alone, and `tpserve launch` reporting its own checks and its
+children's. The GPU-only cases (fewer GPUs than --tp, bfloat16 without native support) are the rules
+of shard_worker/devices.py, tested in tests/unit/test_devices.py.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import ROOT
+
+CONFIG_ERROR = 2  # common/cli.py main: what every misconfiguration exits with
+no_gpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+
+
+def tpserve(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "common.cli", *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def error_line(proc: subprocess.CompletedProcess, process: str) -> str:
+    """The one line a process ended with: its exit code and the absence of a traceback checked."""
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == CONFIG_ERROR, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"tpserve {process}: "), proc.stderr
+    return last
+
+
+def only_line(proc: subprocess.CompletedProcess, process: str) -> str:
+    """A server alone prints nothing else."""
+    line = error_line(proc, process)
+    assert proc.stderr.strip() == line, proc.stderr
+    return line
+
+
+@pytest.fixture
+def held_port():
+    """A port another process listens on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+@pytest.fixture
+def checkpoint(tiny_model, tmp_path):
+    """Makes a broken copy of the tiny model: its JSON files, and its weights as given."""
+
+    def make(config: str | None = "copy", weights: bytes | None = None) -> Path:
+        for f in tiny_model.glob("*.json"):
+            shutil.copy(f, tmp_path)
+        if config != "copy":
+            (tmp_path / "config.json").unlink()
+            if config is not None:
+                (tmp_path / "config.json").write_text(config)
+        if weights is not None:
+            (tmp_path / "model.safetensors").write_bytes(weights)
+        return tmp_path
+
+    return make
+
+
+def truncated(tiny_model: Path) -> bytes:
+    data = (tiny_model / "model.safetensors").read_bytes()
+    return data[: len(data) // 2]
+
+
+@no_gpu_only
+def test_worker_on_cuda_without_a_gpu(tiny_model):
+    line = only_line(tpserve("shard-worker", "--model", str(tiny_model), "--device", "cuda"), "shard-worker")
+    assert line.endswith("--device cuda: no CUDA device is available on this machine")
+
+
+@pytest.mark.parametrize(
+    "config, weights, names",
+    [
+        (None, None, "no config.json there"),
+        ('{"model_type": "llama",', None, "config.json: not valid JSON"),
+        ("copy", None, "no *.safetensors files there"),
+        ("copy", truncated, "model.safetensors: not a readable safetensors file"),
+    ],
+    ids=["no-config", "corrupt-config", "no-weights", "truncated-weights"],
+)
+def test_worker_with_an_unreadable_checkpoint(checkpoint, tiny_model, config, weights, names):
+    model = checkpoint(config, weights(tiny_model) if weights else None)
+    line = only_line(tpserve("shard-worker", "--model", str(model)), "shard-worker")
+    assert str(model) in line and names in line
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["shard-worker", "--model", "MODEL"],
+        ["scheduler", "--worker", "127.0.0.1:1"],
+        ["router", "--model", "MODEL", "--scheduler", "127.0.0.1:1"],
+    ],
+    ids=["shard-worker", "scheduler", "router"],
+)
+def test_each_server_on_a_port_in_use(tiny_model, held_port, args):
+    args = [str(tiny_model) if a == "MODEL" else a for a in args]
+    line = only_line(tpserve(*args, "--port", str(held_port)), args[0])
+    assert line.endswith(f"port {held_port} is in use on 127.0.0.1 (--port)")
+
+
+@no_gpu_only
+def test_launch_on_cuda_without_a_gpu(tiny_model):
+    proc = tpserve("launch", "--model", str(tiny_model), "--device", "cuda", "--port", "0")
+    assert error_line(proc, "launch").endswith("--device cuda: no CUDA device is available on this machine")
+
+
+def test_launch_on_a_port_in_use(tiny_model, held_port):
+    proc = tpserve("launch", "--model", str(tiny_model), "--port", str(held_port))
+    assert error_line(proc, "launch").endswith(f"port {held_port} is in use on 127.0.0.1 (--port)")
+
+
+def test_launch_reports_the_error_a_worker_gave_while_starting(checkpoint, tiny_model):
+    # config.json passes the launcher's own check; the weights fail in both ranks, after they start.
+    model = checkpoint(weights=truncated(tiny_model))
+    proc = tpserve("launch", "--model", str(model), "--tp", "2", "--port", "0")
+    line = error_line(proc, "launch")
+    assert line.startswith("tpserve launch: shard-worker rank ")
+    assert f"{model / 'model.safetensors'}: not a readable safetensors file" in line
