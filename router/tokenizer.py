@@ -43,7 +43,11 @@ class Tokenizer:
                 "%s has no tokenizer: prompts must be token ids, and responses carry no text", model_dir
             )
             return cls(None)
-        return cls(AutoTokenizer.from_pretrained(model_dir))
+        try:
+            return cls(AutoTokenizer.from_pretrained(model_dir))
+        except (OSError, ValueError, TypeError) as e:  # a start-up error: one line, not a traceback
+            reason = " ".join(str(e).split())
+            raise ValueError(f"--model {model_dir}: cannot read its tokenizer: {reason}") from None
 
     @property
     def has_chat_template(self) -> bool:

@@ -129,3 +129,11 @@ def test_launch_reports_the_error_a_worker_gave_while_starting(checkpoint, tiny_
     line = error_line(proc, "launch")
     assert line.startswith("tpserve launch: shard-worker rank ")
     assert f"{model / 'model.safetensors'}: not a readable safetensors file" in line
+
+
+def test_router_with_an_unreadable_tokenizer(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "tokenizer_config.json").write_text("{}")  # says a tokenizer is there; there is none
+    proc = tpserve("router", "--model", str(tmp_path), "--scheduler", "127.0.0.1:1", "--port", "0")
+    line = only_line(proc, "router")
+    assert "--model" in line and "tokenizer" in line
