@@ -111,10 +111,16 @@ class WorkerGroup:
         """Sends one serialized StepRequest to every rank at once and returns their replies, in rank
         order, once all have answered."""
         try:
-            await asyncio.gather(*(stream.write(request) for stream in self._streams))
-            replies = await asyncio.wait_for(
-                asyncio.gather(*(stream.read() for stream in self._streams)), self.config.step_timeout_s
-            )
+            async with asyncio.timeout(self.config.step_timeout_s):
+                # A write hands the bytes to the rank's transport and returns: every rank has the step
+                # before any forward is awaited. Tasks (gather) only where there is more than one reply to
+                # wait for: each costs event-loop turns on every step.
+                for stream in self._streams:
+                    await stream.write(request)
+                if len(self._streams) == 1:
+                    replies = [await self._streams[0].read()]
+                else:
+                    replies = await asyncio.gather(*(stream.read() for stream in self._streams))
         # A stream that already ended raises InvalidStateError on write (a rank died while idle).
         except (grpc.RpcError, TimeoutError, asyncio.InvalidStateError) as e:
             raise WorkersLost(_detail(e)) from e
