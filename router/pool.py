@@ -403,11 +403,12 @@ class SchedulerPool:
         if ready != self._ready:
             self._ready = ready
             self._unready_since = None if ready else time.monotonic()
-            log.log(
-                logging.INFO if ready else logging.WARNING,
-                "router %s",
-                "serving" if ready else "has no replica up: new requests get UNAVAILABLE",
-            )
+            if ready:
+                log.info("router serving")
+            else:
+                log.warning(
+                    "router has no replica up: requests wait up to %.0fs for one", self._queued_timeout_s
+                )
             self.on_ready(ready)
 
     # ---- stats ----
