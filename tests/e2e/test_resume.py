@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import threading
+import time
 
 import grpc
 import pytest
@@ -21,30 +22,77 @@ from common.pb.tpserve.v1 import generation_pb2 as pb
 from common.pb.tpserve.v1 import generation_pb2_grpc
 from tests.conftest import launch
 from tests.e2e.test_reliability import all_blocks_free, serving, wait_until
-from tests.reference import MAX_NEW, assert_matches_reference, run_concurrently
+from tests.reference import GREEDY, MAX_NEW, run_concurrently
 
 # Two sequences at a time: the other requests wait, so a kill always finds two that have streamed
 # tokens (to resume) and others that have not (to resend).
 FLAGS = ("--dtype", "float64", "--max-num-seqs", "2")
 
 
-def kill_when(stub, info, victims: list[str], steps: int = 4):
-    """Kills each victim (a process name of the launch) once its scheduler has run `steps` more steps
-    with requests running: mid-stream."""
+class Tracked:
+    """Requests streamed on threads, with the tokens each client has received so far."""
+
+    def __init__(self, stub, requests: list[dict]):
+        self.received = [0] * len(requests)
+        self.done = [False] * len(requests)
+        self.results: list = [None] * len(requests)
+        self.errors: list = []
+
+        def one(i):
+            tokens, last = [], None
+            try:
+                for resp in stub.Generate(pb.GenerateRequest(**requests[i]), timeout=120):
+                    tokens += resp.token_ids
+                    self.received[i] = len(tokens)
+                    last = resp
+            except grpc.RpcError as e:
+                self.errors.append((i, e.code(), e.details()))
+            self.results[i] = (tokens, last)
+            self.done[i] = True
+
+        self.threads = [threading.Thread(target=one, args=(i,)) for i in range(len(requests))]
+        for t in self.threads:
+            t.start()
+
+    def join(self):
+        for t in self.threads:
+            t.join(180)
+        return self.results
+
+    def mid_stream(self, since: list[int]) -> bool:
+        """Some request still running has received two tokens more than `since` says."""
+        return any(r >= s + 2 and not d for r, s, d in zip(self.received, since, self.done, strict=True))
+
+
+def kill_mid_stream(info, tracked: Tracked, victims: list[str]) -> threading.Thread:
+    """Kills each victim (a process name of the launch) while a request is mid-stream: it has received
+    tokens, and has more to come."""
 
     def go():
         for victim in victims:
-            base = _stats(stub).num_steps_total
-            wait_until(
-                lambda b=base: (s := _stats(stub)).num_running > 0 and s.num_steps_total >= b + steps,
-                60,
-                f"requests streaming before killing {victim}",
-            )
+            since = list(tracked.received)
+            deadline = time.monotonic() + 60
+            while not tracked.mid_stream(since):  # a tight poll: the window is a few steps wide
+                assert time.monotonic() < deadline, f"no request mid-stream to kill {victim}"
+                time.sleep(0.002)
             os.kill(current_pid(info, victim), signal.SIGKILL)
 
     t = threading.Thread(target=go)
     t.start()
     return t
+
+
+def reference_requests(reference) -> list[dict]:
+    return [
+        dict(token_ids=ids, max_new_tokens=MAX_NEW, ignore_eos=True, sampling=GREEDY) for ids in reference
+    ]
+
+
+def assert_reference_tokens(results, reference) -> None:
+    """Every token once, in order: exactly transformers' greedy continuation."""
+    for ids, (tokens, last) in zip(reference, results, strict=True):
+        assert tokens == reference[ids], f"prompt of {len(ids)} tokens"
+        assert last.finish_reason == pb.FINISH_REASON_LENGTH and last.usage.completion_tokens == MAX_NEW
 
 
 def resumed(info) -> int:
@@ -73,9 +121,11 @@ def test_a_killed_scheduler_costs_no_request_its_tokens(tiny_model, reference):
     with launch(tiny_model, *FLAGS, "--max-restarts", "2") as (target, info):
         with grpc.insecure_channel(target) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
-            killer = kill_when(stub, info, ["scheduler"])
-            assert_matches_reference(stub, reference)  # every token once, in order, and no error
-            killer.join()
+            tracked = Tracked(stub, reference_requests(reference))
+            kill_mid_stream(info, tracked, ["scheduler"]).join()
+            results = tracked.join()
+            assert tracked.errors == []
+            assert_reference_tokens(results, reference)
             wait_until(lambda: all_blocks_free(stub), 30, "blocks free at the end")
             assert resumed(info) >= 1, lost_lines(info)
 
@@ -94,9 +144,10 @@ def test_seeded_sampling_resumes_with_the_tokens_an_undisturbed_run_gives(tiny_m
         with grpc.insecure_channel(target) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
             undisturbed = [r[0] for r in run_concurrently(stub, reqs)]
-            killer = kill_when(stub, info, ["scheduler"])
-            disturbed = [r[0] for r in run_concurrently(stub, reqs)]
-            killer.join()
+            tracked = Tracked(stub, reqs)
+            kill_mid_stream(info, tracked, ["scheduler"]).join()
+            disturbed = [r[0] for r in tracked.join()]
+            assert tracked.errors == []
             assert resumed(info) >= 1, lost_lines(info)  # the kill did catch requests mid-stream
     assert disturbed == undisturbed
 
@@ -105,9 +156,11 @@ def test_a_killed_worker_and_a_killed_scheduler_in_one_run(tiny_model, reference
     with launch(tiny_model, *FLAGS, "--max-restarts", "4") as (target, info):
         with grpc.insecure_channel(target) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
-            killer = kill_when(stub, info, ["shard-worker rank 0", "scheduler"])
-            assert_matches_reference(stub, reference)
-            killer.join()
+            tracked = Tracked(stub, reference_requests(reference))
+            kill_mid_stream(info, tracked, ["shard-worker rank 0", "scheduler"]).join()
+            results = tracked.join()
+            assert tracked.errors == []
+            assert_reference_tokens(results, reference)
             assert resumed(info) >= 1, lost_lines(info)
             wait_until(lambda: serving(target), 60, "health SERVING again")
             wait_until(lambda: all_blocks_free(stub), 30, "blocks free at the end")
