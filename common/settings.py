@@ -63,10 +63,6 @@ def between(low, high, *, low_open: bool = False) -> Rule:
 POWER_OF_TWO = Rule(lambda v: isinstance(v, int) and v > 0 and not v & (v - 1), "a power of two")
 
 
-def one_of(*values) -> Rule:
-    return Rule(lambda v: v in values, f"one of {', '.join(map(str, values))}")
-
-
 # ---- declaring ----
 
 
@@ -274,11 +270,3 @@ def _check_type(f: _Flag, tp, value) -> None:
             raise ValueError(
                 f"{f.flag} must be {'an' if item_type is int else 'a'} {item_type.__name__}, got {item!r}"
             )
-
-
-def flag_of(cls, name: str) -> str:
-    """The flag of field `name` of cls (for error messages written by hand)."""
-    for f in walk(cls):
-        if f.name == name:
-            return f.flag
-    raise KeyError(name)

@@ -29,14 +29,7 @@ from router.pool import SchedulerPool
 from router.scheduler_link import QueueFull, SchedulerUnavailable
 from router.stop_strings import StopStringMatcher
 from router.tokenizer import NoChatTemplate, NoTokenizer, Tokenizer
-from router.validation import (
-    Limits,
-    ValidatedRequest,
-    ValidationError,
-    check_prompt,
-    check_request_fields,
-    prompt_field,
-)
+from router.validation import Limits, ValidatedRequest, ValidationError, prompt_field, validate_request
 
 log = logging.getLogger("tpserve.router")
 
@@ -137,17 +130,13 @@ class Frontend:
 
     async def _validate(self, request: generation_pb2.GenerateRequest) -> ValidatedRequest:
         limits = self._ready_limits()
+        tok = self.tokenizer
         try:
-            sampling = check_request_fields(request, limits)  # bounds what the tokenizer is asked to do
-            if len(request.token_ids):
-                ids = request.token_ids
-            elif len(request.messages):
-                ids = await self.tokenizer.encode_chat(
-                    [{"role": m.role, "content": m.content} for m in request.messages]
-                )
-            else:
-                ids = await self.tokenizer.encode(request.text)
-            return check_prompt(request, sampling, ids, limits)
+            if len(request.token_ids):  # nothing to tokenize: cheap enough for the event loop
+                return validate_request(request, limits)
+            # The fields are checked first (they bound what the tokenizer is asked to do), then the
+            # prompt is tokenized and checked: all of it on the tokenizer's threads, off the event loop.
+            return await tok.run(validate_request, request, limits, tok.encode, tok.render_chat)
         except ValidationError as e:
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field) from None
         except NoChatTemplate as e:

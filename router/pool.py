@@ -324,9 +324,7 @@ class SchedulerPool:
             self._move(req, link.target, out.error)
             self._pump()
             return
-        if out.token_ids:
-            req.routed.streamed = True
-            req.generated.extend(out.token_ids)
+        req.generated.extend(out.token_ids)
         req.queue.put_nowait(out)
         if out.finish_reason or out.error:
             self._requests.pop(out.request_id, None)

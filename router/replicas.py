@@ -35,7 +35,7 @@ replicas (in proportion to their capacity) instead of landing on the one that lo
 
 Integration: the link feeds `report` with every load report and `mark_down` when its stream breaks; a
 timer calls `expire`; the router calls `choose` per request and, when a replica fails, `may_resend` for
-each request it had (queue again those that streamed nothing, fail the rest with UNAVAILABLE).
+each request it had (queue it again, resumed where it stopped, while it has attempts left).
 """
 
 from __future__ import annotations
@@ -184,7 +184,6 @@ class Routed:
     prompt_tokens: int
     prefix_key: Hashable | None = None
     attempts: int = 1  # replicas it has been sent to
-    streamed: bool = False
 
 
 class ReplicaSet:

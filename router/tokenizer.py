@@ -53,7 +53,7 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
 
-    def encode_sync(self, text: str) -> list[int]:
+    def encode(self, text: str) -> list[int]:
         if self.hf is None:
             raise NoTokenizer("the model has no tokenizer: send the prompt as token_ids")
         return self.hf(text)["input_ids"]
@@ -69,11 +69,9 @@ class Tokenizer:
         # The template writes the special tokens it wants (BOS included) itself.
         return self.hf(text, add_special_tokens=False)["input_ids"]
 
-    async def encode(self, text: str) -> list[int]:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self.encode_sync, text)
-
-    async def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self.render_chat, messages)
+    async def run(self, fn, *args):
+        """fn(*args) on the tokenizer's threads (it tokenizes: never on the event loop)."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def decode(self, ids: Sequence[int], **kwargs) -> str:
         return "" if self.hf is None else self.hf.decode(ids, **kwargs)

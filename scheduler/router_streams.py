@@ -68,9 +68,6 @@ class RouterStreams:
         self._streams: set[RouterStream] = set()
         self._owner: dict[str, RouterStream] = {}  # request id -> the stream that wants its tokens
 
-    def __len__(self) -> int:
-        return len(self._streams)
-
     def attach(self, stream: RouterStream) -> None:
         self._streams.add(stream)
 
@@ -84,9 +81,6 @@ class RouterStreams:
 
     def release(self, request_id: str) -> RouterStream | None:
         return self._owner.pop(request_id, None)
-
-    def owns(self, request_id: str) -> bool:
-        return request_id in self._owner
 
     @property
     def request_ids(self) -> list[str]:

@@ -32,6 +32,17 @@ def reference(tiny_model) -> dict[tuple[int, ...], list[int]]:
     return hf_greedy(tiny_model)
 
 
+@pytest.fixture
+def held_port():
+    """A port another socket listens on."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
 @pytest.fixture(scope="session")
 def pki(tmp_path_factory) -> dict[str, str]:
     """A throwaway CA, certificates it signed and an untrusted CA's (tests/pki.py), made once."""

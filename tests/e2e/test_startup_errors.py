@@ -7,7 +7,6 @@ of shard_worker/devices.py, tested in tests/unit/test_devices.py.
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -40,15 +39,6 @@ def only_line(proc: subprocess.CompletedProcess, process: str) -> str:
     line = error_line(proc, process)
     assert proc.stderr.strip() == line, proc.stderr
     return line
-
-
-@pytest.fixture
-def held_port():
-    """A port another process listens on."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        yield s.getsockname()[1]
 
 
 @pytest.fixture

@@ -10,14 +10,6 @@ from common import security
 from common.grpc_util import SERVER_OPTIONS, check_ports_free
 
 
-@pytest.fixture
-def held_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        yield s.getsockname()[1]
-
-
 def free_port_number() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
