@@ -118,7 +118,9 @@ def hf_greedy(model_dir: str | Path, new_tokens: int) -> dict[tuple[int, ...], l
 
     # The experts as transformers writes them out (a loop over the experts hit): its default grouped
     # matmul has no float64 kernel.
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64, experts_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float64, experts_implementation="eager"
+    )
     model.generation_config.eos_token_id = None
     out = {}
     for ids in prompts():

@@ -122,7 +122,8 @@ def param_name(ckpt_name: str, mapping: dict) -> tuple[str, object]:
 
 
 def _checkpoint_name(name: str, part, mapping: dict) -> str:
-    """The checkpoint tensor that would fill this part of a parameter (param_name's inverse)."""
+    """The checkpoint tensor that would fill this part of a parameter (param_name's inverse); a part
+    the mapping does not name comes from a fused tensor, named like the parameter."""
     if isinstance(part, tuple):
         expert, part = part
         prefix, _, proj = name.rpartition(".")
@@ -130,7 +131,7 @@ def _checkpoint_name(name: str, part, mapping: dict) -> str:
     for ckpt_piece, (merged, index) in mapping.items():
         if index == part and f".{merged}." in name:
             return name.replace(f".{merged}.", f".{ckpt_piece}.")
-    return name if part is None else f"{name} (part {part})"
+    return name
 
 
 def _load_whole(param: nn.Parameter, source, ckpt_name: str) -> None:

@@ -41,8 +41,12 @@ def route(
     return (weights if weights_dtype is None else weights.to(weights_dtype)), ids
 
 
-def grouped_mm_supported(x: torch.Tensor) -> bool:
-    # CPU: float32 and half types. CUDA: bfloat16 on Hopper and later (not verified on a device yet).
+def grouped_mm_supported(x: torch.Tensor, *row_sizes: int) -> bool:
+    """Whether torch._grouped_mm takes these operands: CPU float32 and half types, CUDA bfloat16 on
+    Hopper and later (not verified on a device yet); and every row (hidden, intermediate) a multiple of
+    16 bytes."""
+    if any(n * x.element_size() % 16 for n in row_sizes):
+        return False
     if x.device.type == "cpu":
         return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
     if x.device.type == "cuda":
@@ -93,7 +97,7 @@ class FusedMoE(nn.Module):
         rows = order // k  # the token of each
         counts = torch.bincount(flat, minlength=self.num_experts)
         xs = x.index_select(0, rows)
-        if grouped_mm_supported(x):
+        if grouped_mm_supported(x, x.shape[1], self.local_intermediate):
             offsets = counts.cumsum(0).to(torch.int32)
             gate, up = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
             ys = torch._grouped_mm(self.act(gate) * up, self.down_proj.transpose(1, 2), offs=offsets)
