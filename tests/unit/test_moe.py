@@ -12,7 +12,7 @@ from shard_worker.model.layers import moe
 from shard_worker.model.layers.moe import FusedMoE, SparseMoE, route
 from shard_worker.parallel import TensorParallel
 
-E, H, I, K, T = 8, 32, 24, 2, 37
+E, H, N, K, T = 8, 32, 24, 2, 37
 
 
 def rand(*shape: int, seed: int, dtype=torch.float64) -> torch.Tensor:
@@ -20,13 +20,13 @@ def rand(*shape: int, seed: int, dtype=torch.float64) -> torch.Tensor:
 
 
 def experts_weights(dtype):
-    return rand(E, 2 * I, H, seed=1, dtype=dtype) * 0.2, rand(E, H, I, seed=2, dtype=dtype) * 0.2
+    return rand(E, 2 * N, H, seed=1, dtype=dtype) * 0.2, rand(E, H, N, seed=2, dtype=dtype) * 0.2
 
 
 def load(layer: FusedMoE, gate_up: torch.Tensor, down: torch.Tensor) -> None:
     for e in range(E):
-        layer.gate_up_proj.weight_loader(layer.gate_up_proj, gate_up[e, :I], (e, 0))
-        layer.gate_up_proj.weight_loader(layer.gate_up_proj, gate_up[e, I:], (e, 1))
+        layer.gate_up_proj.weight_loader(layer.gate_up_proj, gate_up[e, :N], (e, 0))
+        layer.gate_up_proj.weight_loader(layer.gate_up_proj, gate_up[e, N:], (e, 1))
         layer.down_proj.weight_loader(layer.down_proj, down[e], (e, None))
 
 
@@ -44,7 +44,7 @@ def naive(x, gate_up, down, ids, weights):
 def test_experts_equal_a_loop_over_tokens(dtype):
     torch.set_default_dtype(dtype)
     try:
-        layer = FusedMoE(E, H, I, "silu", TensorParallel())
+        layer = FusedMoE(E, H, N, "silu", TensorParallel())
     finally:
         torch.set_default_dtype(torch.float32)
     gate_up, down = experts_weights(dtype)
@@ -54,7 +54,7 @@ def test_experts_equal_a_loop_over_tokens(dtype):
     ids = torch.randint(0, E - 1, (T, K), generator=torch.Generator().manual_seed(4))
     ids[ids == 5] = 7
     weights = torch.rand(T, K, generator=torch.Generator().manual_seed(5), dtype=dtype)
-    assert moe.grouped_mm_supported(x, H, I) == (dtype == torch.float32)
+    assert moe.grouped_mm_supported(x, H, N) == (dtype == torch.float32)
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {}
     torch.testing.assert_close(layer(x, ids, weights), naive(x, gate_up, down, ids, weights), **tol)
 
@@ -87,7 +87,7 @@ def test_sharded_experts_sum_to_the_whole(ws):
     x = rand(T, H, seed=9, dtype=torch.float32)
 
     def make(tp):
-        layer = SparseMoE(H, I, E, K, "silu", tp, renormalize=True, weights_in_model_dtype=False)
+        layer = SparseMoE(H, N, E, K, "silu", tp, renormalize=True, weights_in_model_dtype=False)
         layer.gate.weight.data.copy_(router)
         load(layer.experts, gate_up, down)
         return layer
