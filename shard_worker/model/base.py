@@ -3,7 +3,7 @@
 The runner builds `model_class(config.architecture)(config, tp)` under the target device and default
 dtype (every parameter left uninitialised for the loader), and then uses only:
     num_kv_caches, kv_cache_shape(num_blocks, block_size)   to allocate the paged KV cache
-    num_local_kv_heads, head_dim, queries_per_kv            this rank's attention shape
+    num_local_kv_heads, head_dim                            this rank's KV heads and their size
     forward(input_ids [T], positions [T], ctx, kv_caches) -> hidden [T, hidden]
     compute_logits(hidden_rows [N, hidden]) -> [N, vocab] on rank 0, None on the other ranks
 and the loader reads `packed_modules_mapping`. `ctx` is the step's attention context, built once per
@@ -77,7 +77,6 @@ class CausalLM(nn.Module):
         attn = self.model.layers[0].self_attn.attn
         self.num_local_kv_heads = attn.num_kv_heads
         self.head_dim = config.head_dim
-        self.queries_per_kv = attn.num_heads // attn.num_kv_heads
         self.num_kv_caches = config.num_layers
 
     @classmethod

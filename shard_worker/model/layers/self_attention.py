@@ -9,7 +9,7 @@ from torch import nn
 from shard_worker.model.config import ModelConfig
 from shard_worker.model.layers.linear import QKVParallelLinear, RowParallelLinear
 from shard_worker.model.layers.rotary import apply_rotary
-from shard_worker.model.layers.windowed_attention import Attention
+from shard_worker.attention import Attention
 from shard_worker.parallel import TensorParallel
 
 
