@@ -10,8 +10,8 @@ features), where expert parallelism would be the better split.
 
 The expert computation: the step's (token, slot) pairs are sorted by expert once, so each expert's rows
 are contiguous; then one grouped matmul for gate/up and one for down over all experts at once
-(torch._grouped_mm, which takes the group boundaries as offsets: float32 and half types), or, where it
-is not available (float64, which the end-to-end tests run in), a loop over the experts that received
+(F.grouped_mm, which takes the group boundaries as offsets: float32 and half types), or, where it is not
+available (float64, which the end-to-end tests run in), a loop over the experts that received
 rows. Either way the work is the tokens' own: an expert no token chose costs nothing beyond holding its
 weights, so at fixed top-k the time does not grow with the number of experts except through the weights
 it reads.
@@ -42,15 +42,15 @@ def route(
 
 
 def grouped_mm_supported(x: torch.Tensor, *row_sizes: int) -> bool:
-    """Whether torch._grouped_mm takes these operands: CPU float32 and half types, CUDA bfloat16 on
-    Hopper and later (not verified on a device yet); and every row (hidden, intermediate) a multiple of
-    16 bytes."""
+    """Whether F.grouped_mm takes these operands: CPU float32 and half types, CUDA bfloat16 on Ampere and
+    later (as transformers uses it; not verified on a device here yet); and every row (hidden,
+    intermediate) a multiple of 16 bytes."""
     if any(n * x.element_size() % 16 for n in row_sizes):
         return False
     if x.device.type == "cpu":
         return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
     if x.device.type == "cuda":
-        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 0)
     return False
 
 
@@ -99,8 +99,8 @@ class FusedMoE(nn.Module):
         xs = x.index_select(0, rows)
         if grouped_mm_supported(x, x.shape[1], self.local_intermediate):
             offsets = counts.cumsum(0).to(torch.int32)
-            gate, up = torch._grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
-            ys = torch._grouped_mm(self.act(gate) * up, self.down_proj.transpose(1, 2), offs=offsets)
+            gate, up = F.grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+            ys = F.grouped_mm(self.act(gate) * up, self.down_proj.transpose(1, 2), offs=offsets)
         else:
             ys = self._each_active_expert(xs, counts)
         # Weighted in the weights' dtype and then cast, as transformers does (Mixtral keeps float32).

@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shard_worker.attention import Attention
 from shard_worker.model.config import ModelConfig
 from shard_worker.model.layers.linear import QKVParallelLinear, RowParallelLinear
 from shard_worker.model.layers.rotary import apply_rotary
-from shard_worker.attention import Attention
 from shard_worker.parallel import TensorParallel
 
 
