@@ -14,16 +14,24 @@ from shard_worker.parallel import TensorParallel
 
 
 class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention and MLP, each added to the residual. Families that differ only in the
+    attention's per-head q/k norm or in the MLP (Qwen3, Qwen3-MoE) subclass it."""
+
+    qk_norm: type[nn.Module] | None = None
+
     def __init__(self, config: ModelConfig, layer_idx: int, tp: TensorParallel):
         super().__init__()
-        self.self_attn = SelfAttention(config, layer_idx, tp)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, tp)
+        self.self_attn = SelfAttention(config, layer_idx, tp, qk_norm=self.qk_norm)
+        self.mlp = self.make_mlp(config, layer_idx, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, h, rope, ctx, kv_cache: torch.Tensor) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), rope, ctx, kv_cache)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def make_mlp(self, config: ModelConfig, layer_idx: int, tp: TensorParallel) -> nn.Module:
+        return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, tp)
 
 
 class LlamaForCausalLM(CausalLM):

@@ -7,15 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from shard_worker.model.base import CausalLM
 from shard_worker.model.config import EVERY_LAYER, ModelConfig
 from shard_worker.model.layers.mlp import GatedMLP
 from shard_worker.model.layers.moe import SparseMoE
-from shard_worker.model.layers.norm import RMSNorm
-from shard_worker.model.layers.self_attention import SelfAttention
+from shard_worker.model.qwen3 import Qwen3DecoderLayer
 from shard_worker.parallel import TensorParallel
 
 
@@ -28,29 +26,20 @@ class Qwen3MoeConfig(ModelConfig):
     sparse_layers: tuple[bool, ...]  # per layer: experts (True) or the dense MLP
 
 
-class Qwen3MoeDecoderLayer(nn.Module):
-    def __init__(self, config: Qwen3MoeConfig, layer_idx: int, tp: TensorParallel):
-        super().__init__()
-        self.self_attn = SelfAttention(config, layer_idx, tp, qk_norm=RMSNorm)
-        if config.sparse_layers[layer_idx]:
-            self.mlp = SparseMoE(
-                config.hidden_size,
-                config.moe_intermediate_size,
-                config.num_experts,
-                config.num_experts_per_tok,
-                config.hidden_act,
-                tp,
-                renormalize=config.norm_topk_prob,
-                weights_in_model_dtype=True,
-            )
-        else:
-            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, tp)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, h, rope, ctx, kv_cache: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), rope, ctx, kv_cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
+    def make_mlp(self, config: Qwen3MoeConfig, layer_idx: int, tp: TensorParallel) -> nn.Module:
+        if not config.sparse_layers[layer_idx]:
+            return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, tp)
+        return SparseMoE(
+            config.hidden_size,
+            config.moe_intermediate_size,
+            config.num_experts,
+            config.num_experts_per_tok,
+            config.hidden_act,
+            tp,
+            renormalize=config.norm_topk_prob,
+            weights_in_model_dtype=True,
+        )
 
 
 class Qwen3MoeForCausalLM(CausalLM):

@@ -9,6 +9,8 @@ import json
 import pytest
 
 from shard_worker.model.config import ModelConfig
+from shard_worker.model.registry import model_class
+from shard_worker.parallel import TensorParallel
 from tests.model_families import build_checkpoint
 
 LONGROPE = {"short_factor": [1.0] * 8, "long_factor": [2.0] * 8, "original_max_position_embeddings": 64}
@@ -61,10 +63,14 @@ def test_refused_with_the_field_named(checkpoints, tmp_path, family, change, nam
     assert message.startswith(str(tmp_path / "config.json"))
 
 
-def test_sliding_windows_and_ropes_per_layer(checkpoints, tmp_path):
+def test_sliding_windows_and_ropes_per_layer(tmp_path):
     # Gemma 3's test checkpoint: two local layers (window, local rope) and a global one (its own rope).
     gemma = build_checkpoint("gemma3", tmp_path)
     config = ModelConfig.from_pretrained(gemma)
     assert config.sliding_windows == (20, 20, None)
     assert config.rotary[0] == config.rotary[1] != config.rotary[2]
     assert config.max_position_embeddings == 512  # no longer capped at the window
+    # One rotary module per distinct rope, so a step computes cos/sin twice, not once per layer.
+    model = model_class(config.architecture)(config, TensorParallel())
+    assert len(model.rotary) == 2 and model.rotary_of_layer == [0, 0, 1]
+    assert [layer.self_attn.attn.sliding_window for layer in model.model.layers] == [20, 20, None]
