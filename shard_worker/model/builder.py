@@ -241,7 +241,10 @@ GEMMA3 = PackagedGguf(
         "tie_word_embeddings": True,
         "vocab_size": 262144,
     },
-    # bfloat16, as for SmolLM2 (Gemma 3 was published in bfloat16 too; this file is 4- to 8-bit).
+    # bfloat16, as for SmolLM2: half of float32's 1.06 GB, and Gemma 3 was published in bfloat16. The file
+    # is 4- to 8-bit, but its norm weights are float32 there. Measured on six completion prompts against
+    # the float32 conversion: last-position logits within 0.13 (their std is 4.7 to 5.2); the same 32
+    # greedy tokens for four, the other two diverging after 25 and 10 (a base model's near-ties).
     dtype=torch.bfloat16,
     # <eos>, and <end_of_turn>, which the instruction-tuned variants end a turn with: both stop, as in
     # Google's generation_config.json for Gemma 3, whose sampling defaults these are too.
