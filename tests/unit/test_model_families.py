@@ -76,3 +76,20 @@ def test_a_missing_tensor_is_named(checkpoint, tmp_path):
         save_file({n: t for n, t in tensors.items() if n != victim}, tmp_path / "model.safetensors")
         with pytest.raises(ValueError, match=f"has no tensor {victim} "):
             new_runner(tmp_path, torch.float32)
+
+
+def test_a_tensor_the_model_does_not_have_is_named(checkpoint, tmp_path):
+    """Nothing is left unread: a stray tensor, or an expert beyond num_experts, stops the load."""
+    family, path = checkpoint
+    with safe_open(path / "model.safetensors", "pt") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    experts = sorted(n for n in tensors if ".experts.0." in n)
+    strays = ["model.layers.0.extra_norm.weight"] + [
+        n.replace(".experts.0.", ".experts.99.") for n in experts[:1]
+    ]
+    for stray in strays:
+        for name in path.glob("*.json"):
+            (tmp_path / name.name).write_text(name.read_text())
+        save_file({**tensors, stray: torch.zeros(4)}, tmp_path / "model.safetensors")
+        with pytest.raises(ValueError, match=f"tensor {stray} matches no "):
+            new_runner(tmp_path, torch.float32)
