@@ -16,6 +16,7 @@ from shard_worker.model.loader import _checkpoint_name, param_name
 from shard_worker.step import SequenceInit
 from tests.model_families import FAMILIES, build_checkpoint, hf_greedy, prompts
 from tests.unit.greedy import NUM_BLOCKS, new_runner
+from tests.unit.greedy import hf_greedy as hf_greedy_model
 from tests.unit.test_model_runner import BLOCK_SIZE, GREEDY, BlockPool, Seq, run_step
 
 torch.set_flush_denormal(True)
@@ -48,6 +49,20 @@ def test_family_decodes_like_transformers(checkpoint):
     assert type(runner.model).__name__ == json.loads((path / "config.json").read_text())["architectures"][0]
     reference = hf_greedy(path, NEW_TOKENS)
     assert chunked_greedy(runner, prompts(), NEW_TOKENS) == list(reference.values())
+
+
+@pytest.mark.parametrize("family", ["gemma3", "mixtral"])
+def test_float32_decodes_like_transformers(tmp_path, family):
+    """The production paths the float64 tests do not take: the compiled flex attention with sliding
+    windows, and the experts' grouped matmul."""
+    from transformers import AutoModelForCausalLM
+
+    path = build_checkpoint(family, tmp_path)
+    runner = new_runner(path, torch.float32)
+    assert type(runner.attention).__name__ == "FlexBackend"
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    want = hf_greedy_model(reference, prompts(), NEW_TOKENS)
+    assert chunked_greedy(runner, prompts(), NEW_TOKENS) == want
 
 
 def test_every_checkpoint_tensor_maps_to_a_parameter_and_back(checkpoint):
