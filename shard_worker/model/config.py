@@ -134,11 +134,6 @@ def refuse_if_set(hf, *fields: str) -> None:
             raise ValueError(f"{field}={value!r} is not supported (tpserve does not implement it)")
 
 
-def require(field: str, value, supported: tuple) -> None:
-    if value not in supported:
-        raise ValueError(f"{field} {value!r} is not supported; supported: {supported}")
-
-
 def read_json(path: Path) -> dict:
     """A checkpoint's JSON file; ValueError naming the file when it is missing or unreadable."""
     try:
