@@ -1,7 +1,7 @@
 """Every family through ModelRunner, in float64, against transformers' generate: each family's checkpoint
 (tests/model_families.py) loads with every tensor mapped and none missing, and decodes the same greedy
 tokens with prompts chunked over several steps beside other sequences' decodes. The served path (the
-real processes, preemption, tensor parallelism) is tests/e2e/test_model_families.py."""
+real processes, preemption, tensor parallelism) is tests/e2e/test_family_serving.py."""
 
 from __future__ import annotations
 
