@@ -8,6 +8,7 @@ their KV goes, come from the scheduler (the step's lengths and the block tables 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,8 +19,8 @@ import torch
 from shard_worker.attention import StepBatch, select_backend
 from shard_worker.attention.flex import PREFILL_MIN_QUERY
 from shard_worker.model.config import ModelConfig
-from shard_worker.model.llama import LlamaModel
 from shard_worker.model.loader import load_weights
+from shard_worker.model.registry import model_class
 from shard_worker.parallel import TensorParallel
 from shard_worker.sampling import Sampler, SequenceState
 from shard_worker.step import StepInputs, StepOutputs
@@ -60,7 +61,7 @@ class ModelRunner:
         self.config = ModelConfig.from_pretrained(self.model_dir)
         self.attention = select_backend(attention_backend, self.device, dtype)
         with torch.device(self.device), _default_dtype(dtype):
-            self.model = LlamaModel(self.config, tp)
+            self.model = model_class(self.config.architecture)(self.config, tp)
         if load_format == "dummy":
             init_dummy_weights(self.model)
         else:
@@ -86,8 +87,8 @@ class ModelRunner:
 
     def kv_block_bytes(self, block_size: int) -> int:
         """Bytes one KV block takes on this rank, over all layers."""
-        per_token = 2 * self.model.num_local_kv_heads * self.config.head_dim * self.dtype.itemsize
-        return self.config.num_layers * block_size * per_token
+        per_cache = math.prod(self.model.kv_cache_shape(1, block_size)) * self.dtype.itemsize
+        return self.model.num_kv_caches * per_cache
 
     def profile_num_blocks(
         self,
@@ -134,24 +135,24 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> int:
         """Allocates every layer's [2, blocks, block_size, local_kv_heads, head_dim] cache; returns bytes."""
-        shape = (2, num_blocks, block_size, self.model.num_local_kv_heads, self.config.head_dim)
+        shape = self.model.kv_cache_shape(num_blocks, block_size)
         self.kv_caches = []  # frees an old cache first, so reallocating never needs room for both
         # Zeros, not empty: padding slots are masked out of attention, but a NaN left in memory there
         # would still poison the weighted sum (0 * NaN).
         self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.model.model.layers
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.model.num_kv_caches)
         ]
         self.block_size = block_size
         return num_blocks * self.kv_block_bytes(block_size)
 
     def allocate_host_kv_cache(self, num_blocks: int, block_size: int) -> int:
         """Allocates the swap space: num_blocks host blocks laid out like the device cache; returns bytes."""
-        shape = (2, num_blocks, block_size, self.model.num_local_kv_heads, self.config.head_dim)
+        shape = self.model.kv_cache_shape(num_blocks, block_size)
         self.host_kv_caches = []
         if num_blocks:
             pin = self.device.type == "cuda"
             self.host_kv_caches = [
-                torch.empty(shape, dtype=self.dtype, pin_memory=pin) for _ in self.model.model.layers
+                torch.empty(shape, dtype=self.dtype, pin_memory=pin) for _ in range(self.model.num_kv_caches)
             ]
         return num_blocks * self.kv_block_bytes(block_size)
 
