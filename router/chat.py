@@ -32,6 +32,7 @@ class ChatPrompt:
     tools: list[dict] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    add_special_tokens: bool = False  # on top of what the template writes
 
 
 def check_chat(req: generation_pb2.GenerateRequest, max_messages: int, max_chars: int) -> None:
@@ -82,6 +83,7 @@ def chat_prompt(req: generation_pb2.GenerateRequest) -> ChatPrompt:
         tools=[_tool(t) for t in req.tools] or None,
         add_generation_prompt=add_generation_prompt,
         continue_final_message=req.continue_final_message,
+        add_special_tokens=req.add_special_tokens if req.HasField("add_special_tokens") else False,
     )
 
 

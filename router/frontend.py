@@ -1,7 +1,7 @@
 """The path every public API shares: validate and tokenize a GenerateRequest, queue it for a replica, and
 stream back its tokens as text (incremental detokenization, stop strings), with metrics and a span.
 
-The gRPC servicer (router/grpc_api.py) and the OpenAI-compatible HTTP API (router/openai_api.py) only
+The gRPC servicer (router/grpc_api.py) and the OpenAI-compatible HTTP API (router/openai/server.py) only
 decode their request into a GenerateRequest, iterate `Frontend.generate`, and encode what comes out; a
 failure is a RequestFailed carrying the gRPC status, which each API turns into its own error shape in
 one place. A request whose caller goes away (the generator is closed) is aborted and its KV freed.
@@ -29,7 +29,14 @@ from router.pool import SchedulerPool
 from router.scheduler_link import QueueFull, SchedulerUnavailable
 from router.text_stream import TextStream
 from router.tokenizer import NoChatTemplate, NoTokenizer, Tokenizer
-from router.validation import Limits, ValidatedRequest, ValidationError, prompt_field, validate_request
+from router.validation import (
+    Limits,
+    ValidatedRequest,
+    ValidationError,
+    add_special_tokens,
+    prompt_field,
+    validate_request,
+)
 
 log = logging.getLogger("tpserve.router")
 
@@ -129,24 +136,28 @@ class Frontend:
         return self._limits
 
     async def tokenize(
-        self, request: generation_pb2.GenerateRequest, add_special_tokens: bool
-    ) -> tuple[list[int], int]:
-        """A text or chat prompt's token ids as generate renders it (vLLM's /tokenize), and max_model_len.
-        No length rule: tokenizing is how a client finds out whether its prompt fits."""
+        self, request: generation_pb2.GenerateRequest, token_strs: bool = False
+    ) -> tuple[list[int], list[str] | None, int]:
+        """A text or chat prompt's token ids as generate renders it (vLLM's /tokenize), the vocabulary's
+        strings for them when asked, and max_model_len. No length rule: tokenizing is how a client finds out
+        whether its prompt fits."""
         limits = self._ready_limits()
         tok = self.tokenizer
 
-        def encode() -> list[int]:
+        def encode() -> tuple[list[int], list[str] | None]:
             check_chat(request, limits.max_chat_messages, limits.prompt_char_limit)
             if request.messages:
-                return tok.render_chat(chat_prompt(request), add_special_tokens)
-            if len(request.text) > limits.prompt_char_limit:
+                ids = tok.render_chat(chat_prompt(request))
+            elif len(request.text) > limits.prompt_char_limit:
                 raise ValidationError(
                     "text", f"text is {len(request.text)} characters; the limit is {limits.prompt_char_limit}"
                 )
-            return tok.encode(request.text, add_special_tokens)
+            else:
+                ids = tok.encode(request.text, add_special_tokens(request))
+            return ids, tok.token_strs(ids) if token_strs else None
 
-        return await self._checked(tok.run(encode), request), limits.max_model_len
+        ids, strs = await self._checked(tok.run(encode), request)
+        return ids, strs, limits.max_model_len
 
     async def detokenize(self, token_ids: list[int]) -> str:
         """The text of token ids, special tokens included (vLLM's /detokenize)."""

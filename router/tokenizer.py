@@ -73,7 +73,7 @@ class Tokenizer:
         """A piece of text as it would appear inside an output: no BOS or other special tokens."""
         return self.encode(text, add_special_tokens=False)
 
-    def render_chat(self, prompt: ChatPrompt, add_special_tokens: bool = False) -> list[int]:
+    def render_chat(self, prompt: ChatPrompt) -> list[int]:
         """The conversation in the model's own template: the ids transformers' apply_chat_template gives
         for the same messages, tools and options. A template that fails on them (it raised, or the last
         message to continue is not in its output) is a ValidationError on messages."""
@@ -95,7 +95,7 @@ class Tokenizer:
                 "messages", f"the model's chat template failed on messages: {reason}"
             ) from None
         # The template writes the special tokens it wants (BOS included) itself.
-        return self.hf(text, add_special_tokens=add_special_tokens)["input_ids"]
+        return self.hf(text, add_special_tokens=prompt.add_special_tokens)["input_ids"]
 
     async def run(self, fn, *args):
         """fn(*args) on the tokenizer's threads (it tokenizes: never on the event loop)."""

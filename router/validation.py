@@ -170,6 +170,11 @@ def check_request_fields(req: generation_pb2.GenerateRequest, limits: Limits) ->
     return sampling
 
 
+def add_special_tokens(req: generation_pb2.GenerateRequest) -> bool:
+    """Whether a text prompt gets the tokenizer's special tokens (BOS): yes unless the request says no."""
+    return req.add_special_tokens if req.HasField("add_special_tokens") else True
+
+
 def max_new_tokens_too_small(value: int, name: str = "max_new_tokens") -> str:
     """The one message for a length bound below 1, whichever API and whatever the value (-1 or 0)."""
     return f"{name} must be at least 1, got {value} (or leave it unset for the default)"
@@ -243,13 +248,13 @@ def check_prompt_tokens(
 def validate_request(
     req: generation_pb2.GenerateRequest,
     limits: Limits,
-    tokenize: Callable[[str], Sequence[int]] | None = None,
+    tokenize: Callable[..., Sequence[int]] | None = None,
     render_chat: Callable[[ChatPrompt], Sequence[int]] | None = None,
     tokenize_words: Callable[[str], list[int]] | None = None,
 ) -> ValidatedRequest:
-    """Both stages, with the router's tokenizer as synchronous calls: tokenize(text) for text prompts,
-    render_chat(prompt) for chat prompts, tokenize_words(word) (no special tokens) for sampling.bad_words.
-    A token-id prompt without bad_words needs none of them."""
+    """Both stages, with the router's tokenizer as synchronous calls: tokenize(text[, add_special_tokens])
+    for text prompts, render_chat(prompt) for chat prompts, tokenize_words(word) (no special tokens) for
+    sampling.bad_words. A token-id prompt without bad_words needs none of them."""
     sampling = check_request_fields(req, limits)
     if req.sampling.bad_words:
         if tokenize_words is None:
@@ -264,7 +269,7 @@ def validate_request(
     else:
         if tokenize is None:
             raise TypeError("validate_request needs tokenize for a text prompt")
-        prompt_ids = tokenize(req.text)
+        prompt_ids = tokenize(req.text) if add_special_tokens(req) else tokenize(req.text, False)
     return check_prompt(req, sampling, prompt_ids, limits)
 
 
