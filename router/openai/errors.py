@@ -60,10 +60,12 @@ def from_failure(e: RequestFailed, params: dict[str, str]) -> ApiError:
     """params: GenerateRequest field -> the name the client's request used for it; the field and its
     mentions in the message are renamed (sampling.temperature -> temperature, token_ids[3] -> prompt[3])."""
     param, message = None, e.message
+    renames = {k: v for k, v in params.items() if "_" in k or "." in k}  # identifiers, not plain words
     if e.field:
         base = re.match(r"[A-Za-z_.]*", e.field).group()
-        name = params.get(base, base)
-        param = name + e.field[len(base) :]
-        if name != base:
-            message = re.sub(rf"(?<![\w.]){re.escape(base)}(?![\w])", name, message)
+        param = params.get(base, base) + e.field[len(base) :]
+        renames[base] = params.get(base, base)
+    for old, new in renames.items():
+        if old != new:
+            message = re.sub(rf"(?<![\w.]){re.escape(old)}(?![\w])", new, message)
     return ApiError(HTTP_STATUS.get(e.code, 500), message, param=param, code=e.code.name)

@@ -213,8 +213,12 @@ def test_fields_and_messages_are_renamed_to_the_clients_names():
         RequestFailed(bad, "top_logprobs 30 is above the limit of 20", "top_logprobs"), completion
     )
     assert (e.param, e.message) == ("logprobs", "logprobs 30 is above the limit of 20")
-    e = from_failure(RequestFailed(bad, "messages[0].role is 'tool'; ...", "messages[0].role"), chat)
+    e = from_failure(RequestFailed(bad, "messages[0].role is 'robot'; ...", "messages[0].role"), chat)
     assert e.param == "messages[0].role"
+    # Other fields the message mentions get the client's names too.
+    msg = "sampling.min_tokens 5 is above max_new_tokens 4"
+    e = from_failure(RequestFailed(bad, msg, "sampling.min_tokens"), chat)
+    assert (e.param, e.message) == ("min_tokens", "min_tokens 5 is above max_completion_tokens 4")
 
 
 # ---- responses ----
