@@ -14,7 +14,7 @@ For each library it reports, in milliseconds:
   different number of tokens in, so they sit in different states; each step fills the token bitmask of every
   sequence ([batch, ceil(vocab / 32)] int32, the libraries' batch call on `--threads` threads), applies it to
   a [batch, vocab] float32 logits tensor (timed once for both: the kernel is shared), takes the greedy argmax
-  and advances every matcher by its token
+  and advances every matcher by its token (the libraries' batch calls for the mask and the advance)
   (a finished matcher is reset before the next step, so the batch stays full).
 - rollback of 4 tokens (speculative decoding's rejected drafts) and rebuilding a matcher from 256 tokens of
   output (what a preempted or resumed sequence needs), per sequence.
@@ -110,6 +110,9 @@ class XGrammar:
     def accept(self, m, token: int) -> bool:
         return m.accept_token(token)
 
+    def accept_batch(self, matchers, tokens: list[int]) -> list[bool]:
+        return self.xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
+
     def finished(self, m) -> bool:
         return m.is_terminated()
 
@@ -162,6 +165,9 @@ class LLGuidance:
 
     def accept(self, m, token: int) -> bool:
         return m.consume_token(token)
+
+    def accept_batch(self, matchers, tokens: list[int]) -> list[bool]:
+        return self.lt.consume_token_par(self.executor, list(zip(matchers, tokens, strict=True)))
 
     def finished(self, m) -> bool:
         return m.is_stopped() or m.is_error()
@@ -239,10 +245,10 @@ def measure(lib, vocab: int, batch: int, steps: int) -> dict:
         lib.fill(matchers, bitmask)
         t1 = time.perf_counter()
         apply_eager(logits, bitmask)  # not timed here: the kernel is the libraries' common part (below)
+        tokens = logits.argmax(dim=-1).tolist()  # not timed here either (argmax_ms, below)
         t2 = time.perf_counter()
-        tokens = logits.argmax(dim=-1).tolist()
-        for m, token in zip(matchers, tokens, strict=True):
-            assert lib.accept(m, token), f"{lib.name}: the greedy token under the mask was refused"
+        accepted = lib.accept_batch(matchers, tokens)  # the libraries' batch call, as a server would
+        assert all(accepted), f"{lib.name}: a greedy token under the mask was refused"
         t3 = time.perf_counter()
         fill_t.append(t1 - t0)
         accept_t.append(t3 - t2)
