@@ -174,11 +174,11 @@ class Frontend:
     async def _validate(self, request: generation_pb2.GenerateRequest) -> ValidatedRequest:
         limits = self._ready_limits()
         tok = self.tokenizer
-        if len(request.token_ids) and not request.sampling.bad_words:
-            # Nothing to tokenize: cheap enough for the event loop.
+        if len(request.token_ids) and not request.sampling.bad_words and not _has_grammar(request):
+            # Nothing to tokenize or compile: cheap enough for the event loop.
             return await self._checked(_done(validate_request, request, limits), request)
-        # The fields are checked first (they bound what the tokenizer is asked to do), then the prompt
-        # (and any bad_words) is tokenized and checked: all of it on the tokenizer's threads.
+        # The fields are checked first (they bound what the tokenizer is asked to do; a grammar is compiled),
+        # then the prompt (and any bad_words) is tokenized and checked: all of it on the tokenizer's threads.
         validating = tok.run(validate_request, request, limits, tok.encode, tok.render_chat, tok.encode_words)
         return await self._checked(validating, request)
 
@@ -317,6 +317,10 @@ class Frontend:
                 "e2e_s": round(e2e, 6),
             },
         )
+
+
+def _has_grammar(request: generation_pb2.GenerateRequest) -> bool:
+    return request.sampling.HasField("structured_output")
 
 
 async def _done(fn, *args):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from common.pb.tpserve.v1 import generation_pb2
 from common.sampling import SamplingConfig
 from router.chat import ChatPrompt, chat_prompt, check_chat
-from router.sampling_checks import check_min_tokens, check_sampling, with_bad_words
+from router.sampling_checks import check_min_tokens, check_sampling, check_structured, with_bad_words
 from router.validation_error import ValidationError
 
 __all__ = ["Limits", "ValidatedRequest", "ValidationError", "check_request_fields", "validate_request"]
@@ -146,6 +146,7 @@ def check_request_fields(req: generation_pb2.GenerateRequest, limits: Limits) ->
             )
 
     sampling = check_sampling(req.sampling, limits.sampling_defaults, limits.vocab_size)
+    check_structured(req.sampling, req.ignore_eos)
 
     if len(req.stop) > limits.max_stop_strings:
         raise ValidationError(

@@ -66,4 +66,11 @@ class WorkerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.grammar_mask = Histogram(
+            "tpserve_worker_grammar_mask_seconds",
+            "Rank 0's host time per step on grammar masks (waiting for the fill that overlaps the forward, "
+            "unpacking, applying), in steps that sample a sequence with a grammar.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         r.register(_DeviceCollector(device, rank))

@@ -23,6 +23,7 @@ from shard_worker.model.loader import load_weights
 from shard_worker.model.registry import model_class
 from shard_worker.parallel import TensorParallel
 from shard_worker.sampling import Sampler, SequenceState
+from shard_worker.sampling.grammar import GrammarCompiler
 from shard_worker.step import StepInputs, StepOutputs
 
 
@@ -71,9 +72,10 @@ class ModelRunner:
         # Swap space: the same layout as kv_caches, in host memory (pinned on CUDA, for fast copies).
         self.host_kv_caches: list[torch.Tensor] = []
         self.block_size = 0
-        self.sampler = (
-            Sampler(self.config.vocab_size, self.device, self.config.eos_token_ids) if tp.rank == 0 else None
-        )
+        self.sampler = None
+        if tp.rank == 0:
+            grammars = GrammarCompiler(self.model_dir, self.config.vocab_size, self.config.eos_token_ids)
+            self.sampler = Sampler(self.config.vocab_size, self.device, self.config.eos_token_ids, grammars)
 
     def describe(self) -> dict:
         params = {p.data_ptr(): p for p in self.model.parameters()}.values()  # tied weights once
@@ -197,6 +199,8 @@ class ModelRunner:
             self.block_size,
             self.device,
         )
+        if states:
+            self.sampler.prepare(states)  # host work for the sampler, overlapping the forward
         hidden = self.model(batch.input_ids, batch.positions, self.attention.context(batch), self.kv_caches)
 
         out = StepOutputs()

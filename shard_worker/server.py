@@ -48,6 +48,7 @@ def worker_step(req: worker_pb2.StepRequest) -> WorkerStep:
         table_reset=_array(req.table_reset),
         new_block_counts=_array(req.new_block_counts),
         new_block_ids=_array(req.new_block_ids),
+        grammar_wait_ms=req.grammar_wait_ms,
     )
 
 
@@ -175,6 +176,8 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
                 )
         self.metrics.forward.observe(out.forward_seconds)
         self.metrics.allreduce.observe(out.allreduce_seconds)
+        if out.grammar_mask_seconds:
+            self.metrics.grammar_mask.observe(out.grammar_mask_seconds)
         return worker_pb2.StepResponse(
             step_id=req.step_id,
             token_counts=out.token_counts,
@@ -184,6 +187,8 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
             top_logprobs=out.top_logprobs,
             forward_seconds=out.forward_seconds,
             allreduce_seconds=out.allreduce_seconds,
+            grammar_ready_seq_ids=out.grammar_ready_seq_ids,
+            grammar_errors=[worker_pb2.GrammarError(seq_id=i, message=m) for i, m in out.grammar_errors],
         )
 
 

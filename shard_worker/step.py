@@ -67,6 +67,10 @@ class StepOutputs:
     top_logprobs: list[float] = field(default_factory=list)
     forward_seconds: float = 0.0
     allreduce_seconds: float = 0.0
+    # Rank 0: sequences whose grammar became ready since the last step, and those whose failed.
+    grammar_ready_seq_ids: list[int] = field(default_factory=list)
+    grammar_errors: list[tuple[int, str]] = field(default_factory=list)
+    grammar_mask_seconds: float = 0.0  # host time on grammar masks this step
 
 
 @dataclass
@@ -87,3 +91,4 @@ class WorkerStep:
     table_reset: np.ndarray
     new_block_counts: np.ndarray
     new_block_ids: np.ndarray
+    grammar_wait_ms: int = 0  # rank 0 may wait this long for a grammar still compiling

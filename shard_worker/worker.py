@@ -4,11 +4,15 @@ Each sequence the worker knows is one WorkerSequence: its block table (a row of 
 step's batch table is one fancy-indexed copy) and, on rank 0, its sampling state. The scheduler owns the
 truth; a worker only applies what each step says changed, in this order: forget finished sequences,
 introduce new ones, swap blocks out then in, bring the block tables up to date, run the forward.
-No gRPC here: shard_worker/server.py decodes the StepRequest, calls step(), encodes the answer.
+A sequence with a grammar (structured outputs) is introduced while it still waits in the scheduler's
+queue; its grammar compiles on a thread, and each step's answer names the sequences whose grammar became
+ready, which the scheduler then admits. No gRPC here: shard_worker/server.py decodes the StepRequest,
+calls step(), encodes the answer.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from shard_worker.block_tables import BlockTables
@@ -27,6 +31,7 @@ class Worker:
         self.runner = runner
         self.tables: BlockTables | None = None
         self.sequences: dict[int, WorkerSequence] = {}
+        self._grammar_pending: dict[int, SequenceState] = {}  # rank 0: grammars not yet reported ready
 
     def init_cache(self, num_blocks: int, block_size: int, num_host_blocks: int, max_model_len: int):
         """Allocates the KV cache (and the swap space) for a new scheduler session, which introduces
@@ -41,6 +46,7 @@ class Worker:
     def forget(self, seq_ids) -> None:
         for seq_id in seq_ids:
             seq = self.sequences.pop(int(seq_id), None)
+            self._grammar_pending.pop(int(seq_id), None)
             if seq is not None and seq.sampling is not None:
                 self.runner.sampler.release(seq.sampling)
         if self.tables is not None:
@@ -55,11 +61,16 @@ class Worker:
             self.forget([init.seq_id])  # a sequence introduced again is rebuilt from its tokens
             state = sampler.new_state(init) if sampler is not None else None
             self.sequences[init.seq_id] = WorkerSequence(init.seq_id, state)
+            if state is not None and init.sampling.structured is not None:
+                self._grammar_pending[init.seq_id] = state
+        ready, errors = self._grammars(step.grammar_wait_ms / 1000)
         # Swap out first: its device blocks may be handed to this step's tokens or swap ins.
         if step.swap_out[0]:
             self.runner.swap_out(*step.swap_out)
         if step.swap_in[0]:
             self.runner.swap_in(*step.swap_in)
+        if not len(step.seq_ids):  # only grammars to wait for (every rank answers at once)
+            return StepOutputs(grammar_ready_seq_ids=ready, grammar_errors=errors)
         block_table = self.tables.apply(
             step.seq_ids, step.table_reset, step.new_block_counts, step.new_block_ids
         )
@@ -81,4 +92,30 @@ class Worker:
                 ]
             except KeyError as e:
                 raise KeyError(f"sequence {e.args[0]} was never introduced to this worker") from None
-        return self.runner.execute(inputs, states)
+        grammar = sampler.grammar if sampler is not None else None
+        mask_seconds = grammar.mask_seconds if grammar is not None else 0.0
+        out = self.runner.execute(inputs, states)
+        out.grammar_ready_seq_ids, out.grammar_errors = ready, errors
+        if grammar is not None:
+            out.grammar_mask_seconds = grammar.mask_seconds - mask_seconds
+        return out
+
+    def _grammars(self, wait_s: float) -> tuple[list[int], list[tuple[int, str]]]:
+        """The pending grammars that are ready now, and those that failed; with wait_s, waits that long
+        for the first of them (a step that computes nothing, sent only to wait for grammars)."""
+        ready, errors = [], []
+        deadline = time.monotonic() + wait_s
+        for seq_id, state in list(self._grammar_pending.items()):
+            try:
+                timeout = 0.0 if ready else max(0.0, deadline - time.monotonic())
+                done = self.runner.sampler.grammar_ready(state, timeout)
+            except Exception as e:  # a grammar llguidance refuses, or a model without a tokenizer
+                errors.append(
+                    (seq_id, f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e))
+                )
+                del self._grammar_pending[seq_id]
+                continue
+            if done:
+                ready.append(seq_id)
+                del self._grammar_pending[seq_id]
+        return ready, errors

@@ -9,13 +9,16 @@ one place (errors.from_failure), its field renamed to the name the client used (
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
+from common.grammar import KINDS as STRUCTURED_KINDS
 from common.pb.tpserve.v1 import generation_pb2 as pb
 from common.sampling import SAMPLING_FIELDS
 from router.openai import fields as f
 from router.openai.errors import bad_request
-from router.openai.tools import ToolChoice, parse_tool_calls, parse_tool_choice, parse_tools
+from router.openai.structured import parse_structured
+from router.openai.tools import ToolChoice, output_schema, parse_tool_calls, parse_tool_choice, parse_tools
 from router.validation import max_new_tokens_too_small
 
 # The default of OpenAI's legacy completions endpoint (chat leaves it to the server: as much as fits).
@@ -80,10 +83,14 @@ def _common(body: object, request_id: str, chat: bool) -> tuple[dict, dict]:
     min_tokens = f.integer(body, "min_tokens", 0, f.UINT32_MAX)
     if min_tokens is not None:
         sampling["min_tokens"] = min_tokens
+    structured, structured_field = parse_structured(body)
     kwargs = dict(
         request_id=given_id or request_id,
         sampling=pb.SamplingParams(
-            **sampling, logit_bias=f.logit_bias(body), bad_words=f.strings(body, "bad_words", single=False)
+            **sampling,
+            logit_bias=f.logit_bias(body),
+            bad_words=f.strings(body, "bad_words", single=False),
+            structured_output=structured,
         ),
         stop=f.strings(body, "stop"),
         # vLLM's extensions, for clients that send them (extra_body in the openai client).
@@ -97,6 +104,9 @@ def _common(body: object, request_id: str, chat: bool) -> tuple[dict, dict]:
     params = {
         f"sampling.{name}": name for name in (*SAMPLING_FIELDS, "logit_bias", "min_tokens", "bad_words")
     }
+    if structured_field is not None:
+        params |= {"sampling.structured_output": structured_field}
+        params |= {f"sampling.structured_output.{k}": structured_field for k in STRUCTURED_KINDS}
     params |= {
         "request_id": "request_id" if given_id else "X-Request-Id",
         "text": "prompt",
@@ -176,6 +186,16 @@ def parse_chat(body: object, request_id: str, tool_parser: str | None = None) ->
     kwargs["messages"] = [parse_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
     kwargs["tools"] = parse_tools(body)
     tool_choice = parse_tool_choice(body, kwargs["tools"], tool_parser)
+    schema = output_schema(kwargs["tools"], tool_choice)
+    if schema is not None:
+        # "required" or a named function: the answer is the call itself, its arguments held to the
+        # function's schema by a grammar.
+        if kwargs["sampling"].HasField("structured_output"):
+            raise bad_request(
+                "tool_choice", "tool_choice forcing a call cannot be combined with response_format"
+            )
+        kwargs["sampling"].structured_output.json_schema = json.dumps(schema)
+        rest["params"] |= {f"sampling.structured_output.{k}": "tool_choice" for k in STRUCTURED_KINDS}
     if body.get("add_generation_prompt") is not None:
         kwargs["add_generation_prompt"] = f.boolean(body, "add_generation_prompt")
     kwargs["continue_final_message"] = f.boolean(body, "continue_final_message")

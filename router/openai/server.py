@@ -40,7 +40,8 @@ from router.frontend import Frontend, RequestFailed
 from router.openai import protocol, tokenize
 from router.openai.encoder import Encoder
 from router.openai.errors import ApiError, bad_request, from_failure
-from router.openai.tool_parsers import PARSERS
+from router.openai.tool_parsers import PARSERS, ForcedCalls
+from router.openai.tools import FUNCTION, REQUIRED
 
 log = logging.getLogger("tpserve.router")
 
@@ -256,8 +257,10 @@ class OpenAIServer:
     async def _generate(self, request: web.Request, parse) -> web.StreamResponse:
         req = parse(await self._body(request), request.headers.get("X-Request-Id") or uuid.uuid4().hex)
         info = self._check_model(req.model)
-        parser = None
-        if req.tool_choice is not None and req.tool_choice.parses:
+        parser, choice = None, req.tool_choice
+        if choice is not None and choice.mode in (REQUIRED, FUNCTION):
+            parser = ForcedCalls(choice.name)  # the answer is the call, made by its grammar
+        elif choice is not None and choice.parses:
             parser = PARSERS[self.tool_call_parser]()
             if parser.needs_special_tokens and not req.generate.HasField("skip_special_tokens"):
                 req.generate.skip_special_tokens = False  # the parser's marker is a special token
