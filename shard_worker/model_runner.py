@@ -204,6 +204,8 @@ class ModelRunner:
         hidden = self.model(batch.input_ids, batch.positions, self.attention.context(batch), self.kv_caches)
 
         out = StepOutputs()
+        if inputs.prompt_rows is not None and len(inputs.prompt_rows):
+            prompt_logprobs(self.model, hidden, inputs, out)
         sampled = np.flatnonzero(inputs.sample_counts)
         if len(sampled):
             counts = inputs.sample_counts[sampled]
@@ -339,6 +341,34 @@ def synthetic_step(lens: list[tuple[int, int]], block_size: int) -> tuple[StepIn
         block_table=StepInputs.pad_tables(tables),
     )
     return step, next_block
+
+
+# Prompt logprob rows per pass: [rows, vocab] float32 logits at a time, so a long prompt never needs
+# prompt_len x vocab of them at once.
+PROMPT_LOGPROB_CHUNK = 256
+
+
+def prompt_logprobs(model, hidden: torch.Tensor, inputs: StepInputs, out: StepOutputs) -> None:
+    """Rank 0: each prompt row's log-softmax (the raw distribution, as the output's logprobs): the
+    logprob and rank of the prompt token that follows, and its alternatives. Every rank computes the
+    logits (the LM head gathers); only rank 0 gets them."""
+    rows = torch.from_numpy(inputs.prompt_rows).to(hidden.device)
+    for at in range(0, len(rows), PROMPT_LOGPROB_CHUNK):
+        chunk = slice(at, at + PROMPT_LOGPROB_CHUNK)
+        logits = model.compute_logits(hidden.index_select(0, rows[chunk]))
+        if logits is None:
+            continue
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        targets = torch.from_numpy(inputs.prompt_targets[chunk]).to(lp.device)
+        chosen = lp.gather(1, targets.unsqueeze(1))
+        out.prompt_logprobs += chosen.squeeze(1).tolist()
+        out.prompt_ranks += ((lp > chosen).sum(dim=-1) + 1).tolist()
+        tops = inputs.prompt_tops[chunk]
+        if tops.max() > 0:
+            values, ids = lp.topk(int(tops.max()), dim=-1)
+            for k, v_row, i_row in zip(tops.tolist(), values.tolist(), ids.tolist(), strict=True):
+                out.prompt_top_token_ids += i_row[:k]
+                out.prompt_top_logprobs += v_row[:k]
 
 
 def sampled_rows(ends: np.ndarray, counts: np.ndarray) -> np.ndarray:

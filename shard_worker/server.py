@@ -49,6 +49,7 @@ def worker_step(req: worker_pb2.StepRequest) -> WorkerStep:
         new_block_counts=_array(req.new_block_counts),
         new_block_ids=_array(req.new_block_ids),
         grammar_wait_ms=req.grammar_wait_ms,
+        prompt_logprob_counts=_array(req.prompt_logprob_counts) if req.prompt_logprob_counts else None,
     )
 
 
@@ -61,6 +62,8 @@ def sequence_init(msg: worker_pb2.SequenceInit) -> SequenceInit:
         num_prompt_tokens=msg.num_prompt_tokens,
         num_sampled=msg.num_sampled,
         stop_token_ids=tuple(msg.stop_token_ids),
+        want_prompt_logprobs=msg.want_prompt_logprobs,
+        prompt_logprobs=msg.prompt_logprobs,
     )
 
 
@@ -189,6 +192,10 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
             allreduce_seconds=out.allreduce_seconds,
             grammar_ready_seq_ids=out.grammar_ready_seq_ids,
             grammar_errors=[worker_pb2.GrammarError(seq_id=i, message=m) for i, m in out.grammar_errors],
+            prompt_logprobs=out.prompt_logprobs,
+            prompt_ranks=out.prompt_ranks,
+            prompt_top_token_ids=out.prompt_top_token_ids,
+            prompt_top_logprobs=out.prompt_top_logprobs,
         )
 
 

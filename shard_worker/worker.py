@@ -15,6 +15,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
+
 from shard_worker.block_tables import BlockTables
 from shard_worker.sampling import SequenceState
 from shard_worker.step import StepInputs, StepOutputs, WorkerStep
@@ -24,6 +26,10 @@ from shard_worker.step import StepInputs, StepOutputs, WorkerStep
 class WorkerSequence:
     seq_id: int
     sampling: SequenceState | None  # rank 0 only
+    # Prompt logprobs wanted: the prompt (every rank: they all compute the rows' logits, a collective)
+    # and the alternatives per position.
+    prompt: list[int] | None = None
+    prompt_top: int = 0
 
 
 class Worker:
@@ -60,7 +66,8 @@ class Worker:
         for init in step.new_sequences:
             self.forget([init.seq_id])  # a sequence introduced again is rebuilt from its tokens
             state = sampler.new_state(init) if sampler is not None else None
-            self.sequences[init.seq_id] = WorkerSequence(init.seq_id, state)
+            prompt = init.token_ids[: init.num_prompt_tokens] if init.want_prompt_logprobs else None
+            self.sequences[init.seq_id] = WorkerSequence(init.seq_id, state, prompt, init.prompt_logprobs)
             if state is not None and init.sampling.structured is not None:
                 self._grammar_pending[init.seq_id] = state
         ready, errors = self._grammars(step.grammar_wait_ms / 1000)
@@ -82,6 +89,8 @@ class Worker:
             input_ids=step.input_ids,
             block_table=block_table,
         )
+        if step.prompt_logprob_counts is not None:
+            self._prompt_rows(step, inputs)
         states = None
         if sampler is not None:
             try:
@@ -99,6 +108,27 @@ class Worker:
         if grammar is not None:
             out.grammar_mask_seconds = grammar.mask_seconds - mask_seconds
         return out
+
+    def _prompt_rows(self, step: WorkerStep, inputs: StepInputs) -> None:
+        """The rows giving prompt logprobs: for a sequence counting n, its last n query positions before
+        e = min(context_len, len(prompt) - 1); position p predicts prompt token p + 1."""
+        rows, targets, tops = [], [], []
+        q_starts = np.cumsum(step.query_lens) - step.query_lens
+        for i in np.flatnonzero(step.prompt_logprob_counts):
+            seq = self.sequences[int(step.seq_ids[i])]
+            if seq.prompt is None:
+                raise ValueError(f"sequence {seq.seq_id} asked no prompt logprobs")
+            n, context = int(step.prompt_logprob_counts[i]), int(step.context_lens[i])
+            first_pos = context - int(step.query_lens[i])
+            end = min(context, len(seq.prompt) - 1)
+            rows.extend(int(q_starts[i]) + p - first_pos for p in range(end - n, end))
+            targets.extend(seq.prompt[end - n + 1 : end + 1])
+            tops.extend([seq.prompt_top] * n)
+        inputs.prompt_rows, inputs.prompt_targets, inputs.prompt_tops = (
+            np.asarray(rows, dtype=np.int64),
+            np.asarray(targets, dtype=np.int64),
+            np.asarray(tops, dtype=np.int64),
+        )
 
     def _grammars(self, wait_s: float) -> tuple[list[int], list[tuple[int, str]]]:
         """The pending grammars that are ready now, and those that failed; with wait_s, waits that long

@@ -105,8 +105,9 @@ def _common(body: object, request_id: str, chat: bool) -> tuple[dict, dict]:
         f"sampling.{name}": name for name in (*SAMPLING_FIELDS, "logit_bias", "min_tokens", "bad_words")
     }
     if structured_field is not None:
-        params |= {"sampling.structured_output": structured_field}
+        # The oneof's members first: a message naming one is renamed whole, not by its prefix.
         params |= {f"sampling.structured_output.{k}": structured_field for k in STRUCTURED_KINDS}
+        params |= {"sampling.structured_output": structured_field}
     params |= {
         "request_id": "request_id" if given_id else "X-Request-Id",
         "text": "prompt",
