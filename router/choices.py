@@ -30,11 +30,18 @@ def choice_seed(seed: int | None, index: int) -> int | None:
 
 
 async def merged(
-    streams: list[AsyncIterator[generation_pb2.GenerateResponse]], prompt_logprobs: bool = False
+    streams: list[AsyncIterator[generation_pb2.GenerateResponse]],
+    prompt_logprobs: bool = False,
+    same_prompt: bool = True,
+    finishes: int | None = None,
 ) -> AsyncIterator[generation_pb2.GenerateResponse]:
     """The choices' responses as they come (each already carries its index). A choice's failure fails the
-    whole request, and closing this closes every choice (which aborts those still running)."""
-    if len(streams) == 1:
+    whole request, and closing this closes every choice (which aborts those still running). The very
+    last message (the `finishes`-th with a finish_reason; default one per stream) carries the usage of
+    all: one prompt's tokens when every stream has the same prompt, else their sum.
+    prompt_logprobs: the first choice's first message carries them; the others' wait for it."""
+    finishes = len(streams) if finishes is None else finishes
+    if len(streams) == 1 and finishes == 1:
         async with _closing(streams):
             async for resp in streams[0]:
                 yield resp
@@ -79,18 +86,22 @@ async def merged(
             for resp in ready:
                 if resp.finish_reason:
                     finished += 1
-                    _add_usage(totals, resp.usage)
+                    _add_usage(totals, resp.usage, same_prompt)
                     resp.ClearField("usage")
-                    if finished == len(streams):  # the very last message
+                    if finished == finishes:  # the very last message
                         resp.usage.CopyFrom(totals)
                 yield resp
 
 
-def _add_usage(totals: generation_pb2.Usage, u: generation_pb2.Usage) -> None:
-    # The prompt is one prompt whatever the choices; completions add up.
-    totals.prompt_tokens = u.prompt_tokens
+def _add_usage(totals: generation_pb2.Usage, u: generation_pb2.Usage, same_prompt: bool) -> None:
+    # One prompt is one prompt whatever its choices; completions add up.
+    if same_prompt:
+        totals.prompt_tokens = max(totals.prompt_tokens, u.prompt_tokens)
+        totals.cached_tokens = max(totals.cached_tokens, u.cached_tokens)
+    else:
+        totals.prompt_tokens += u.prompt_tokens
+        totals.cached_tokens += u.cached_tokens
     totals.completion_tokens += u.completion_tokens
-    totals.cached_tokens = max(totals.cached_tokens, u.cached_tokens)
 
 
 class _closing:

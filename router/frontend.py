@@ -272,6 +272,13 @@ class Frontend:
         first_token_at = last_token_at = None
         finished = False
         prompt_logprobs = []  # they come with the prompt's steps, before the first token
+        if index == 0 and req.prompt_logprobs is not None:
+            # The prompt's first token, which nothing predicts: its id and text, no logprob.
+            first = generation_pb2.Logprobs(
+                chosen=generation_pb2.TokenLogprob(token_id=req.prompt_token_ids[0])
+            )
+            await decoding.run(text_stream.fill_logprob_texts, [first])
+            prompt_logprobs.append(first)
         try:
             while not finished:
                 out = await queue.get()

@@ -40,11 +40,15 @@ def _r(name, endpoint, origin, note, unused=(None,)):
     return Field(name, endpoint, origin, "refused", note, unused)
 
 
-PHASE2 = "needs the engine's grammar masks (structured outputs issue, phase 2)"
 FIELDS = (
     # ---- OpenAI ----
     _s("model", BOTH, "OpenAI", "the served model's name, or any path to its directory; another: 404"),
-    _s("prompt", COMPLETIONS, "OpenAI", "a string, or token ids; a list of one of these"),
+    _s(
+        "prompt",
+        COMPLETIONS,
+        "OpenAI",
+        "a string or token ids, or a list of up to 64 of either (one choice each)",
+    ),
     _s("messages", CHAT, "OpenAI", "system/developer, user, assistant (with tool_calls), tool; text content"),
     _s("max_tokens", BOTH, "OpenAI", "completions: default 16; chat: the deprecated max_completion_tokens"),
     _s("max_completion_tokens", CHAT, "OpenAI", "default: the server's --default-max-new-tokens, fitted"),
@@ -73,9 +77,14 @@ FIELDS = (
     _a("safety_identifier", CHAT, "OpenAI", "as user"),
     _a("prompt_cache_key", CHAT, "OpenAI", "a cache hint: prefix caching needs none"),
     _a("service_tier", CHAT, "OpenAI", "a billing tier: no effect"),
-    _r("n", BOTH, "OpenAI", "only n=1 (send n requests); more need the engine's fork (phase 2)", (None, 1)),
-    _r("best_of", COMPLETIONS, "OpenAI", "needs the engine's fork (phase 2)", (None, 1)),
-    _r("echo", BOTH, "OpenAI", "needs prompt logprobs from the engine (phase 2)", (None, False)),
+    _s("n", BOTH, "OpenAI", "[1, 16] choices sharing the prompt's KV blocks; seeded: choice i uses seed + i"),
+    _s(
+        "best_of",
+        COMPLETIONS,
+        "OpenAI",
+        "[n, 16] generated, the n with the highest summed logprob kept; not streamed",
+    ),
+    _s("echo", BOTH, "OpenAI", "completions: the prompt before the text (and its logprobs); chat: as vLLM"),
     _r("suffix", COMPLETIONS, "OpenAI", "fill-in-the-middle needs a model's FIM template", (None, "")),
     _s("response_format", BOTH, "OpenAI", "text, json_object, json_schema (strict or not: always enforced)"),
     _r("functions", CHAT, "OpenAI", "deprecated for tools", (None, [])),
@@ -109,7 +118,12 @@ FIELDS = (
     _r("spaces_between_special_tokens", BOTH, "vLLM", "fast tokenizers decode as with true", (None, True)),
     _r("truncate_prompt_tokens", BOTH, "vLLM", "a long prompt is refused, not cut"),
     _r("truncation_side", BOTH, "vLLM", "see truncate_prompt_tokens"),
-    _r("prompt_logprobs", BOTH, "vLLM", "needs prompt logprobs from the engine (phase 2)"),
+    _s(
+        "prompt_logprobs",
+        BOTH,
+        "vLLM",
+        "k <= 20 per prompt token; not with the prefix cache; chat: not streamed",
+    ),
     _r("allowed_token_ids", BOTH, "vLLM", "needs an allow-list logits processor in the engine"),
     _r("logprob_token_ids", BOTH, "vLLM", "logprobs of chosen ids need the engine"),
     _s(
