@@ -73,4 +73,10 @@ class WorkerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.grammar_fill = Histogram(
+            "tpserve_worker_grammar_fill_seconds",
+            "Rank 0's time per step filling grammar masks (llguidance), most of it while the forward runs.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         r.register(_DeviceCollector(device, rank))

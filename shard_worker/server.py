@@ -181,6 +181,7 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
         self.metrics.allreduce.observe(out.allreduce_seconds)
         if out.grammar_mask_seconds:
             self.metrics.grammar_mask.observe(out.grammar_mask_seconds)
+            self.metrics.grammar_fill.observe(out.grammar_fill_seconds)
         return worker_pb2.StepResponse(
             step_id=req.step_id,
             token_counts=out.token_counts,

@@ -102,11 +102,12 @@ class Worker:
             except KeyError as e:
                 raise KeyError(f"sequence {e.args[0]} was never introduced to this worker") from None
         grammar = sampler.grammar if sampler is not None else None
-        mask_seconds = grammar.mask_seconds if grammar is not None else 0.0
+        before = (grammar.mask_seconds, grammar.fill_seconds) if grammar is not None else None
         out = self.runner.execute(inputs, states)
         out.grammar_ready_seq_ids, out.grammar_errors = ready, errors
         if grammar is not None:
-            out.grammar_mask_seconds = grammar.mask_seconds - mask_seconds
+            out.grammar_mask_seconds = grammar.mask_seconds - before[0]
+            out.grammar_fill_seconds = grammar.fill_seconds - before[1]
         return out
 
     def _prompt_rows(self, step: WorkerStep, inputs: StepInputs) -> None:

@@ -22,6 +22,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -48,6 +49,21 @@ class GrammarCompiler:
         self._executor = None
         self._lock = threading.Lock()
         self._cache: OrderedDict[GrammarSpec, Future] = OrderedDict()
+
+    def start(self) -> None:
+        """Builds llguidance's tokenizer on the compile thread now (about a second), so that the first
+        request with a grammar does not wait for it. A model without tokenizer files has none to build:
+        its grammars fail when compiled, and say why."""
+        if any(
+            Path(self.tokenizer_dir, name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")
+        ):
+            self._pool.submit(self._warm)
+
+    def _warm(self) -> None:
+        try:
+            self.tokenizer()
+        except Exception as e:  # told again, to the request, when a grammar is compiled
+            log.warning("grammar tokenizer not built: %s: %s", type(e).__name__, e)
 
     def tokenizer(self):
         with self._lock:
@@ -106,7 +122,10 @@ class GrammarProcessor(LogitsProcessor):
         self._bitmask = np.zeros((0, 0), dtype=np.int32)
         self._prepared: tuple[tuple[int, ...], Future] | None = None
         self._fill_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
-        self.mask_seconds = 0.0  # host time spent on masks (fill wait, unpack, apply), for the metrics
+        self.mask_seconds = (
+            0.0  # critical-path host time on masks (fill wait, unpack, apply), for the metrics
+        )
+        self.fill_seconds = 0.0  # time llguidance spent filling masks, most of it overlapping the forward
 
     def wants(self, config):
         return config.structured is not None
@@ -153,8 +172,10 @@ class GrammarProcessor(LogitsProcessor):
             self._bitmask = np.zeros((max(8, 2 * len(matchers)), words), dtype=np.int32)
         bitmask = self._bitmask[: len(matchers)]
         # One call fills every row on llguidance's threads, without the GIL.
+        start = time.perf_counter()
         rows = [(m, i) for i, m in enumerate(matchers)]
         self.compiler.executor.unsafe_compute_mask_ptr(rows, bitmask.ctypes.data, words * 4, len(matchers))
+        self.fill_seconds += time.perf_counter() - start
         return bitmask
 
     def apply(self, states, rows, logits):
