@@ -54,9 +54,11 @@ def histogram(port: int, name: str) -> tuple[float, float]:
 def one_round(client, n: int, max_tokens: int, constrained: bool) -> tuple[float, int]:
     """Wall seconds and output tokens of n concurrent requests."""
 
+    model = client.models.list().data[0].id
+
     def one(i: int) -> int:
         kw = dict(
-            model="m",
+            model=model,
             messages=[{"role": "user", "content": f"Describe city number {i} of Spain as JSON."}],
             max_tokens=max_tokens,
             temperature=1.0,

@@ -20,10 +20,10 @@ from tests.reference import generate, run_concurrently
 SCHEMA = {
     "type": "array",
     "items": {"type": "integer", "minimum": 0, "maximum": 999},
-    "minItems": 6,
-    "maxItems": 10,
+    "minItems": 12,
+    "maxItems": 16,
 }
-# 14 KV blocks of 16 tokens: four sequences of 20 + up to 48 tokens cannot all stay.
+# 14 KV blocks of 16 tokens: four sequences of 40 + 30 to 64 tokens cannot all stay.
 FLAGS = ("--dtype", "float64", "--num-kv-blocks", "14", "--max-num-seqs", "4", "--max-restarts", "4")
 
 
@@ -31,8 +31,8 @@ def requests() -> list[dict]:
     grammar = pb.StructuredOutput(json_schema=json.dumps(SCHEMA))
     return [
         dict(
-            token_ids=[5 + i] * 20,
-            max_new_tokens=48,
+            token_ids=[5 + i] * 40,
+            max_new_tokens=64,
             sampling=pb.SamplingParams(
                 temperature=0.0 if i % 2 else 1.0, seed=40 + i, structured_output=grammar
             ),
