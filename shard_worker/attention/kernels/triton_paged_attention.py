@@ -26,7 +26,7 @@ Split KV (long-context decode, few sequences). With one program per (sequence, K
 decodes would leave most of the GPU idle while each walks thousands of keys; axis 2 then cuts each tile's
 key range into NUM_SPLITS contiguous slices, each program writes its normalised partial output and its
 log-sum-exp to a float32 workspace, and a second kernel combines the slices per (token, head). The host
-rule is plan_kv_splits() in paged_attention.py, which launches these kernels and checks their arguments.
+rule is plan_kv_splits() in host.py, which launches these kernels and checks their arguments.
 
 Correctness never depends on max_query_len or max_seq_len: they pick tile sizes and the split count (a
 CUDA graph bucket's loose bounds are fine), while every range is computed on the device from the tensors.

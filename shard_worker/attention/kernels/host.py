@@ -1,5 +1,6 @@
-"""paged_attention(): the launcher of the Triton kernels in triton_paged_attention.py (their tiling and grid
-are described there), the host rules that size their tiles and KV splits, and the launch-time checks.
+"""The host side of the Triton kernels in triton_paged_attention.py (their tiling and grid are described
+there): paged_attention(), which launches them, the rules that size their tiles and KV splits, and the
+launch-time checks.
 
 Everything here reads host metadata only (shapes, dtypes, strides, ints the caller knows), so a launch
 never waits on the device and is CUDA-graph capturable. The checks mirror what a GPU would enforce or
@@ -52,8 +53,9 @@ class TilePlan:
 def plan_tiles(queries_per_kv: int, max_query_len: int, head_dim: int, dtype: torch.dtype) -> TilePlan:
     """16-row tiles when every sequence fits in one (decodes, short speculative verifies: a decode fills
     only queries_per_kv rows whatever the tile), else taller tiles so that a prefill chunk reloads each
-    key tile less often. Sizes and warps were chosen from ptxas' register counts for sm_90 (no spills at
-    head_dim 64-256; test_triton_kernels.py compiles them), not from timings on a GPU."""
+    key tile less often. Sizes and warps were chosen from ptxas' register counts for sm_90 (at most a few
+    bytes of spill at head_dim 64-256, where 64-row fp32 tiles spilled 0.6-8 KB; the tests compile them),
+    not from timings on a GPU."""
     rows_min = _decode_rows(queries_per_kv)
     head_dim_pad = _padded_head_dim(head_dim)
     itemsize = torch.finfo(dtype).bits // 8
