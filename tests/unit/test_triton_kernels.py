@@ -183,6 +183,7 @@ BAD_ARGUMENTS = {
     "out shape": (_replace(out=torch.zeros(5, 8, 64, dtype=torch.float16)), "out must match"),
     "out strided": (_replace(out=_noncontiguous_q()), "out must be contiguous"),
     "sliding_window negative": (_replace(sliding_window=-1), "sliding_window"),
+    "scale a tensor": (_replace(scale=torch.tensor(0.125)), "scale"),
     "max_query_len bool": (_replace(max_query_len=True), "max_query_len"),
     "max_seq_len negative": (_replace(max_seq_len=-5), "max_seq_len"),
     "num_kv_splits 3": (_replace(num_kv_splits=3), "num_kv_splits"),

@@ -89,7 +89,9 @@ def compile_variant(
     element = TRITON_TYPE[dtype]
     pointers = {name: f"*{element}" for name in ("out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr")}
     pointers |= {name: "*i32" for name in ("block_table_ptr", "query_start_loc_ptr", "seq_lens_ptr")}
-    pointers |= {"partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32"}
+    # As host.py passes them: the fp32 workspace when splitting, else out again as an unused placeholder.
+    partial = "*fp32" if num_kv_splits > 1 else f"*{element}"
+    pointers |= {"partial_out_ptr": partial, "partial_lse_ptr": partial}
     source = ASTSource(
         paged_attention_kernel, signature(paged_attention_kernel, pointers, constants), constants
     )

@@ -184,6 +184,10 @@ def case_mixed_step() -> None:
     seqs = [(20, 57), (5, 40), (33, 33), (1, 16), (1, 49), (1, 1), (2, 18)]
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         attend_and_check("mixed_step", "mixed", build_step(seqs, dtype=dtype), dtype)
+    # A longer chunk: many query tiles, each walking a different number of key tiles.
+    for dtype in (torch.float32, torch.float16):
+        step = build_step([(130, 300), (1, 90)], dtype=dtype, seed=2)
+        attend_and_check("mixed_step", "130-token chunk over 170 cached", step, dtype)
 
 
 def case_gqa_groups() -> None:
@@ -237,6 +241,8 @@ def case_split_kv() -> None:
         attend_and_check("split_kv", "splits=4 window=21", step, dtype, sliding_window=21, num_kv_splits=4)
         mixed = build_step([(20, 57), (1, 49), (5, 40)], dtype=dtype, seed=1)
         attend_and_check("split_kv", "splits=2 mixed step", mixed, dtype, num_kv_splits=2)
+    step = build_step(seqs, dtype=torch.bfloat16)
+    attend_and_check("split_kv", "splits=4", step, torch.bfloat16, num_kv_splits=4)
 
 
 def _pad_bucket(step: Step, pads: int, mode: str) -> Step:

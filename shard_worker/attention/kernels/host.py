@@ -146,6 +146,8 @@ def paged_attention(
     else:
         _check_out(out, q)
     _check_int("sliding_window", sliding_window)
+    if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite host float, got {scale!r}")
     max_query_len = num_tokens if max_query_len is None else _check_int("max_query_len", max_query_len)
     max_context = block_table.shape[1] * block_size
     max_seq_len = max_context if max_seq_len is None else _check_int("max_seq_len", max_seq_len)
@@ -165,7 +167,7 @@ def paged_attention(
 
     plan = plan_tiles(queries_per_kv, max_query_len, head_dim, q.dtype)
     head_dim_pad = _padded_head_dim(head_dim)
-    partial_out = partial_lse = out  # unused placeholders when not splitting (the kernel never reads them)
+    partial_out = partial_lse = out  # placeholders when not splitting: the kernel never touches them
     if num_kv_splits > 1:
         needed = kv_split_workspace_numel(num_tokens, num_heads, head_dim, num_kv_splits)
         if workspace is None:

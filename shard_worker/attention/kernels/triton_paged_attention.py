@@ -13,8 +13,9 @@ The program walks BLOCK_N key positions at a time, looking up each position's ph
 block table, and keeps an online softmax (running max and sum in fp32, base 2) over them. The walk
 covers only the keys some row of the tile can see: it stops at the last row's own position (causal)
 and, with a sliding window, starts at the tile that holds the first row's oldest visible key; tiles
-outside that range are never visited, and masked lanes are never loaded (a loaded NaN in an unused slot
-could not be masked away after the product). head_dim is padded to a power of two >= 16 with masks.
+outside that range are never visited, and lanes outside it are never loaded: a value slot that holds
+NaN would survive its zero weight in p @ v (0 x NaN), and a block-table entry past a sequence's blocks
+may be any number. head_dim is padded to a power of two >= 16 with masks.
 
 Grid (host ints only, so a launch needs no device sync and can be captured in a CUDA graph):
 axis 0 = T // BLOCK_Q + S query tiles, an upper bound: sequence i's tiles are numbered from
@@ -33,7 +34,7 @@ CUDA graph bucket's loose bounds are fine), while every range is computed on the
 Rows at or past query_start_loc[S] (padding of a graph bucket) are not written.
 
 Under Triton's interpreter (TRITON_INTERPRET=1 in the environment before this module is imported; CPU
-tensors) tl.dot multiplies bf16 bit patterns, so the launcher asks for dot inputs upcast to fp32 there.
+tensors) tl.dot multiplies bf16 bit patterns, so host.py asks for dot inputs upcast to fp32 there.
 """
 
 from __future__ import annotations
@@ -147,8 +148,8 @@ def paged_attention_kernel(
 
     for start in range(walk_lo, walk_hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
-        # Lanes outside [kv_first, kv_end) are not loaded at all: their block table entries may be
-        # garbage and their slots may hold anything, NaN included.
+        # Lanes outside [kv_first, kv_end) are not loaded at all: their block-table entries may be
+        # garbage and their value slots anything, NaN included (masking scores would not stop 0 x NaN).
         pos_valid = (pos >= kv_first) & (pos < kv_end)
         block = tl.load(table_row + pos // BLOCK_SIZE, mask=pos_valid, other=0).to(tl.int64)
         slot = pos % BLOCK_SIZE
@@ -233,7 +234,9 @@ def combine_splits_kernel(
     top = tl.max(lse, axis=0)
     top = tl.where(top == float("-inf"), 0.0, top)
     weight = tl.exp2(lse - top)  # empty splits: lse -inf, weight 0
-    partial = tl.load(partial_out_ptr + part[:, None] * HEAD_DIM_PAD + dims[None, :], mask=dim_valid[None, :])
+    partial = tl.load(
+        partial_out_ptr + part[:, None] * HEAD_DIM_PAD + dims[None, :], mask=dim_valid[None, :], other=0.0
+    )
     total = tl.sum(weight, axis=0)
     result = tl.sum(partial * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
     tl.store(
