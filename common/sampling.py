@@ -39,6 +39,11 @@ class SamplingConfig:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
+    # (token id, bias) pairs, sorted by id: frozen and hashable, unlike a dict.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    # Token sequences never to complete (bad_words, tokenized by the router).
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -56,7 +61,12 @@ class SamplingConfig:
         values = {name: getattr(self, name) for name in SAMPLING_FIELDS}
         if values["seed"] is None:
             del values["seed"]
-        return generation_pb2.SamplingParams(**values)
+        return generation_pb2.SamplingParams(
+            **values,
+            logit_bias=dict(self.logit_bias),
+            min_tokens=self.min_tokens,
+            bad_words_token_ids=[generation_pb2.TokenIds(ids=ids) for ids in self.bad_words_token_ids],
+        )
 
     @classmethod
     def from_proto(cls, msg, defaults: SamplingConfig | None = None) -> SamplingConfig:
@@ -66,6 +76,12 @@ class SamplingConfig:
         for name in SAMPLING_FIELDS:
             if msg.HasField(name):
                 values[name] = getattr(msg, name)
+        if msg.logit_bias:
+            values["logit_bias"] = tuple(sorted(msg.logit_bias.items()))
+        if msg.HasField("min_tokens"):
+            values["min_tokens"] = msg.min_tokens
+        if msg.bad_words_token_ids:
+            values["bad_words_token_ids"] = tuple(tuple(t.ids) for t in msg.bad_words_token_ids)
         return dataclasses.replace(defaults, **values) if defaults is not None else cls(**values)
 
     @classmethod

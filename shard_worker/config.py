@@ -18,6 +18,8 @@ from common.tracing import TracingConfig
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 DEVICES = ("cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
+# shard_worker/attention/__init__.py: auto is triton on CUDA, flex on CPU float32, reference otherwise.
+ATTENTION_BACKENDS = ("auto", "flex", "triton", "reference")
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,13 @@ class WorkerConfig:
         help="auto: the checkpoint's weights; dummy: random weights from config.json alone (benchmarks at "
         "real shapes, no checkpoint on disk)",
         choices=LOAD_FORMATS,
+        launch=True,
+    )
+    attention_backend: str = setting(
+        "auto",
+        help="auto (triton on CUDA, flex on CPU float32, reference otherwise), flex, triton, or reference "
+        "(one sequence at a time: exact, slow)",
+        choices=ATTENTION_BACKENDS,
         launch=True,
     )
     metrics_port: int | None = None

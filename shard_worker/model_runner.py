@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shard_worker.model.attention import PREFILL_MIN_QUERY, AttentionMetadata
+from shard_worker.attention import StepBatch, select_backend
+from shard_worker.attention.flex import PREFILL_MIN_QUERY
 from shard_worker.model.config import ModelConfig
 from shard_worker.model.llama import LlamaModel
 from shard_worker.model.loader import load_weights
@@ -44,9 +45,11 @@ class ModelRunner:
         device: torch.device,
         tp: TensorParallel,
         load_format: str = "auto",
+        attention_backend: str = "auto",
     ):
         """load_format "auto" reads the checkpoint's weights; "dummy" fills them with small random values
-        on the device from config.json alone (vLLM's name), for benchmarks at real shapes."""
+        on the device from config.json alone (vLLM's name), for benchmarks at real shapes.
+        attention_backend: see shard_worker/attention (ValueError when it cannot run here)."""
         self.model_dir = Path(model_dir)
         self.dtype = dtype
         self.device = torch.device(device)
@@ -55,6 +58,7 @@ class ModelRunner:
             # Denormal floats make CPU matmuls many times slower, and random or tiny weights produce them.
             torch.set_flush_denormal(True)
         self.config = ModelConfig.from_pretrained(self.model_dir)
+        self.attention = select_backend(attention_backend, self.device, dtype)
         with torch.device(self.device), _default_dtype(dtype):
             self.model = LlamaModel(self.config, tp)
         if load_format == "dummy":
@@ -194,24 +198,15 @@ class ModelRunner:
         start = time.perf_counter()
         self.tp.take_comm_seconds()  # count only this step's communication
         self._check(inputs)
-        n = len(inputs.input_ids)
-        # One host-to-device copy for the per-token arrays, one for the block tables.
-        flat = torch.from_numpy(np.concatenate([inputs.input_ids, inputs.positions, inputs.slot_mapping]))
-        tables = torch.from_numpy(inputs.block_table)
-        if self.device.type == "cuda":
-            flat, tables = flat.pin_memory(), tables.pin_memory()
-        flat = flat.to(self.device, non_blocking=True)
-        block_table = tables.to(self.device, non_blocking=True)
-        input_ids, positions, slot_mapping = flat.split([n, n, n])
-        metadata = AttentionMetadata.build(
-            inputs.query_lens.tolist(),
-            inputs.context_lens.tolist(),
-            block_table,
-            slot_mapping,
+        batch = StepBatch.build(
+            inputs.input_ids,
+            inputs.query_lens,
+            inputs.context_lens,
+            inputs.block_table,
             self.block_size,
-            self.model.queries_per_kv,
+            self.device,
         )
-        hidden = self.model(input_ids, positions, metadata, self.kv_caches)
+        hidden = self.model(batch.input_ids, batch.positions, self.attention.context(batch), self.kv_caches)
 
         out = StepOutputs()
         sampled = np.flatnonzero(inputs.do_sample)

@@ -222,7 +222,9 @@ def serve(config: WorkerConfig) -> None:
     torch.set_num_threads(config.threads)
     device = select_device(config)
     tp = init_tensor_parallel(config.rank, config.world_size, config.dist_init, device)
-    runner = ModelRunner(config.model, getattr(torch, config.dtype), device, tp, config.load_format)
+    runner = ModelRunner(
+        config.model, getattr(torch, config.dtype), device, tp, config.load_format, config.attention_backend
+    )
 
     stop = threading.Event()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=SERVER_OPTIONS)

@@ -1,0 +1,52 @@
+"""Attention backends, one chosen when the worker starts (`--attention-backend`).
+
+- flex: torch's compiled flex_attention over the paged cache, CPU float32 (flex.py).
+- reference: one sequence at a time in plain torch; any device and dtype, exact (reference.py).
+- triton: a paged-attention kernel for CUDA (triton_paged.py).
+auto picks triton on CUDA, flex on CPU in float32, and the reference otherwise (float64, which the
+end-to-end tests compare with transformers in; CPU half types).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shard_worker.attention.backend import AttentionBackend, AttentionContext, StepBatch
+from shard_worker.attention.layer import Attention
+
+BACKEND_NAMES = ("auto", "flex", "triton", "reference")
+
+__all__ = ["Attention", "AttentionBackend", "AttentionContext", "StepBatch", "select_backend"]
+
+
+def _backend_class(name: str) -> type[AttentionBackend]:
+    if name == "flex":
+        from shard_worker.attention.flex import FlexBackend
+
+        return FlexBackend
+    if name == "reference":
+        from shard_worker.attention.reference import ReferenceBackend
+
+        return ReferenceBackend
+    if name == "triton":
+        from shard_worker.attention.triton_paged import TritonBackend
+
+        return TritonBackend
+    raise ValueError(f"--attention-backend must be one of {', '.join(BACKEND_NAMES)}, got {name!r}")
+
+
+def auto_backend_name(device: torch.device, dtype: torch.dtype) -> str:
+    if device.type == "cuda":
+        return "triton"
+    return "flex" if dtype == torch.float32 else "reference"
+
+
+def select_backend(name: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+    """The backend to run; ValueError in one line when the named one cannot run here."""
+    if name == "auto":
+        name = auto_backend_name(device, dtype)
+    cls = _backend_class(name)
+    reason = cls.unsupported(device, dtype)
+    if reason is not None:
+        raise ValueError(f"--attention-backend {name}: {reason}")
+    return cls(device, dtype)

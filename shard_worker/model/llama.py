@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shard_worker.model.attention import AttentionMetadata, PagedAttention
+from shard_worker.attention import Attention, AttentionContext
 from shard_worker.model.config import ModelConfig
 from shard_worker.model.linear import (
     MergedColumnParallelLinear,
@@ -87,16 +87,14 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             config.num_heads * config.head_dim, config.hidden_size, tp, bias=config.o_bias
         )
-        self.attn = PagedAttention(
-            self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5
-        )
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5)
 
-    def forward(self, x, cos, sin, md: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, x, cos, sin, ctx: AttentionContext, kv_cache: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.local_sizes, dim=-1)
         q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        o = self.attn(q, k, v, kv_cache, md)
+        o = self.attn(q, k, v, kv_cache, ctx)
         return self.o_proj(o.reshape(o.shape[0], -1))
 
 
@@ -120,8 +118,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, h, cos, sin, md: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, md, kv_cache)
+    def forward(self, h, cos, sin, ctx: AttentionContext, kv_cache: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, ctx, kv_cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -156,13 +154,13 @@ class LlamaModel(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        metadata: AttentionMetadata,
+        ctx: AttentionContext,
         kv_caches: list[torch.Tensor],  # one per layer
     ) -> torch.Tensor:  # [T, hidden]
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.lookup(positions, h.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            h = layer(h, cos, sin, metadata, kv_cache)
+            h = layer(h, cos, sin, ctx, kv_cache)
         return self.model.norm(h)
 
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor | None:

@@ -4,10 +4,11 @@ mix whole prompts, a prompt chunked over two steps and decodes, with scrambled b
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from transformers import LlamaForCausalLM
 
-from shard_worker.model.attention import AttentionMetadata, flex_supported
+from shard_worker.attention import StepBatch
 from shard_worker.model_runner import ModelRunner
 from shard_worker.parallel import TensorParallel
 from shard_worker.step import StepInputs
@@ -21,7 +22,7 @@ NUM_BLOCKS = 64
 def test_float32_steps_match_transformers(tiny_model):
     runner = ModelRunner(tiny_model, torch.float32, torch.device("cpu"), TensorParallel())
     runner.allocate_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
-    assert flex_supported(runner.kv_caches[0].dtype, runner.device)
+    assert runner.attention.name == "flex"
     reference = LlamaForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     # Whole sequences up front: each step computes some of their positions, as the scheduler would.
     tokens = {
@@ -37,22 +38,22 @@ def test_float32_steps_match_transformers(tiny_model):
         {1: 1},
     ]
     for step in steps:
-        ids, pos, slots, q_lens, c_lens = [], [], [], [], []
+        ids, q_lens, c_lens = [], [], []
         for s, n in step.items():
             start, end = done[s], done[s] + n
             while len(blocks[s]) * BLOCK_SIZE < end:
                 blocks[s].append(free.pop())
             ids += tokens[s][start:end]
-            pos += range(start, end)
-            slots += [blocks[s][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start, end)]
             q_lens.append(n)
             c_lens.append(end)
-        table = torch.from_numpy(StepInputs.pad_tables([blocks[s] for s in step]))
+        table = StepInputs.pad_tables([blocks[s] for s in step])
+        batch = StepBatch.build(
+            np.array(ids), np.array(q_lens), np.array(c_lens), table, BLOCK_SIZE, runner.device
+        )
         with torch.inference_mode():
-            md = AttentionMetadata.build(
-                q_lens, c_lens, table, torch.tensor(slots), BLOCK_SIZE, runner.model.queries_per_kv
+            hidden = runner.model(
+                batch.input_ids, batch.positions, runner.attention.context(batch), runner.kv_caches
             )
-            hidden = runner.model(torch.tensor(ids), torch.tensor(pos), md, runner.kv_caches)
             logits = runner.model.compute_logits(hidden)
         row = 0
         for s, n in step.items():

@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from common.sampling import SamplingConfig
-from shard_worker.model.attention import AttentionMetadata
+from shard_worker.attention import StepBatch
 from shard_worker.model_runner import ModelRunner
 from shard_worker.parallel import TensorParallel
 from shard_worker.step import SequenceInit, StepInputs
@@ -70,19 +70,14 @@ def plan(pool: BlockPool, chunks: list[tuple[Seq, int]]) -> StepInputs:
 
 def forward_logits(runner: ModelRunner, inp: StepInputs) -> torch.Tensor:
     """Every position's logits for a step, straight from the model (no sampling)."""
-    ids, pos, slots, table = (
-        torch.from_numpy(x) for x in (inp.input_ids, inp.positions, inp.slot_mapping, inp.block_table)
+    batch = StepBatch.build(
+        inp.input_ids, inp.query_lens, inp.context_lens, inp.block_table, BLOCK_SIZE, runner.device
     )
     with torch.inference_mode():
-        md = AttentionMetadata.build(
-            inp.query_lens.tolist(),
-            inp.context_lens.tolist(),
-            table,
-            slots,
-            BLOCK_SIZE,
-            runner.model.queries_per_kv,
+        hidden = runner.model(
+            batch.input_ids, batch.positions, runner.attention.context(batch), runner.kv_caches
         )
-        return runner.model.compute_logits(runner.model(ids, pos, md, runner.kv_caches))
+        return runner.model.compute_logits(hidden)
 
 
 def run_step(runner: ModelRunner, pool: BlockPool, chunks: list[tuple[Seq, int]]):

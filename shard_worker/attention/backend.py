@@ -1,0 +1,185 @@
+"""What every attention backend is given and must do.
+
+A step reaches the worker as per-sequence lengths and the block tables the worker keeps (see
+shard_worker/block_tables.py). `StepBatch.build` turns those into the device tensors every backend
+reads: the position and the KV slot of each new token (the one place the slot formula is written),
+cumulative query lengths and context lengths. It runs once per step, on the device, from a single
+host-to-device copy, so nothing in the forward needs to wait for the host.
+
+A backend is chosen once when the worker starts (shard_worker/attention/__init__.py). Per step it builds
+its own metadata from the StepBatch (`prepare`); per layer it writes the new keys and values into the
+layer's cache and attends (`forward`). The model passes an AttentionContext down to its Attention
+layers and knows nothing else about which backend runs.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from shard_worker.attention.layer import Attention
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """One step's tokens and sequences, on the device. T tokens of S sequences, each sequence's tokens
+    contiguous and in batch order."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64: each token's position in its sequence
+    slot_mapping: torch.Tensor  # [T] int64: the flat KV slot (block * block_size + offset) it is written to
+    query_start_loc: torch.Tensor  # [S + 1] int32: where each sequence's tokens start (cu_seqlens_q)
+    seq_lens: torch.Tensor  # [S] int32: tokens in the cache once this step is done (context lengths)
+    block_table: torch.Tensor  # [S, max_blocks] int32, rows padded with 0 past a sequence's blocks
+    # The same lengths on the host, for backends that plan on the host (flex) and for sizing launches.
+    query_lens_host: np.ndarray  # [S] int64
+    seq_lens_host: np.ndarray  # [S] int64
+    block_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def max_query_len(self) -> int:
+        return int(self.query_lens_host.max()) if len(self.query_lens_host) else 0
+
+    @property
+    def max_seq_len(self) -> int:
+        return int(self.seq_lens_host.max()) if len(self.seq_lens_host) else 0
+
+    @classmethod
+    def build(
+        cls,
+        input_ids: np.ndarray,
+        query_lens: np.ndarray,
+        context_lens: np.ndarray,
+        block_table: np.ndarray,
+        block_size: int,
+        device: torch.device,
+    ) -> StepBatch:
+        """input_ids [T], query_lens and context_lens [S] and block_table [S, max_blocks] (int64 numpy
+        arrays, as the step arrived). Raises ValueError when they do not describe a valid step."""
+        num_seqs, num_tokens = len(query_lens), len(input_ids)
+        _check(query_lens, context_lens, block_table, num_tokens, block_size)
+        # One copy to the device for every per-token and per-sequence array, one for the tables.
+        flat = torch.from_numpy(np.concatenate([input_ids, query_lens, context_lens]).astype(np.int64))
+        tables = torch.from_numpy(np.ascontiguousarray(block_table, dtype=np.int32))
+        if device.type == "cuda":
+            flat, tables = flat.pin_memory(), tables.pin_memory()
+        flat = flat.to(device, non_blocking=True)
+        tables = tables.to(device, non_blocking=True)
+        ids, q_lens, c_lens = flat.split([num_tokens, num_seqs, num_seqs])
+        starts = torch.zeros(num_seqs + 1, dtype=torch.int64, device=device)
+        torch.cumsum(q_lens, 0, out=starts[1:])
+        # Token t of sequence s (its i-th of the step) sits at c_lens[s] - q_lens[s] + i.
+        seq = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens, output_size=num_tokens)
+        first_pos = c_lens - q_lens - starts[:-1]
+        positions = first_pos.index_select(0, seq) + torch.arange(num_tokens, device=device)
+        # The slot formula, written once: the token's block from its sequence's table, then its offset.
+        blocks = tables[seq, positions // block_size].long()
+        slot_mapping = blocks * block_size + positions % block_size
+        return cls(
+            input_ids=ids,
+            positions=positions,
+            slot_mapping=slot_mapping,
+            query_start_loc=starts.to(torch.int32),
+            seq_lens=c_lens.to(torch.int32),
+            block_table=tables,
+            query_lens_host=np.asarray(query_lens, dtype=np.int64),
+            seq_lens_host=np.asarray(context_lens, dtype=np.int64),
+            block_size=block_size,
+        )
+
+
+def _check(query_lens, context_lens, block_table, num_tokens: int, block_size: int) -> None:
+    num_seqs = len(query_lens)
+    if len(context_lens) != num_seqs or block_table.ndim != 2 or block_table.shape[0] != num_seqs:
+        raise ValueError(
+            f"{num_seqs} query lengths, {len(context_lens)} context lengths, block table of shape "
+            f"{tuple(block_table.shape)}"
+        )
+    if int(np.sum(query_lens)) != num_tokens:
+        raise ValueError(f"query lengths sum to {int(np.sum(query_lens))}, the step has {num_tokens} tokens")
+    if num_seqs and not (np.all(query_lens >= 1) and np.all(query_lens <= context_lens)):
+        bad = int(np.flatnonzero((query_lens < 1) | (query_lens > context_lens))[0])
+        raise ValueError(
+            f"sequence {bad}: query_len {int(query_lens[bad])} must be in [1, context_len "
+            f"{int(context_lens[bad])}]"
+        )
+    if num_seqs and int(((context_lens + block_size - 1) // block_size).max()) > block_table.shape[1]:
+        raise ValueError(
+            f"a context of {int(context_lens.max())} tokens needs more blocks than the block table's "
+            f"{block_table.shape[1]} columns"
+        )
+
+
+@dataclass(frozen=True)
+class AttentionContext:
+    """What the model hands down to every Attention layer for one step."""
+
+    backend: AttentionBackend
+    batch: StepBatch
+    metadata: Any  # the backend's own, from prepare()
+
+
+class AttentionBackend(ABC):
+    """Writes a layer's new keys and values into its cache and attends over each sequence's blocks.
+
+    The cache of a layer is [2, num_blocks, block_size, kv_heads, head_dim] (keys, then values); q is
+    [T, heads, head_dim], k and v [T, kv_heads, head_dim], with this rank's heads. Queries are causal
+    within their sequence; a layer with a sliding window w lets the query at position p see the keys at
+    positions j with p - w < j <= p."""
+
+    name: ClassVar[str]
+
+    def __init__(self, device: torch.device, dtype: torch.dtype):
+        self.device = device
+        self.dtype = dtype
+
+    @classmethod
+    def unsupported(cls, device: torch.device, dtype: torch.dtype) -> str | None:
+        """Why this backend cannot run on this device and dtype, in one line; None when it can."""
+        return None
+
+    def prepare(self, batch: StepBatch) -> Any:
+        """The backend's per-step metadata, built once and read by every layer."""
+        return None
+
+    def context(self, batch: StepBatch) -> AttentionContext:
+        return AttentionContext(self, batch, self.prepare(batch))
+
+    def forward(
+        self,
+        layer: Attention,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        ctx: AttentionContext,
+    ) -> torch.Tensor:
+        write_kv(kv_cache, k, v, ctx.batch.slot_mapping)
+        return self.attend(layer, q, kv_cache, ctx)
+
+    @abstractmethod
+    def attend(
+        self, layer: Attention, q: torch.Tensor, kv_cache: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
+        """[T, heads, head_dim]: each query attended over its sequence's keys (this step's included)."""
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Stores the step's keys and values at their slots (one indexed copy each, capturable in a graph)."""
+    _, num_blocks, block_size, kvh, d = kv_cache.shape
+    slots = kv_cache.view(2, num_blocks * block_size, kvh * d)
+    slots[0].index_copy_(0, slot_mapping, k.reshape(-1, kvh * d))
+    slots[1].index_copy_(0, slot_mapping, v.reshape(-1, kvh * d))

@@ -1,0 +1,56 @@
+"""Attention one sequence at a time in plain torch: any device, any dtype, exact.
+
+Each sequence's visible blocks are gathered and attended with scaled_dot_product_attention. The
+workspace is one sequence's context, and the cost is a Python loop over sequences per layer, so this is
+the path of the float64 tests (compared with transformers) and the reference the other backends are
+checked against, not a serving path for large batches.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from shard_worker.attention.backend import AttentionBackend, AttentionContext
+
+
+class ReferenceBackend(AttentionBackend):
+    name = "reference"
+
+    def prepare(self, batch):
+        # The loop below needs the lengths as Python ints; reading them once per step, not per layer.
+        starts = batch.query_lens_host.cumsum() - batch.query_lens_host
+        return list(
+            zip(starts.tolist(), batch.query_lens_host.tolist(), batch.seq_lens_host.tolist(), strict=True)
+        )
+
+    def attend(self, layer, q: torch.Tensor, kv_cache: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        bs = kv_cache.shape[2]
+        table = ctx.batch.block_table
+        window = layer.sliding_window
+        out = torch.empty_like(q)
+        for seq, (start, q_len, c_len) in enumerate(ctx.metadata):
+            # Keys before the first query's window are never seen: their blocks are not read.
+            first_key = 0 if window is None else max(0, c_len - q_len - window + 1)
+            first_block = first_key // bs
+            blocks = table[seq, first_block : -(-c_len // bs)]
+            base = first_block * bs
+            keys = kv_cache[0].index_select(0, blocks).flatten(0, 1)[: c_len - base].transpose(0, 1)
+            values = kv_cache[1].index_select(0, blocks).flatten(0, 1)[: c_len - base].transpose(0, 1)
+            mask = None
+            if q_len > 1 or first_key > base:
+                key_pos = torch.arange(base, c_len, device=q.device)
+                query_pos = torch.arange(c_len - q_len, c_len, device=q.device)[:, None]
+                mask = key_pos <= query_pos
+                if window is not None:
+                    mask &= key_pos > query_pos - window
+            o = F.scaled_dot_product_attention(
+                q[start : start + q_len].transpose(0, 1),
+                keys,
+                values,
+                attn_mask=mask,
+                scale=layer.scale,
+                enable_gqa=True,
+            )
+            out[start : start + q_len] = o.transpose(0, 1)
+        return out
