@@ -8,6 +8,7 @@ compute come from the scheduler.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,14 +16,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shard_worker.attention import StepBatch, select_backend
+from shard_worker.attention import Attention, StepBatch, select_backend
 from shard_worker.attention.flex import PREFILL_MIN_QUERY
+from shard_worker.cuda_graphs import CudaGraphRunner, capture_bytes, graphs_unsupported
 from shard_worker.model.config import ModelConfig
 from shard_worker.model.llama import LlamaModel
 from shard_worker.model.loader import load_weights
 from shard_worker.parallel import TensorParallel
 from shard_worker.sampler import Sampler
 from shard_worker.step import SequenceInit, StepInputs, StepOutputs
+
+log = logging.getLogger("tpserve.shard_worker")
 
 
 @contextlib.contextmanager
@@ -46,10 +50,13 @@ class ModelRunner:
         tp: TensorParallel,
         load_format: str = "auto",
         attention_backend: str = "auto",
+        cuda_graphs: bool = False,
     ):
         """load_format "auto" reads the checkpoint's weights; "dummy" fills them with small random values
         on the device from config.json alone (vLLM's name), for benchmarks at real shapes.
-        attention_backend: see shard_worker/attention (ValueError when it cannot run here)."""
+        attention_backend: see shard_worker/attention (ValueError when it cannot run here).
+        cuda_graphs: replay decode steps from graphs (shard_worker/cuda_graphs.py), captured by
+        capture_cuda_graphs once the cache exists; on CPU the same path runs without capture (tests)."""
         self.model_dir = Path(model_dir)
         self.dtype = dtype
         self.device = torch.device(device)
@@ -61,6 +68,18 @@ class ModelRunner:
         self.attention = select_backend(attention_backend, self.device, dtype)
         with torch.device(self.device), _default_dtype(dtype):
             self.model = LlamaModel(self.config, tp)
+        for name, layer in self.model.named_modules():
+            reason = self.attention.unsupported_layer(layer) if isinstance(layer, Attention) else None
+            if reason is not None:
+                raise ValueError(f"--attention-backend {self.attention.name}: {name}: {reason}")
+        self.graphs: CudaGraphRunner | None = None
+        reason = graphs_unsupported(self.attention, tp.world_size, _nccl_version()) if cuda_graphs else None
+        if reason is not None:
+            log.warning("rank %d: no CUDA graphs: %s", tp.rank, reason)
+        self.cuda_graphs = cuda_graphs and reason is None
+        # The padding rows of graph buckets write their keys to a block of their own: the cache's last,
+        # one more than the scheduler is told of (profile_num_blocks, allocate_kv_cache).
+        self.reserved_blocks = 1 if self.cuda_graphs else 0
         if load_format == "dummy":
             init_dummy_weights(self.model)
         else:
@@ -105,6 +124,7 @@ class ModelRunner:
         # memory would count against the new ones (InitCache always follows and allocates afresh).
         self.kv_caches = []
         self.host_kv_caches = []
+        self.graphs = None
         per_block = self.kv_block_bytes(block_size)
         max_model_len = min(
             max_model_len or self.config.max_position_embeddings, self.config.max_position_embeddings
@@ -121,8 +141,10 @@ class ModelRunner:
             self._dummy_step(block_size, max_num_batched_tokens, max_num_seqs, max_model_len)
             peak = torch.cuda.max_memory_allocated(self.device)
             torch.cuda.empty_cache()
-            budget = int(total * gpu_memory_utilization) - outside_torch - peak
-        num_blocks = budget // per_block
+            graphs = self._graph_bytes(block_size, max_num_seqs, max_model_len) if self.cuda_graphs else 0
+            budget = int(total * gpu_memory_utilization) - outside_torch - peak - graphs
+            log.info("rank %d: CUDA graphs take %.1f MiB", self.tp.rank, graphs / 2**20)
+        num_blocks = budget // per_block - self.reserved_blocks
         if num_blocks < 1:
             raise RuntimeError(
                 f"no memory left for the KV cache: budget {budget / 2**20:.1f} MiB, one block needs "
@@ -131,8 +153,11 @@ class ModelRunner:
         return num_blocks
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> int:
-        """Allocates every layer's [2, blocks, block_size, local_kv_heads, head_dim] cache; returns bytes."""
-        shape = (2, num_blocks, block_size, self.model.num_local_kv_heads, self.config.head_dim)
+        """Allocates every layer's [2, blocks, block_size, local_kv_heads, head_dim] cache; returns bytes.
+        With CUDA graphs, one block more: block num_blocks is the padding rows' (see cuda_graphs.py)."""
+        self.graphs = None  # they write to the old cache: recaptured by capture_cuda_graphs
+        total = num_blocks + self.reserved_blocks
+        shape = (2, total, block_size, self.model.num_local_kv_heads, self.config.head_dim)
         # A new cache means a new scheduler session: it introduces every sequence again (forget_all on
         # its side), so state of sequences it dropped while disconnected must not linger here.
         if self.sampler is not None:
@@ -144,7 +169,34 @@ class ModelRunner:
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.model.model.layers
         ]
         self.block_size = block_size
-        return num_blocks * self.kv_block_bytes(block_size)
+        return total * self.kv_block_bytes(block_size)
+
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> float:
+        """Captures the decode graphs over the allocated cache (every rank at once: they all-reduce);
+        returns the seconds it took. Nothing to do without cuda_graphs or without max_num_seqs."""
+        if not self.cuda_graphs or not max_num_seqs:
+            return 0.0
+        start = time.perf_counter()
+        self.graphs = self._graph_runner(max_num_seqs, max_model_len)
+        self.graphs.capture_all()
+        return time.perf_counter() - start
+
+    def _graph_runner(self, max_num_seqs: int, max_model_len: int) -> CudaGraphRunner:
+        limit = self.config.max_position_embeddings
+        return CudaGraphRunner(
+            self.model,
+            self.attention,
+            self.kv_caches,
+            self.config.hidden_size,
+            max_num_seqs,
+            min(max_model_len or limit, limit),
+        )
+
+    def _graph_bytes(self, block_size: int, max_num_seqs: int, max_model_len: int) -> int:
+        """What capturing will take, by capturing over a cache of just the reserved block (the
+        warm-ups and captures read only padding rows)."""
+        with self._scratch_cache(0, block_size), torch.inference_mode():
+            return capture_bytes(lambda: self._graph_runner(max_num_seqs, max_model_len))
 
     def allocate_host_kv_cache(self, num_blocks: int, block_size: int) -> int:
         """Allocates the swap space: num_blocks host blocks laid out like the device cache; returns bytes."""
@@ -206,7 +258,10 @@ class ModelRunner:
             self.block_size,
             self.device,
         )
-        hidden = self.model(batch.input_ids, batch.positions, self.attention.context(batch), self.kv_caches)
+        hidden = self.graphs.replay(batch) if self.graphs is not None else None
+        if hidden is None:  # not a decode step that fits a bucket, or no graphs
+            ctx = self.attention.context(batch)
+            hidden = self.model(batch.input_ids, batch.positions, ctx, self.kv_caches)
 
         out = StepOutputs()
         sampled = np.flatnonzero(inputs.do_sample)
@@ -275,6 +330,13 @@ class ModelRunner:
             yield
         finally:
             self.kv_caches, self.block_size = saved_caches, saved_block_size
+
+
+def _nccl_version() -> tuple[int, ...]:
+    try:
+        return tuple(torch.cuda.nccl.version())
+    except (AttributeError, RuntimeError):  # a build without NCCL (CPU)
+        return (0,)
 
 
 @torch.no_grad()

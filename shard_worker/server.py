@@ -125,6 +125,15 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
             request.num_host_blocks,
             host_bytes / 2**20,
         )
+        # The graphs bake in the cache's addresses, so they follow it (every rank captures at once).
+        seconds = self.runner.capture_cuda_graphs(request.max_num_seqs, request.max_model_len)
+        if self.runner.graphs is not None:
+            log.info(
+                "rank %d: decode graphs for batch sizes %s captured in %.1fs",
+                self.config.rank,
+                ",".join(map(str, self.runner.graphs.sizes)),
+                seconds,
+            )
         return worker_pb2.InitCacheResponse(kv_cache_bytes=nbytes, host_kv_cache_bytes=host_bytes)
 
     def Step(self, request_iterator, context):
@@ -223,7 +232,13 @@ def serve(config: WorkerConfig) -> None:
     device = select_device(config)
     tp = init_tensor_parallel(config.rank, config.world_size, config.dist_init, device)
     runner = ModelRunner(
-        config.model, getattr(torch, config.dtype), device, tp, config.load_format, config.attention_backend
+        config.model,
+        getattr(torch, config.dtype),
+        device,
+        tp,
+        config.load_format,
+        config.attention_backend,
+        cuda_graphs=config.use_cuda_graphs,
     )
 
     stop = threading.Event()
