@@ -157,7 +157,7 @@ class AttentionBackend(ABC):
 
     def unsupported_layer(self, layer: Attention) -> str | None:
         """Why this backend cannot run this layer (its heads, head_dim), in one line; None when it can.
-        Checked once at start-up, so a model the kernels cannot serve is refused before it loads weights."""
+        Checked once at start-up, so a model the kernels cannot serve is refused before its weights load."""
         return None
 
     def prepare(self, batch: StepBatch) -> Any:
