@@ -6,7 +6,8 @@ Python the GPU waits on the launches, not on the math; a graph replays them all 
 
 - Buckets (capture_sizes): 1, 2, 4, 8, then every 8 up to 64 and every 16 after, and max_num_seqs
   itself, so every decode batch the scheduler can form rounds up to one (at most 2x padding below 8,
-  at most 16 rows past 64). vLLM and SGLang use lists of this shape.
+  at most 15 rows past 64); 15 graphs at the default 128. vLLM and SGLang use lists of this shape.
+  Past 512 sequences steps run eagerly (MAX_CAPTURE_SIZE).
 - Static buffers (StaticBuffers), sized for the largest bucket, are what every graph reads: input_ids,
   positions, slot_mapping, query_start_loc, seq_lens, block_table, and the hidden states it writes.
   A bucket's graph reads their first `size` rows. Replaying copies the step's rows in (device to
@@ -20,11 +21,15 @@ Python the GPU waits on the launches, not on the math; a graph replays them all 
   bucket's bounds: query length 1, context max_model_len). Only a backend whose metadata is device
   tensors plus such bounds can be captured (AttentionBackend.graph_capturable: the Triton backend). A new
   KV cache (InitCache) means new graphs.
-- Tensor parallel: the row-parallel all-reduces are NCCL collectives on torch.distributed's stream,
-  captured into the graph (NCCL >= 2.9.6 supports capture; ProcessGroupNCCL queues no watchdog work
-  while the stream captures, torch >= 2.1). Every rank captures the same buckets in the same order and
-  replays the same bucket for the same step, so collectives match. Capture is thread_local: the gRPC
-  threads and NCCL's watchdog may still call CUDA meanwhile. Collectives inside a graph are not timed.
+- Tensor parallel: the row-parallel all-reduces are torch.distributed NCCL collectives, captured into
+  the graph with the stream they run on (fork and join through events). What this relies on: NCCL >=
+  2.9.6 (capturable collectives; checked at start-up, graphs_unsupported), ProcessGroupNCCL queueing no
+  watchdog work for a collective issued while its stream captures (torch >= 2.1), the communicator
+  created before capture (init_process_group's device_id, and the profiling step's all-reduces), and
+  thread_local capture, so that other threads calling CUDA meanwhile (the NCCL watchdog querying
+  earlier work's events, the gRPC threads) do not invalidate it. Every rank captures the same buckets
+  in the same order and replays the same bucket for the same step, so collectives match. Collectives
+  inside a graph are not timed (allreduce_seconds reads 0 for a replayed step).
 - Memory: a capture takes the graphs' shared pool (a decode step's activations at the largest bucket),
   the static buffers and the driver's graph objects. The model runner measures it at profiling time by
   capturing once over a scratch cache (capture_bytes) and leaves it out of the KV cache budget.
@@ -47,14 +52,18 @@ from shard_worker.attention import AttentionBackend, AttentionContext, StepBatch
 
 # NCCL's first release whose collectives can be captured in a CUDA graph.
 NCCL_CAPTURABLE = (2, 9, 6)
+# Past this many sequences a decode step's math dwarfs its launches, and every bucket more is start-up
+# time and pool memory (vLLM's default max capture size too): larger batches run eagerly.
+MAX_CAPTURE_SIZE = 512
 
 
 def capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
-    """The batch sizes graphs are captured for, ascending; the last is max_num_seqs."""
+    """The batch sizes graphs are captured for, ascending; the last is max_num_seqs (at most 512)."""
     if max_num_seqs < 1:
         raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
-    candidates = [1, 2, 4, *range(8, 65, 8), *range(80, max_num_seqs, 16)]
-    return (*[s for s in candidates if s < max_num_seqs], max_num_seqs)
+    largest = min(max_num_seqs, MAX_CAPTURE_SIZE)
+    candidates = [1, 2, 4, *range(8, 65, 8), *range(80, largest, 16)]
+    return (*[s for s in candidates if s < largest], largest)
 
 
 def bucket_for(num_seqs: int, sizes: tuple[int, ...]) -> int | None:

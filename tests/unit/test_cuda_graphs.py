@@ -31,6 +31,7 @@ def test_buckets_cover_every_batch_up_to_max_num_seqs():
     assert capture_sizes(100)[-3:] == (80, 96, 100)
     assert capture_sizes(5) == (1, 2, 4, 5)
     assert capture_sizes(1) == (1,)
+    assert capture_sizes(1024)[-2:] == (496, 512)  # larger decode batches run eagerly
     for max_num_seqs in range(1, 300):
         sizes = capture_sizes(max_num_seqs)
         assert list(sizes) == sorted(set(sizes)) and sizes[-1] == max_num_seqs
