@@ -2,10 +2,11 @@
 
     python -m bench.step_host [--seqs 32 128] [--context 2048] [--ranks 2] [--steps 50]
 
-Drives the real pieces in one process, with no model and no network: Scheduler.schedule, StepBuilder and
-the StepRequest's serialization (once, whatever the number of ranks), the worker's decoding of it into
-StepInputs (block tables kept across steps) and the tensors the forward starts from, and
-Scheduler.update with the RequestOutputs for the router.
+Drives the real pieces in one process, with no model and no network: Scheduler.schedule, StepBuilder
+(which encodes the plan straight into the StepRequest) and its serialization (once, whatever the number
+of ranks), the worker's decoding of it (block tables kept across steps) and the device tensors the
+forward starts from (StepBatch.build: positions and KV slots derived there), and Scheduler.update with
+the RequestOutputs for the router.
 Every sequence decodes at the given context. Prints the median milliseconds of each part per step and the
 bytes a step puts on the wire.
 """
@@ -16,17 +17,16 @@ import argparse
 import statistics
 import time
 
-import numpy as np
 import torch
 
 from common.pb.tpserve.internal.v1 import scheduler_pb2, worker_pb2
 from scheduler.batch import StepBuilder
 from scheduler.block_manager import BlockManager
-from scheduler.engine import step_request
 from scheduler.scheduler import Scheduler, SchedulingPolicy
 from scheduler.sequence import Sequence
+from shard_worker.attention import StepBatch
 from shard_worker.block_tables import BlockTables
-from shard_worker.server import step_inputs
+from shard_worker.server import worker_step
 
 BLOCK_SIZE = 16
 
@@ -40,22 +40,24 @@ def measure(num_seqs: int, context: int, steps: int) -> dict[str, float]:
     sched = Scheduler(policy, blocks)
     for i in range(num_seqs):
         sched.add(Sequence(i, f"r{i}", [5] * context, context, max_model_len - context))
-    builder, tables = StepBuilder(BLOCK_SIZE), BlockTables(-(-max_model_len // BLOCK_SIZE))
+    builder, tables = StepBuilder(), BlockTables(-(-max_model_len // BLOCK_SIZE))
 
     def step() -> tuple[list[float], int]:
         t0 = time.perf_counter()
         out = sched.schedule()
         t1 = time.perf_counter()
-        data = step_request(builder.build(out)).SerializeToString()
+        data = builder.build(out).SerializeToString()
         t2 = time.perf_counter()
-        inp = step_inputs(worker_pb2.StepRequest.FromString(data), tables)
-        # What ModelRunner.execute makes of them before the forward (the attention metadata aside).
-        torch.from_numpy(np.concatenate([inp.input_ids, inp.positions, inp.slot_mapping]))
-        torch.from_numpy(inp.block_table)
+        step = worker_step(worker_pb2.StepRequest.FromString(data))
+        table = tables.apply(step.seq_ids, step.table_reset, step.new_block_counts, step.new_block_ids)
+        # What ModelRunner.execute makes of it before the forward (the backend's own metadata aside).
+        StepBatch.build(
+            step.input_ids, step.query_lens, step.context_lens, table, BLOCK_SIZE, torch.device("cpu")
+        )
         t3 = time.perf_counter()
-        updates = sched.update(out, [7] * sum(s.do_sample for s in out.scheduled))
+        updates = sched.update(out, [[7]] * len(out.sampled))
         outputs = [
-            scheduler_pb2.RequestOutput(request_id=u.seq.request_id, token_ids=[u.new_token]) for u in updates
+            scheduler_pb2.RequestOutput(request_id=u.seq.request_id, token_ids=u.new_tokens) for u in updates
         ]
         scheduler_pb2.SchedulerMessage(outputs=outputs).SerializeToString()
         t4 = time.perf_counter()

@@ -104,9 +104,15 @@ class Child:
         return self.proc.poll() is None
 
 
+class Interrupted(Exception):
+    """SIGINT or SIGTERM arrived while the stack was starting."""
+
+
 class Stack:
-    def __init__(self, config: LaunchConfig):
+    def __init__(self, config: LaunchConfig, stopping: threading.Event | None = None):
         self.config = config
+        # Set by the launcher's signal handler: every wait of the start-up ends at once.
+        self.stopping = stopping or threading.Event()
         self.children: list[Child] = []
         self.metrics: dict[str, int] = {}  # child name -> its /metrics port
         self.http_port: int | None = None  # the router's OpenAI-compatible API, when --http-port is set
@@ -139,9 +145,7 @@ class Stack:
         for a failed one for minutes), raising what it wrote in its port file (common/cli.py) as a
         ValueError, or, when it died without a word, a RuntimeError."""
         try:
-            ports = read_port_file(
-                child.port_file, self.config.startup_timeout_s, lambda: self.first_dead() is None
-            )
+            ports = read_port_file(child.port_file, self.config.startup_timeout_s, self._starting)
         except RuntimeError:
             self._raise_death()
         if "error" in ports:
@@ -153,9 +157,16 @@ class Stack:
             self.http_port = ports["http_port"]
         return ports["port"]
 
+    def _starting(self) -> bool:
+        """Whether the start-up goes on: no child died and no signal asked to stop."""
+        return self.first_dead() is None and not self.stopping.is_set()
+
     def _raise_death(self) -> NoReturn:
-        """Raises what the first dead child wrote in its port file as it exited (common/cli.py), as a
-        ValueError; or, when it died without a word (a crash), a RuntimeError."""
+        """Raises Interrupted when a signal ended the wait; else what the first dead child wrote in its
+        port file as it exited (common/cli.py), as a ValueError; or, when it died without a word (a
+        crash), a RuntimeError."""
+        if self.stopping.is_set():
+            raise Interrupted()
         dead = self.first_dead()
         try:
             error = json.loads(dead.port_file.read_text()).get("error")
@@ -221,7 +232,7 @@ class Stack:
             wait_for_health(
                 router_addr,
                 cfg.startup_timeout_s,
-                alive=lambda: self.first_dead() is None,
+                alive=self._starting,
                 credentials=auth.credentials(),
                 options=auth.options(),
             )
@@ -305,10 +316,13 @@ def launch(config: LaunchConfig) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    stack = Stack(config)
+    stack = Stack(config, stop)
     try:
         try:
             target = stack.start()
+        except Interrupted:
+            log.info("stopping while starting")
+            return 0
         except (RuntimeError, TimeoutError) as e:
             if stop.is_set():
                 return 0
@@ -344,6 +358,8 @@ def launch(config: LaunchConfig) -> int:
             log.warning("%s: restarting it (restart %d of %d)", what, restarts, config.max_restarts)
             try:
                 stack.restart(dead)
+            except Interrupted:
+                break
             except (RuntimeError, TimeoutError) as e:
                 log.error("restart failed: %s", e)
                 return 1

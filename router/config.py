@@ -15,6 +15,7 @@ from common.security import TlsFiles
 from common.settings import above, at_least, nested, setting
 from common.tracing import TracingConfig
 from router.buckets import AdmissionPolicy
+from router.openai.tool_parsers import PARSERS as TOOL_PARSERS
 from router.replicas import RoutingPolicy
 
 
@@ -84,6 +85,13 @@ class RouterConfig:
         help="new gRPC calls held for the router while it takes earlier ones (a burst); past that gRPC "
         "cancels them (CANCELLED), so keep it above the largest burst clients send (~12 KB each)",
         rule=at_least(1),
+        launch=True,
+    )
+    tool_call_parser: str | None = setting(
+        None,
+        help="the format of the model's tool calls, parsed out of chat answers when tool_choice is auto "
+        "(vLLM's names; unset: tool_choice auto is refused)",
+        choices=tuple(TOOL_PARSERS),
         launch=True,
     )
     admission: AdmissionPolicy = nested(AdmissionPolicy)

@@ -37,9 +37,10 @@ class IncrementalDetokenizer:
     # Ids before the window are dropped once this many have piled up (amortized: no copy per token).
     _TRIM_AT = 256
 
-    def __init__(self, tokenizer, prompt_token_ids: Sequence[int]):
+    def __init__(self, tokenizer, prompt_token_ids: Sequence[int], *, skip_special_tokens: bool = True):
         """tokenizer: anything with a Hugging Face style decode(ids, skip_special_tokens=...)."""
         self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
         prompt = list(prompt_token_ids)
         self._ids = prompt[self._context_start(prompt) :]
         self._prefix = 0
@@ -143,4 +144,6 @@ class IncrementalDetokenizer:
     def _decode(self, ids: Sequence[int]) -> str:
         # Spaces are never "cleaned up": that rewrites text across token boundaries, which would
         # make the window's text disagree with the text already sent.
-        return self._tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self._tokenizer.decode(
+            ids, skip_special_tokens=self._skip_special_tokens, clean_up_tokenization_spaces=False
+        )

@@ -1,7 +1,7 @@
 """The path every public API shares: validate and tokenize a GenerateRequest, queue it for a replica, and
 stream back its tokens as text (incremental detokenization, stop strings), with metrics and a span.
 
-The gRPC servicer (router/grpc_api.py) and the OpenAI-compatible HTTP API (router/openai_api.py) only
+The gRPC servicer (router/grpc_api.py) and the OpenAI-compatible HTTP API (router/openai/server.py) only
 decode their request into a GenerateRequest, iterate `Frontend.generate`, and encode what comes out; a
 failure is a RequestFailed carrying the gRPC status, which each API turns into its own error shape in
 one place. A request whose caller goes away (the generator is closed) is aborted and its KV freed.
@@ -22,14 +22,21 @@ from common import tracing
 from common.pb.tpserve.internal.v1 import scheduler_pb2
 from common.pb.tpserve.v1 import generation_pb2
 from common.sampling import SamplingConfig
+from router.chat import chat_prompt, check_chat
 from router.config import RouterConfig
-from router.detokenizer import IncrementalDetokenizer
 from router.metrics import RouterMetrics
 from router.pool import SchedulerPool
 from router.scheduler_link import QueueFull, SchedulerUnavailable
-from router.stop_strings import StopStringMatcher
+from router.text_stream import TextStream
 from router.tokenizer import NoChatTemplate, NoTokenizer, Tokenizer
-from router.validation import Limits, ValidatedRequest, ValidationError, prompt_field, validate_request
+from router.validation import (
+    Limits,
+    ValidatedRequest,
+    ValidationError,
+    add_special_tokens,
+    prompt_field,
+    validate_request,
+)
 
 log = logging.getLogger("tpserve.router")
 
@@ -128,15 +135,57 @@ class Frontend:
             )
         return self._limits
 
+    async def tokenize(
+        self, request: generation_pb2.GenerateRequest, token_strs: bool = False
+    ) -> tuple[list[int], list[str] | None, int]:
+        """A text or chat prompt's token ids as generate renders it (vLLM's /tokenize), the vocabulary's
+        strings for them when asked, and max_model_len. No length rule: tokenizing is how a client finds out
+        whether its prompt fits."""
+        limits = self._ready_limits()
+        tok = self.tokenizer
+
+        def encode() -> tuple[list[int], list[str] | None]:
+            check_chat(request, limits.max_chat_messages, limits.prompt_char_limit)
+            if request.messages:
+                ids = tok.render_chat(chat_prompt(request))
+            elif len(request.text) > limits.prompt_char_limit:
+                raise ValidationError(
+                    "text", f"text is {len(request.text)} characters; the limit is {limits.prompt_char_limit}"
+                )
+            else:
+                ids = tok.encode(request.text, add_special_tokens(request))
+            return ids, tok.token_strs(ids) if token_strs else None
+
+        ids, strs = await self._checked(tok.run(encode), request)
+        return ids, strs, limits.max_model_len
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        """The text of token ids, special tokens included (vLLM's /detokenize)."""
+        limits = self._ready_limits()
+        bad = next((i for i, t in enumerate(token_ids) if not 0 <= t < limits.vocab_size), None)
+        if bad is not None:
+            raise RequestFailed(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"tokens[{bad}] = {token_ids[bad]} is not in [0, vocab_size {limits.vocab_size})",
+                f"tokens[{bad}]",
+            )
+        return await self.tokenizer.decoding.run(self.tokenizer.decode, token_ids)
+
     async def _validate(self, request: generation_pb2.GenerateRequest) -> ValidatedRequest:
         limits = self._ready_limits()
         tok = self.tokenizer
+        if len(request.token_ids) and not request.sampling.bad_words:
+            # Nothing to tokenize: cheap enough for the event loop.
+            return await self._checked(_done(validate_request, request, limits), request)
+        # The fields are checked first (they bound what the tokenizer is asked to do), then the prompt
+        # (and any bad_words) is tokenized and checked: all of it on the tokenizer's threads.
+        validating = tok.run(validate_request, request, limits, tok.encode, tok.render_chat, tok.encode_words)
+        return await self._checked(validating, request)
+
+    async def _checked(self, work, request: generation_pb2.GenerateRequest):
+        """Awaits work, turning the checks' and the tokenizer's refusals into INVALID_ARGUMENT."""
         try:
-            if len(request.token_ids):  # nothing to tokenize: cheap enough for the event loop
-                return validate_request(request, limits)
-            # The fields are checked first (they bound what the tokenizer is asked to do), then the
-            # prompt is tokenized and checked: all of it on the tokenizer's threads, off the event loop.
-            return await tok.run(validate_request, request, limits, tok.encode, tok.render_chat)
+            return await work
         except ValidationError as e:
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field) from None
         except NoChatTemplate as e:
@@ -174,8 +223,21 @@ class Frontend:
                 grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e} (the limit: --max-queued-requests {limit})"
             ) from None
 
-        detok = IncrementalDetokenizer(self.tokenizer, list(req.prompt_token_ids))
-        stops = StopStringMatcher(req.stop) if req.stop else None
+        decoding = self.tokenizer.decoding
+        try:
+            # Built off the loop too: it decodes the prompt's tail.
+            text_stream = await decoding.run(
+                TextStream,
+                self.tokenizer,
+                req.prompt_token_ids,
+                stop=req.stop,
+                min_tokens=req.sampling.min_tokens,
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                skip_special_tokens=req.skip_special_tokens,
+            )
+        except BaseException:
+            self.pool.abort(request_id)
+            raise
         num_generated = 0
         first_token_at = last_token_at = None
         finished = False
@@ -195,22 +257,16 @@ class Frontend:
                     self.metrics.itl.observe(now - last_token_at)
                 last_token_at = now
                 num_generated += len(out.token_ids)
-                text = detok.push(list(out.token_ids))
-                reason = out.finish_reason
-                if reason:
-                    text += detok.flush()
-                stopped = False
-                if stops is not None:
-                    text, stopped = stops.feed(text)
-                    if stopped:
-                        reason = FINISH_STOP
-                    elif reason:
-                        text += stops.flush()
+                # Decoding (the text, and each logprob's alternatives) runs off the event loop, batched
+                # with the other requests' tokens of the same step.
+                text, stopped = await decoding.run(
+                    text_stream.step, out.token_ids, out.finish_reason, out.logprobs
+                )
+                reason = FINISH_STOP if stopped else out.finish_reason
                 resp = generation_pb2.GenerateResponse(
                     request_id=request_id, token_ids=out.token_ids, text=text, finish_reason=reason
                 )
-                for lp in out.logprobs:
-                    resp.logprobs.append(self._with_text(lp))
+                resp.logprobs.extend(out.logprobs)
                 if reason:
                     finished = True
                     resp.usage.CopyFrom(
@@ -262,8 +318,7 @@ class Frontend:
             },
         )
 
-    def _with_text(self, lp: generation_pb2.Logprobs) -> generation_pb2.Logprobs:
-        lp.chosen.text = self.tokenizer.decode([lp.chosen.token_id])
-        for t in lp.top:
-            t.text = self.tokenizer.decode([t.token_id])
-        return lp
+
+async def _done(fn, *args):
+    """fn(*args) as an awaitable, run here: for work too small to hand to a thread."""
+    return fn(*args)

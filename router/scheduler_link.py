@@ -125,6 +125,11 @@ class SchedulerLink:
                 if not self._dropping:
                     raise  # close(): the task itself is cancelled
                 reason = "stale"
+            except Exception as e:  # a bug handling a message: the link must not die with it
+                log.exception("link to the scheduler at %s failed", self.target)
+                reason = f"failed ({type(e).__name__}: {e})"
+                if self._call is not None:
+                    self._call.cancel()  # the scheduler then drops this router's requests: none runs twice
             self._dropping = False
             was_connected, self._call = self._call is not None, None
             if was_connected:

@@ -21,7 +21,7 @@ from router.config import RouterConfig
 from router.frontend import Frontend
 from router.grpc_api import GenerationServicer
 from router.metrics import RouterMetrics
-from router.openai_api import OpenAIServer
+from router.openai.server import OpenAIServer
 from router.pool import SchedulerPool
 from router.tokenizer import Tokenizer
 
@@ -107,6 +107,8 @@ async def serve(config: RouterConfig) -> None:
             on_refused=refused,
             tls=config.tls,
             drain_timeout_s=config.drain_timeout_s,
+            metrics_registry=router_metrics.registry,  # /metrics on the HTTP port too, as vLLM serves it
+            tool_call_parser=config.tool_call_parser,
         )
         http_ports["http_port"] = await http.start(config.host, config.http_port)
     write_port_file(config.port_file, port, metrics_port, **http_ports)

@@ -7,6 +7,9 @@ releases it as soon as it cannot.
 When several stop strings could match, the one that is complete first in the text wins (the earliest
 end; at equal ends the earliest start). That is what generating one character at a time would do, so
 the result does not depend on how the text was chunked.
+
+Text fed with armed=False (the first min_tokens tokens' text) cannot end a match, as in vLLM: a stop string
+may begin in it, but must end in armed text.
 """
 
 from __future__ import annotations
@@ -15,8 +18,11 @@ from collections.abc import Iterable
 
 
 class StopStringMatcher:
-    def __init__(self, stops: Iterable[str]):
+    def __init__(self, stops: Iterable[str], *, include_stop: bool = False):
+        """include_stop: the text returned at a match ends after the stop string, not before it (vLLM's
+        include_stop_str_in_output)."""
         self._stops = tuple(dict.fromkeys(stops))  # dedupe, keep order
+        self._include_stop = include_stop
         if any(not s for s in self._stops):
             raise ValueError("stop strings must be non-empty")
         # Every proper prefix of a stop string: a tail equal to one of these must be held back.
@@ -30,8 +36,9 @@ class StopStringMatcher:
     def stopped(self) -> bool:
         return self._stopped
 
-    def feed(self, new_text: str) -> tuple[str, bool]:
-        """Returns (text safe to send now, whether a stop string was found).
+    def feed(self, new_text: str, armed: bool = True) -> tuple[str, bool]:
+        """Returns (text safe to send now, whether a stop string was found). armed=False: no match may
+        end in new_text (it is still kept as the start of a later one).
 
         After a stop, the text before it is returned once and every later call returns ("", True).
         """
@@ -42,8 +49,9 @@ class StopStringMatcher:
         held = self._held
         text = held + new_text
         best: tuple[int, int] | None = None  # (end, start) of the first complete stop string
-        for stop in self._stops:
-            # The held tail contains no complete stop, so a match must end inside the new text.
+        for stop in self._stops if armed else ():
+            # A match must end inside the new text: the held tail holds none that may count (it was
+            # searched when it came, or came unarmed).
             start = text.find(stop, max(0, len(held) - len(stop) + 1))
             if start >= 0:
                 match = (start + len(stop), start)
@@ -52,7 +60,7 @@ class StopStringMatcher:
         if best is not None:
             self._stopped = True
             self._held = ""
-            return text[: best[1]], True
+            return text[: best[0] if self._include_stop else best[1]], True
         keep = self._held_tail_length(text)
         self._held = text[len(text) - keep :]
         return text[: len(text) - keep], False

@@ -1,6 +1,7 @@
 """The model's tokenizer as the router uses it: prompts (text, or a conversation rendered with the
 checkpoint's chat template) are encoded on a worker thread, never on the event loop, so one huge prompt
-does not stall every other stream's tokens while it is tokenized.
+does not stall every other stream's tokens while it is tokenized; output text is decoded on another
+(`decoding`).
 
 Fast (Rust) tokenizers release the GIL while they encode, so the loop keeps running meanwhile.
 """
@@ -12,6 +13,12 @@ import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import jinja2
+
+from router.chat import ChatPrompt
+from router.off_loop import OffLoop
+from router.validation_error import ValidationError
 
 log = logging.getLogger("tpserve.router")
 
@@ -33,6 +40,10 @@ class Tokenizer:
         is empty."""
         self.hf = hf_tokenizer
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="tokenize")
+        # Streamed text is decoded on a thread of its own, batched across requests (router/off_loop.py), so
+        # a long prompt being tokenized never holds up every stream's next token.
+        self._decode_thread = ThreadPoolExecutor(1, thread_name_prefix="detokenize")
+        self.decoding = OffLoop(self._decode_thread)
 
     @classmethod
     def from_pretrained(cls, model_dir: str) -> Tokenizer:
@@ -53,21 +64,38 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.hf is None:
             raise NoTokenizer("the model has no tokenizer: send the prompt as token_ids")
-        return self.hf(text)["input_ids"]
+        return self.hf(text, add_special_tokens=add_special_tokens)["input_ids"]
 
-    def render_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        """The conversation in the model's own template, ending with the assistant's generation prompt;
-        the ids transformers' apply_chat_template(..., add_generation_prompt=True) gives."""
+    def encode_words(self, text: str) -> list[int]:
+        """A piece of text as it would appear inside an output: no BOS or other special tokens."""
+        return self.encode(text, add_special_tokens=False)
+
+    def render_chat(self, prompt: ChatPrompt) -> list[int]:
+        """The conversation in the model's own template: the ids transformers' apply_chat_template gives
+        for the same messages, tools and options. A template that fails on them (it raised, or the last
+        message to continue is not in its output) is a ValidationError on messages."""
         if self.hf is None:
             raise NoTokenizer("the model has no tokenizer: send the prompt as token_ids")
         if not self.has_chat_template:
             raise NoChatTemplate("the model has no chat template: send the prompt as text or token_ids")
-        text = self.hf.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        try:
+            text = self.hf.apply_chat_template(
+                prompt.messages,
+                tools=prompt.tools,
+                add_generation_prompt=prompt.add_generation_prompt,
+                continue_final_message=prompt.continue_final_message,
+                tokenize=False,
+            )
+        except (jinja2.TemplateError, ValueError, TypeError, KeyError) as e:
+            reason = " ".join(str(e).split())
+            raise ValidationError(
+                "messages", f"the model's chat template failed on messages: {reason}"
+            ) from None
         # The template writes the special tokens it wants (BOS included) itself.
-        return self.hf(text, add_special_tokens=False)["input_ids"]
+        return self.hf(text, add_special_tokens=prompt.add_special_tokens)["input_ids"]
 
     async def run(self, fn, *args):
         """fn(*args) on the tokenizer's threads (it tokenizes: never on the event loop)."""
@@ -76,5 +104,18 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], **kwargs) -> str:
         return "" if self.hf is None else self.hf.decode(ids, **kwargs)
 
+    def decode_each(self, ids: Sequence[int]) -> list[str]:
+        """Each token's text alone (logprobs' alternatives), in one batched call."""
+        if self.hf is None:
+            return [""] * len(ids)
+        return self.hf.batch_decode([[i] for i in ids])
+
+    def token_strs(self, ids: Sequence[int]) -> list[str]:
+        """The vocabulary's own strings for ids (vLLM's /tokenize token_strs), e.g. "Ġworld"."""
+        if self.hf is None:
+            raise NoTokenizer("the model has no tokenizer")
+        return self.hf.convert_ids_to_tokens(list(ids))
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._decode_thread.shutdown(wait=False, cancel_futures=True)

@@ -11,32 +11,16 @@ so the servicer can answer INVALID_ARGUMENT with a message a client can act on.
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from common.pb.tpserve.v1 import generation_pb2
 from common.sampling import SamplingConfig
+from router.chat import ChatPrompt, chat_prompt, check_chat
+from router.sampling_checks import check_min_tokens, check_sampling, with_bad_words
+from router.validation_error import ValidationError
 
-# Temperatures below this are greedy decoding (vLLM's _SAMPLING_EPS).
-GREEDY_BELOW = 1e-5
-# Presence and frequency penalties: OpenAI's range.
-MAX_PENALTY = 2.0
-# Beyond this a repetition penalty only pushes logits toward overflow; no sensible use needs it.
-MAX_REPETITION_PENALTY = 10.0
-
-
-class ValidationError(ValueError):
-    """A request the server will not run; maps to gRPC INVALID_ARGUMENT."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(message)
-        self.field = field
-        self.message = message
-
-    def __str__(self) -> str:
-        return self.message
+__all__ = ["Limits", "ValidatedRequest", "ValidationError", "check_request_fields", "validate_request"]
 
 
 @dataclass(frozen=True)
@@ -104,11 +88,12 @@ class ValidatedRequest:
     stop_token_ids: tuple[int, ...]
     ignore_eos: bool
     top_logprobs: int
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
 
 # The prompt's three forms; exactly one must be given.
 PROMPT_FIELDS = ("text", "token_ids", "messages")
-CHAT_ROLES = ("system", "user", "assistant")
 
 
 def prompt_field(req: generation_pb2.GenerateRequest) -> str:
@@ -143,13 +128,11 @@ def check_request_fields(req: generation_pb2.GenerateRequest, limits: Limits) ->
         )
     if len(req.token_ids):
         _check_token_ids("token_ids", req.token_ids, limits.vocab_size)
-    _check_messages(req.messages, limits)
+    check_chat(req, limits.max_chat_messages, limits.prompt_char_limit)
 
     if req.HasField("max_new_tokens"):
         if req.max_new_tokens < 1:
-            raise ValidationError(
-                "max_new_tokens", "max_new_tokens must be at least 1 (or unset: the default)"
-            )
+            raise ValidationError("max_new_tokens", max_new_tokens_too_small(req.max_new_tokens))
         if limits.max_new_tokens is not None and req.max_new_tokens > limits.max_new_tokens:
             raise ValidationError(
                 "max_new_tokens",
@@ -162,7 +145,7 @@ def check_request_fields(req: generation_pb2.GenerateRequest, limits: Limits) ->
                 f"max_model_len {limits.max_model_len}",
             )
 
-    sampling = _check_sampling(req.sampling, limits.sampling_defaults)
+    sampling = check_sampling(req.sampling, limits.sampling_defaults, limits.vocab_size)
 
     if len(req.stop) > limits.max_stop_strings:
         raise ValidationError(
@@ -187,23 +170,14 @@ def check_request_fields(req: generation_pb2.GenerateRequest, limits: Limits) ->
     return sampling
 
 
-def _check_messages(messages, limits: Limits) -> None:
-    if len(messages) > limits.max_chat_messages:
-        raise ValidationError(
-            "messages", f"{len(messages)} messages; the limit is {limits.max_chat_messages}"
-        )
-    chars = 0
-    for i, m in enumerate(messages):
-        if m.role not in CHAT_ROLES:
-            raise ValidationError(
-                f"messages[{i}].role",
-                f"messages[{i}].role is {m.role!r}; it must be one of {', '.join(CHAT_ROLES)}",
-            )
-        chars += len(m.content)
-    if chars > limits.prompt_char_limit:
-        raise ValidationError(
-            "messages", f"messages hold {chars} characters; the limit is {limits.prompt_char_limit}"
-        )
+def add_special_tokens(req: generation_pb2.GenerateRequest) -> bool:
+    """Whether a text prompt gets the tokenizer's special tokens (BOS): yes unless the request says no."""
+    return req.add_special_tokens if req.HasField("add_special_tokens") else True
+
+
+def max_new_tokens_too_small(value: int, name: str = "max_new_tokens") -> str:
+    """The one message for a length bound below 1, whichever API and whatever the value (-1 or 0)."""
+    return f"{name} must be at least 1, got {value} (or leave it unset for the default)"
 
 
 def check_prompt(
@@ -220,6 +194,7 @@ def check_prompt(
         cap = limits.max_new_tokens or limits.default_max_new_tokens
         max_new_tokens = max(1, min(limits.default_max_new_tokens, cap, room))
     check_prompt_tokens(prompt_ids, max_new_tokens, limits, prompt_field=field)
+    check_min_tokens(sampling, max_new_tokens, explicit=req.HasField("max_new_tokens"))
     return ValidatedRequest(
         request_id=req.request_id,
         prompt_token_ids=prompt_ids,
@@ -230,6 +205,8 @@ def check_prompt(
         stop_token_ids=tuple(req.stop_token_ids),
         ignore_eos=req.ignore_eos,
         top_logprobs=req.top_logprobs,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens if req.HasField("skip_special_tokens") else True,
     )
 
 
@@ -271,22 +248,28 @@ def check_prompt_tokens(
 def validate_request(
     req: generation_pb2.GenerateRequest,
     limits: Limits,
-    tokenize: Callable[[str], Sequence[int]] | None = None,
-    render_chat: Callable[[list[dict[str, str]]], Sequence[int]] | None = None,
+    tokenize: Callable[..., Sequence[int]] | None = None,
+    render_chat: Callable[[ChatPrompt], Sequence[int]] | None = None,
+    tokenize_words: Callable[[str], list[int]] | None = None,
 ) -> ValidatedRequest:
-    """Both stages, with a synchronous tokenize(text) for text prompts and render_chat(messages) for chat
-    prompts (the router's tokenizer; token-id prompts need neither)."""
+    """Both stages, with the router's tokenizer as synchronous calls: tokenize(text[, add_special_tokens])
+    for text prompts, render_chat(prompt) for chat prompts, tokenize_words(word) (no special tokens) for
+    sampling.bad_words. A token-id prompt without bad_words needs none of them."""
     sampling = check_request_fields(req, limits)
+    if req.sampling.bad_words:
+        if tokenize_words is None:
+            raise TypeError("validate_request needs tokenize_words for sampling.bad_words")
+        sampling = with_bad_words(sampling, req.sampling.bad_words, tokenize_words, limits.vocab_size)
     if len(req.token_ids):
         prompt_ids = req.token_ids
     elif len(req.messages):
         if render_chat is None:
             raise TypeError("validate_request needs render_chat for a chat prompt")
-        prompt_ids = render_chat([{"role": m.role, "content": m.content} for m in req.messages])
+        prompt_ids = render_chat(chat_prompt(req))
     else:
         if tokenize is None:
             raise TypeError("validate_request needs tokenize for a text prompt")
-        prompt_ids = tokenize(req.text)
+        prompt_ids = tokenize(req.text) if add_special_tokens(req) else tokenize(req.text, False)
     return check_prompt(req, sampling, prompt_ids, limits)
 
 
@@ -297,39 +280,3 @@ def _check_token_ids(field: str, token_ids: Sequence[int], vocab_size: int) -> N
         raise ValidationError(
             f"{field}[{i}]", f"{field}[{i}] = {token_ids[i]} is not below vocab_size {vocab_size}"
         )
-
-
-def _check_sampling(params: generation_pb2.SamplingParams, defaults: SamplingConfig) -> SamplingConfig:
-    cfg = SamplingConfig.from_proto(params, defaults)
-    floats = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
-    for name in floats:
-        value = getattr(cfg, name)
-        if not math.isfinite(value):
-            raise ValidationError(f"sampling.{name}", f"sampling.{name} must be a finite number, got {value}")
-    if cfg.temperature < 0:
-        raise ValidationError(
-            "sampling.temperature", f"sampling.temperature must be >= 0, got {cfg.temperature}"
-        )
-    if not 0 < cfg.top_p <= 1:
-        raise ValidationError("sampling.top_p", f"sampling.top_p must be in (0, 1], got {cfg.top_p}")
-    if cfg.top_k < 0:
-        raise ValidationError("sampling.top_k", f"sampling.top_k must be >= 0 (0 = all), got {cfg.top_k}")
-    if not 0 <= cfg.min_p <= 1:
-        raise ValidationError("sampling.min_p", f"sampling.min_p must be in [0, 1], got {cfg.min_p}")
-    if not 0 < cfg.repetition_penalty <= MAX_REPETITION_PENALTY:
-        raise ValidationError(
-            "sampling.repetition_penalty",
-            f"sampling.repetition_penalty must be > 0 and at most {MAX_REPETITION_PENALTY}, "
-            f"got {cfg.repetition_penalty}",
-        )
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(cfg, name)
-        if not -MAX_PENALTY <= value <= MAX_PENALTY:
-            raise ValidationError(
-                f"sampling.{name}", f"sampling.{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {value}"
-            )
-    if 0 < cfg.temperature < GREEDY_BELOW:
-        # As vLLM does: dividing logits by a temperature this small overflows them (a float32 denormal
-        # even flushes to zero on the CPU); it means greedy, and greedy is what travels.
-        cfg = dataclasses.replace(cfg, temperature=0.0)
-    return cfg

@@ -207,6 +207,20 @@ class BlockManager:
         self._ref_count[block] = 1
         return block
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> int:
+        """Returns seq's blocks past those its first num_tokens tokens need (slots of proposed tokens
+        that were rejected), and how many. Such blocks hold no computed full block, so none is
+        registered or shared."""
+        keep = blocks_for(num_tokens, self.block_size)
+        dropped = max(0, len(seq.block_table) - keep)
+        while len(seq.block_table) > keep:
+            block = seq.block_table.pop()
+            if self._ref_count[block] != 1 or self._block_hash[block] is not None:
+                raise RuntimeError(f"block {block} past seq {seq.seq_id}'s tokens is shared or cached")
+            self._ref_count[block] = 0
+            self._free.append(block)
+        return dropped
+
     def free(self, seq: Sequence) -> None:
         """Releases seq's hold on its blocks (finish, abort or preemption). Cached blocks that nobody holds
         any more stay reusable until evicted; the sequence's tail goes first in eviction order."""

@@ -4,12 +4,17 @@ publish what the step did.
     while True:
         out = await self._next_batch()        # Scheduler.schedule(), waiting while there is nothing to do
         replies = await self._execute(out)    # one StepRequest to every rank (scheduler/workers.py)
-        updates = self.scheduler.update(out, replies[0].token_ids)
+        updates = self.scheduler.update(out, sampled_tokens(out, replies[0]))
         self._publish(StepResult(...))        # routers, traces, metrics, the static fallback, totals
 
-Everything the step loop touches runs on one asyncio loop, so there are no locks. The jobs around it
-have their own modules: the ranks (workers.py), the capacity they agree on (capacity.py), the routers'
-streams with credit and load (router_streams.py), the traces (spans.py), the metrics (metrics.py).
+Every request ends through `_end`, whatever the reason (finished, aborted, failed, expired): its last
+output goes to its router, then its span ends and its router's credit comes back. Everything the loop
+touches runs on one asyncio loop, so there are no locks. The ranks sit behind a small interface
+(workers.py's WorkerGroup: connect, step, close, and a `lost` event for a stream that ends while the
+loop is idle), so the engine can be driven by a fake group in unit tests. The jobs around the loop have
+their own modules: the capacity the ranks agree on (capacity.py), the routers' streams with credit and
+load (router_streams.py), the traces (spans.py), the metrics (metrics.py), what the replica reports
+(reports.py).
 """
 
 from __future__ import annotations
@@ -19,7 +24,6 @@ import contextlib
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
 
 from common import tracing
 from common.pb.tpserve.internal.v1 import scheduler_pb2, worker_pb2
@@ -29,13 +33,15 @@ from common.pb.tpserve.internal.v1.scheduler_pb2 import (
     ERROR_CODE_UNAVAILABLE,
 )
 from common.pb.tpserve.v1 import generation_pb2
-from scheduler.batch import StepBuilder, StepPlan
+from scheduler.batch import StepBuilder
 from scheduler.block_manager import BlockManager
 from scheduler.config import SchedulerConfig
 from scheduler.fallback import FallbackPolicy, ThroughputFallback
 from scheduler.metrics import SchedulerMetrics
+from scheduler.plan import SchedulerOutput, SchedulerSnapshot
+from scheduler.reports import StepResult, StepTotals, load_report, stats, step_outputs
 from scheduler.router_streams import LOAD_REPORT_INTERVAL_S, RouterStream, RouterStreams
-from scheduler.scheduler import Scheduler, SchedulerOutput, SchedulerSnapshot, SequenceUpdate
+from scheduler.scheduler import Scheduler
 from scheduler.sequence import FinishReason, Sequence
 from scheduler.spans import RequestSpans
 from scheduler.swap import HostBlockPool
@@ -52,123 +58,60 @@ class RequestError(Exception):
         self.code = code  # a scheduler_pb2.ErrorCode
 
 
-@dataclass
-class StepTotals:
-    """Running sums the benchmark and GetStats read (mean batch size, time per step)."""
-
-    steps: int = 0
-    batched_seqs: int = 0
-    batched_tokens: int = 0
-    step_seconds: float = 0.0
-    forward_seconds: float = 0.0
-    allreduce_seconds: float = 0.0
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What one iteration did: everything that reports on steps reads this."""
-
-    out: SchedulerOutput
-    updates: list[SequenceUpdate]
-    replies: list[worker_pb2.StepResponse]  # in rank order; rank 0's carries the samples
-    seconds: float  # wall time of the whole step: plan, send, forward, receive, apply
-
-    @property
-    def forward_seconds(self) -> float:
-        return max(r.forward_seconds for r in self.replies)
-
-    @property
-    def allreduce_seconds(self) -> float:
-        return max(r.allreduce_seconds for r in self.replies)
-
-
-def step_request(plan: StepPlan) -> worker_pb2.StepRequest:
-    pack = StepPlan.pack
-    return worker_pb2.StepRequest(
-        step_id=plan.step_id,
-        new_sequences=[
-            worker_pb2.SequenceInit(
-                seq_id=s.seq_id,
-                sampling=s.sampling,
-                top_logprobs=s.top_logprobs,
-                token_ids=s.token_ids,
-                num_prompt_tokens=s.num_prompt_tokens,
-                num_sampled=s.num_output_tokens,
-            )
-            for s in plan.new_sequences
-        ],
-        forgotten_seq_ids=plan.forgotten_seq_ids,
-        seq_ids=pack(plan.seq_ids),
-        query_lens=pack(plan.query_lens),
-        context_lens=pack(plan.context_lens),
-        do_sample=pack(plan.do_sample),
-        input_ids=pack(plan.input_ids),
-        positions=pack(plan.positions),
-        slot_mapping=pack(plan.slot_mapping),
-        table_reset=pack(plan.table_reset),
-        new_block_counts=pack(plan.new_block_counts),
-        new_block_ids=pack(plan.new_block_ids),
-        swap_out_src=plan.swap_out_src,
-        swap_out_dst=plan.swap_out_dst,
-        swap_in_src=plan.swap_in_src,
-        swap_in_dst=plan.swap_in_dst,
-    )
-
-
 class Engine:
-    def __init__(self, config: SchedulerConfig):
+    def __init__(self, config: SchedulerConfig, workers: WorkerGroup | None = None):
         self.config = config
         self.ready = asyncio.Event()  # every rank connected with its cache allocated
         self.scheduler: Scheduler | None = None  # built once the ranks said what they hold
         self.model_info: generation_pb2.ModelInfo | None = None
-        self.workers = WorkerGroup(config)
+        self.workers = workers if workers is not None else WorkerGroup(config)
         self.routers = RouterStreams()
         self.spans = RequestSpans()
         self.totals = StepTotals()
         self.metrics = SchedulerMetrics(self)
         self.fallback = ThroughputFallback(FallbackPolicy()) if config.fallback_static else None
-        self._builder = StepBuilder(config.block_size)
+        self._builder = StepBuilder()
         self._recent_steps: deque[float] = deque(maxlen=8)  # seconds per step, for the load reports
         self._wakeup = asyncio.Event()
         self._next_seq_id = 0
-        self._forgotten: list[int] = []  # sequences the workers may forget, not told yet
         self._status_listeners: set = set()
-        self._expiry: asyncio.Task | None = None
+        self._lost_at: float | None = None  # when the ranks were lost, until a step succeeds again
 
     # ---- the loop ----
 
     async def serve_forever(self) -> None:
         """Connects to the ranks and runs the step loop. When a rank is lost, every request keeps its
-        tokens here; once the ranks are back they are recomputed and go on. Requests still waiting
-        after worker_recovery_timeout_s get UNAVAILABLE: none is dropped silently."""
-        while True:
-            try:
-                await self._connect()
-            except WorkersLost as e:
-                log.warning("shard workers not reachable (%s); retrying", e)
-                await asyncio.sleep(1.0)
-                continue
-            try:
-                await self._run()
-            except WorkersLost as e:
-                await self._workers_lost(e)
-                # A rank that fails the same step again and again (a poisonous request) must not spin:
-                # back off, and keep the expiry running until a step succeeds after the reconnect.
-                await asyncio.sleep(1.0)
+        tokens here; once the ranks are back they are recomputed and go on. A request still waiting
+        worker_recovery_timeout_s after the loss (or after its arrival, if later) gets UNAVAILABLE:
+        none is dropped silently."""
+        expiry = asyncio.create_task(self._expire_while_lost())
+        try:
+            while True:
+                try:
+                    await self._connect()
+                    await self._run()
+                except WorkersLost as e:
+                    await self._workers_lost(e)
+                    # A rank that fails the same step again and again (a poisonous request) must not
+                    # spin: back off; the recovery clock keeps running until a step succeeds.
+                    await asyncio.sleep(1.0)
+        finally:
+            expiry.cancel()
 
     async def _run(self) -> None:
         while True:
             out = await self._next_batch()
             start = time.perf_counter()
             replies = await self._execute(out)
-            updates = self.scheduler.update(out, list(replies[0].token_ids))
+            updates = self.scheduler.update(out, sampled_tokens(out, replies[0]))
             self._publish(StepResult(out, updates, replies, time.perf_counter() - start))
 
     async def _next_batch(self) -> SchedulerOutput:
         """The next step with work in it, waiting while there is none (or while min_batch_size waits
-        for requests on their way)."""
+        for requests on their way). A rank lost meanwhile ends the wait with WorkersLost."""
         while True:
             self._wakeup.clear()  # cleared before scheduling, so an add during the step is not missed
+            self.workers.check()
             now = time.monotonic()
             wait_until = self.scheduler.batch_wait_deadline(
                 now, self.routers.queued(), self.config.admission_window
@@ -176,82 +119,67 @@ class Engine:
             out = None
             if wait_until is None:
                 out = self.scheduler.schedule(now)
-                self._forgotten.extend(out.forgotten_seq_ids)
                 self._scheduled(out, now)
                 wait_until = out.wake_at
             if out is not None and not out.is_empty:
-                out.forgotten_seq_ids, self._forgotten = self._forgotten, []
                 return out
             timeout = None if wait_until is None else max(0.0, wait_until - time.monotonic())
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wakeup.wait(), timeout)
 
     def _scheduled(self, out: SchedulerOutput, now: float) -> None:
-        for seq in out.admitted:
-            if seq.num_preemptions == 0:
-                self.metrics.queue_time.observe(now - seq.arrival_time)
+        for seq in out.first_admitted:
+            self.metrics.queue_time.observe(now - seq.arrival_time)
         swapped = {seq.seq_id for seq in out.swapped_out}
         for seq in out.preempted:
             self.metrics.preemptions.labels(kind="swap" if seq.seq_id in swapped else "recompute").inc()
         self.spans.scheduled(out)
 
     async def _execute(self, out: SchedulerOutput) -> list[worker_pb2.StepResponse]:
-        plan = self._builder.build(out)
-        request = step_request(plan)
+        request = self._builder.build(out)
         span = self.spans.step_span(out)
         try:
             if span is not None:
                 request.trace_context.update(tracing.carrier(span))
             # Serialized once for every rank.
-            return await self.workers.step(request.SerializeToString(), plan.step_id)
+            return await self.workers.step(request.SerializeToString(), request.step_id)
         finally:
             if span is not None:
                 span.end()
 
     def _publish(self, result: StepResult) -> None:
-        outputs, finished = self._outputs(result)
+        outputs = step_outputs(result)
         if self.fallback is not None:
             self._observe_fallback(len(result.replies[0].token_ids))
         self._recent_steps.append(result.seconds)
-        self._count(result)
+        self.totals.add(result, self.metrics)
+        ended = [
+            (u.seq.request_id, FinishReason.Name(u.seq.finish_reason).lower())
+            for u in result.updates
+            if u.finished
+        ]
+        self._end(ended, outputs)
+        self._lost_at = None  # a step went through: the ranks are back
+
+    def _end(self, ended: list[tuple[str, str]], outputs=()) -> None:
+        """The one way requests end (finished, aborted, failed, expired): the outputs go to their routers
+        first (the routing needs the owner), then each ended request's span ends and its router's credit
+        comes back. (request id, reason) per ended request; the scheduler has already let go of them."""
         self._report(outputs)
-        for request_id in finished:
+        for request_id, reason in ended:
+            self.spans.end(request_id, reason)
             self.routers.release(request_id)
-        if self._expiry is not None:  # the ranks are back and a step went through: recovered
-            self._expiry.cancel()
-            self._expiry = None
 
-    def _outputs(self, result: StepResult) -> tuple[list[scheduler_pb2.RequestOutput], list[str]]:
-        """A RequestOutput per sequence that got a token; the requests that finished."""
-        logprobs = _logprobs(result.out, result.replies[0])
-        outputs, finished = [], []
-        for u in result.updates:
-            seq = u.seq
-            output = scheduler_pb2.RequestOutput(request_id=seq.request_id, token_ids=[u.new_token])
-            if seq.seq_id in logprobs:
-                output.logprobs.append(logprobs[seq.seq_id])
-            if u.finished:
-                output.finish_reason = seq.finish_reason
-                output.cached_tokens = seq.num_cached_tokens
-                finished.append(seq.request_id)
-                self.spans.end(seq.request_id, FinishReason.Name(seq.finish_reason).lower())
-            outputs.append(output)
-        return outputs, finished
-
-    def _count(self, result: StepResult) -> None:
-        out, t, m = result.out, self.totals, self.metrics
-        forward, allreduce = result.forward_seconds, result.allreduce_seconds
-        t.steps += 1
-        t.batched_seqs += len(out.scheduled)
-        t.batched_tokens += out.num_batched_tokens
-        t.step_seconds += result.seconds
-        t.forward_seconds += forward
-        t.allreduce_seconds += allreduce
-        m.step_duration.observe(result.seconds)
-        m.forward_duration.observe(forward)
-        m.allreduce_duration.observe(allreduce)
-        m.batch_size.observe(len(out.scheduled))
-        m.batch_tokens.observe(out.num_batched_tokens)
+    def _fail(self, request_ids: list[str], code: int, message: str, reason: str = "failed") -> None:
+        """Ends these requests with an error their routers pass on (UNAVAILABLE: they may go elsewhere)."""
+        if not request_ids:
+            return
+        for request_id in request_ids:
+            self.scheduler.abort(request_id)
+        outputs = [
+            scheduler_pb2.RequestOutput(request_id=r, error=message, error_code=code) for r in request_ids
+        ]
+        self._end([(r, reason) for r in request_ids], outputs)
 
     def _observe_fallback(self, output_tokens: int) -> None:
         # Every request in the system counts: queued in the router, waiting, swapped out or running.
@@ -266,7 +194,7 @@ class Engine:
     # ---- the ranks ----
 
     async def _connect(self) -> None:
-        info = await self.workers.connect()
+        info = await self.workers.connect(self._wakeup.set)
         cfg, cap, first = self.config, info.capacity, info.describe[0]
         blocks = BlockManager(cap.num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)
         host_blocks = HostBlockPool(cap.num_host_blocks) if cap.num_host_blocks else None
@@ -304,35 +232,47 @@ class Engine:
     async def _workers_lost(self, error: WorkersLost) -> None:
         """A rank failed or went silent. Its peers' caches are useless too (the group must re-form), so
         every running sequence is requeued for recompute while the ranks are restarted."""
-        log.error("lost a shard worker (%s): waiting for the ranks to return", error)
+        if self._lost_at is None:  # the first loss starts the clock; failures before a good step do not
+            self._lost_at = time.monotonic()
+        if self.ready.is_set() or self.scheduler is not None:
+            log.error("lost a shard worker (%s): waiting for the ranks to return", error)
+        else:
+            log.warning("shard workers not reachable (%s); retrying", error)
         self._set_ready(False)
         await self.workers.close()
-        self.scheduler.requeue_all()
-        self._forgotten = []
+        if self.scheduler is not None:
+            self.scheduler.requeue_all()
         if self.fallback is not None:
             self.fallback.interrupt()  # recompute after a loss is not a throughput regression
-        # The first loss starts the clock; failures before the next good step do not reset it.
-        if self._expiry is None or self._expiry.done():
-            self._expiry = asyncio.create_task(self._expire_after(self.config.worker_recovery_timeout_s))
+        self._wakeup.set()  # the expiry looks again
 
-    async def _expire_after(self, seconds: float) -> None:
-        await asyncio.sleep(seconds)
-        request_ids = self.routers.request_ids
-        log.error("shard workers still lost after %.0fs: failing %d request(s)", seconds, len(request_ids))
-        self._fail(request_ids, ERROR_CODE_UNAVAILABLE, "a shard worker was lost and did not return in time")
-
-    def _fail(self, request_ids: list[str], code: int, message: str) -> None:
-        """Ends these requests with an error their routers pass on (UNAVAILABLE: they may go elsewhere)."""
-        if not request_ids:
-            return
-        outputs = []
-        for request_id in request_ids:
-            self.scheduler.abort(request_id)
-            self.spans.end(request_id, "failed")
-            outputs.append(scheduler_pb2.RequestOutput(request_id=request_id, error=message, error_code=code))
-        self._report(outputs)
-        for request_id in request_ids:
-            self.routers.release(request_id)
+    async def _expire_while_lost(self) -> None:
+        """While the ranks are lost, fails each request that has waited worker_recovery_timeout_s since
+        the loss or since its own arrival, whichever is later: requests that arrive during an outage
+        expire too, each on its own clock."""
+        timeout = self.config.worker_recovery_timeout_s
+        while True:
+            deadline = None
+            if self._lost_at is not None and self.scheduler is not None:
+                now = time.monotonic()
+                due = []
+                for seq in self.scheduler.sequences():
+                    expires = max(self._lost_at, seq.arrival_time) + timeout
+                    if expires <= now:
+                        due.append(seq.request_id)
+                    else:
+                        deadline = expires if deadline is None else min(deadline, expires)
+                if due:
+                    log.error(
+                        "shard workers still lost after %.0fs: failing %d request(s)", timeout, len(due)
+                    )
+                    self._fail(
+                        due, ERROR_CODE_UNAVAILABLE, "a shard worker was lost and did not return in time"
+                    )
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wakeup.wait(), wait)
+            await asyncio.sleep(0)  # let the step loop clear the event first
 
     def _set_ready(self, ready: bool) -> None:
         if ready:
@@ -372,17 +312,17 @@ class Engine:
             seq = self._sequence(msg)
             self.scheduler.add(seq)
         except RequestError as e:
-            self._refuse(stream, msg.request_id, e.code, str(e))
+            self.refuse(stream, msg.request_id, e.code, str(e))
             return
         except ValueError as e:  # longer than this replica's max_model_len
-            self._refuse(stream, msg.request_id, ERROR_CODE_INVALID_ARGUMENT, str(e))
+            self.refuse(stream, msg.request_id, ERROR_CODE_INVALID_ARGUMENT, str(e))
             return
         self._next_seq_id += 1
         self.routers.bind(msg.request_id, stream)
         self.spans.start(seq, msg.trace_context)
         self._wakeup.set()
 
-    def _refuse(self, stream: RouterStream, request_id: str, code: int, message: str) -> None:
+    def refuse(self, stream: RouterStream, request_id: str, code: int, message: str) -> None:
         """The error, and the credit the refused add used given back, in one message."""
         error = scheduler_pb2.RequestOutput(request_id=request_id, error=message, error_code=code)
         window = (
@@ -420,9 +360,7 @@ class Engine:
     def abort(self, request_id: str) -> None:
         """Frees the request's blocks now; the workers forget it with the next step."""
         if self.scheduler is not None and self.scheduler.abort(request_id) is not None:
-            self.routers.release(request_id)
-            self.spans.end(request_id, "aborted")
-            self._report()
+            self._end([(request_id, "aborted")])
 
     def queued_changed(self) -> None:
         """A router's queue changed size: min_batch_size may stop waiting."""
@@ -453,56 +391,24 @@ class Engine:
 
     def load_report(self) -> scheduler_pb2.LoadReport:
         """This replica's load, for the routers' choice among replicas (router/replicas.py)."""
-        report = scheduler_pb2.LoadReport(
-            max_num_seqs=self.config.policy.max_num_seqs, shards_ready=self.ready.is_set()
+        return load_report(
+            self.snapshot(), self.config.policy.max_num_seqs, self.ready.is_set(), self._recent_steps
         )
-        snap = self.snapshot()
-        if snap is not None:
-            report.waiting, report.swapped, report.running = snap.waiting, snap.swapped, snap.running
-            report.kv_blocks_total, report.kv_blocks_free = snap.kv_blocks_total, snap.kv_blocks_free
-            if snap.in_flight and self._recent_steps:
-                report.step_seconds = sum(self._recent_steps) / len(self._recent_steps)
-        return report
 
     def stats(self) -> generation_pb2.Stats:
-        snap = self.snapshot()
-        if snap is None:
-            return generation_pb2.Stats()
-        t = self.totals
-        return generation_pb2.Stats(
-            kv_blocks_total=snap.kv_blocks_total,
-            kv_blocks_free=snap.kv_blocks_free,
-            num_running=snap.running,
-            num_waiting=snap.waiting,
-            num_swapped=snap.swapped,
-            num_preemptions_total=snap.num_preemptions,
-            num_steps_total=t.steps,
-            batched_seqs_total=t.batched_seqs,
-            batched_tokens_total=t.batched_tokens,
-            step_seconds_total=t.step_seconds,
-            forward_seconds_total=t.forward_seconds,
-            allreduce_seconds_total=t.allreduce_seconds,
+        return stats(self.snapshot(), self.totals)
+
+
+def sampled_tokens(out: SchedulerOutput, reply: worker_pb2.StepResponse) -> list[list[int]]:
+    """Rank 0's tokens, split per sampled sequence (token_counts says how many each produced)."""
+    counts, ids = reply.token_counts, reply.token_ids
+    if len(counts) != len(out.sampled) or sum(counts) != len(ids):
+        raise WorkersLost(
+            f"rank 0 answered {len(ids)} tokens in {len(counts)} groups for "
+            f"{len(out.sampled)} sampled sequences"
         )
-
-
-def _logprobs(out: SchedulerOutput, reply: worker_pb2.StepResponse) -> dict[int, generation_pb2.Logprobs]:
-    """Per sampled sequence that asked, its logprobs. They arrive flat over every sampled sequence, in
-    batch order, each with top_logprobs alternatives."""
-    if not len(reply.logprobs):
-        return {}
-    found, top_at = {}, 0
-    for i, item in enumerate(s for s in out.scheduled if s.do_sample):
-        n = item.seq.top_logprobs
-        if n:
-            top = [
-                generation_pb2.TokenLogprob(token_id=tid, logprob=lp)
-                for tid, lp in zip(
-                    reply.top_token_ids[top_at : top_at + n],
-                    reply.top_logprobs[top_at : top_at + n],
-                    strict=True,
-                )
-            ]
-            chosen = generation_pb2.TokenLogprob(token_id=reply.token_ids[i], logprob=reply.logprobs[i])
-            found[item.seq.seq_id] = generation_pb2.Logprobs(chosen=chosen, top=top)
-        top_at += n
-    return found
+    tokens, at = [], 0
+    for n in counts:
+        tokens.append(list(ids[at : at + n]))
+        at += n
+    return tokens

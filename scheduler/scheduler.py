@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from common.pb.tpserve.v1.generation_pb2 import FINISH_REASON_ABORTED, FINISH_REASON_EOS, FINISH_REASON_LENGTH
 from common.settings import at_least, setting, validate
 from scheduler.block_manager import BlockManager, blocks_for
+from scheduler.plan import Proposer, ScheduledSeq, SchedulerOutput, SchedulerSnapshot, SequenceUpdate
 from scheduler.sequence import Sequence, SequenceStatus
 from scheduler.swap import HostBlockPool
 
@@ -68,68 +69,6 @@ class SchedulingPolicy:
         validate(self)
 
 
-@dataclass
-class ScheduledSeq:
-    seq: Sequence
-    num_new_tokens: int  # tokens computed this step: 1 for a decode, a chunk of the prompt otherwise
-    do_sample: bool  # this step reaches the sequence's last token, so a new one is sampled
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    # Every sequence preempted this step; those swapped to host are also in swapped_out, the others
-    # will be recomputed.
-    preempted: list[Sequence] = field(default_factory=list)
-    swapped_out: list[Sequence] = field(default_factory=list)
-    # Swapped sequences back on the device this step (they are scheduled too).
-    swapped_in: list[Sequence] = field(default_factory=list)
-    # Block copies every rank makes before this step's forward: (device block, host block) out, then
-    # (host block, device block) in. A step never carries both kinds (see Scheduler.schedule).
-    swap_out: list[tuple[int, int]] = field(default_factory=list)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)
-    # Sequences admitted from the waiting queue this step (first time, or back after a preemption).
-    admitted: list[Sequence] = field(default_factory=list)
-    # Sequences the workers may forget (finished or aborted since the last step).
-    forgotten_seq_ids: list[int] = field(default_factory=list)
-    # Static mode: nothing to run now, but a batch may start at this time even if not full.
-    wake_at: float | None = None
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        """Nothing for the workers to do: no sequence to compute and no block to copy."""
-        return not (self.scheduled or self.swap_out or self.swap_in)
-
-
-@dataclass(frozen=True)
-class SchedulerSnapshot:
-    waiting: int  # sequences waiting for admission: new, or preempted to be recomputed
-    running: int  # sequences in the running batch
-    swapped: int  # preempted sequences whose KV is on host blocks, waiting to come back
-    kv_blocks_total: int
-    kv_blocks_free: int  # blocks no sequence holds (cached prefixes nobody holds count as free)
-    num_preemptions: int  # since start
-    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache since start
-    prefix_cache_hits: int  # of those, tokens found cached
-    prefix_cache_blocks: int  # blocks holding reusable prefixes
-
-    @property
-    def in_flight(self) -> int:
-        """Every sequence the scheduler holds."""
-        return self.waiting + self.running + self.swapped
-
-
-@dataclass
-class SequenceUpdate:
-    seq: Sequence
-    new_token: int
-    finished: bool
-
-
 class Scheduler:
     def __init__(
         self,
@@ -137,6 +76,7 @@ class Scheduler:
         block_manager: BlockManager,
         eos_token_ids=(),
         host_blocks: HostBlockPool | None = None,
+        proposer: Proposer | None = None,
     ):
         if policy.max_model_len < 1:
             raise ValueError(
@@ -147,6 +87,7 @@ class Scheduler:
         # Swap space on the ranks' hosts; None or empty: every preemption recomputes.
         self.host_blocks = host_blocks
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.proposer = proposer
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last is the first to be preempted
         self.swapped: list[Sequence] = []  # oldest (lowest seq_id) first: the first to come back
@@ -182,11 +123,14 @@ class Scheduler:
             self.waiting.remove(seq)
         elif seq.status is SequenceStatus.SWAPPED:
             self.swapped.remove(seq)
-            self.host_blocks.free(seq.seq_id)
         else:
             self.running.remove(seq)
         self._finish(seq, FINISH_REASON_ABORTED)
         return seq
+
+    def sequences(self) -> list[Sequence]:
+        """Every sequence in flight (waiting, running or swapped out)."""
+        return list(self._by_request.values())
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._by_request
@@ -198,8 +142,7 @@ class Scheduler:
     # ---- one iteration ----
 
     def schedule(self, now: float = 0.0) -> SchedulerOutput:
-        out = SchedulerOutput(forgotten_seq_ids=self._forgotten)
-        self._forgotten = []
+        out = SchedulerOutput()
         budget = self.policy.max_num_batched_tokens
 
         # Running sequences first, oldest first: each needs its next token (or its next prompt chunk).
@@ -207,15 +150,20 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.blocks.allocate(seq, seq.num_computed_tokens + num_new, count_query=False):
+            drafts = self._propose(seq, budget - num_new) if num_new == 1 else []
+            if drafts and not self.blocks.can_allocate(seq, seq.num_tokens + len(drafts)):
+                drafts = []  # proposals never cost another sequence its blocks
+            while not self.blocks.allocate(
+                seq, seq.num_computed_tokens + num_new + len(drafts), count_query=False
+            ):
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is seq:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 break  # seq preempted itself: every later one is gone too
-            out.scheduled.append(self._scheduled(seq, num_new))
-            budget -= num_new
+            out.scheduled.append(self._scheduled(seq, num_new, drafts))
+            budget -= num_new + len(drafts)
             i += 1
 
         # Nothing comes in during a step that preempts: blocks are short. This also keeps swap-ins
@@ -224,7 +172,23 @@ class Scheduler:
             budget = self._swap_in(out, budget)
             if not self.swapped:  # swapped sequences come back before anyone new is admitted
                 self._admit(out, budget, now)
+        # The workers hear of finished sequences with the next step that goes out.
+        if not out.is_empty:
+            out.forgotten_seq_ids, self._forgotten = self._forgotten, []
         return out
+
+    def _propose(self, seq: Sequence, budget: int) -> list[int]:
+        """Proposed tokens for a decoding sequence, within the step's budget and the sequence's limits
+        (the KV of every proposal must fit in max_model_len; tokens past max_new_tokens would be
+        dropped)."""
+        if self.proposer is None or seq.num_computed_tokens != seq.num_tokens - 1:
+            return []
+        room = min(
+            budget,
+            seq.max_new_tokens - seq.num_output_tokens - 1,
+            self.policy.max_model_len - seq.num_tokens,
+        )
+        return self.proposer.propose(seq, room)[:room] if room > 0 else []
 
     def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
         """Brings swapped sequences back, oldest first, into fresh device blocks (never shared with the
@@ -269,10 +233,11 @@ class Scheduler:
                 break  # first come, first served: nobody jumps the queue
             first = not seq.admitted_before
             self.blocks.allocate(seq, num_cached + num_new, num_cached_tokens=num_cached, count_query=first)
-            seq.admitted_before = True
             seq.num_computed_tokens = num_cached
-            if seq.num_preemptions == 0:
+            if first:  # Usage.cached_tokens: what the client's request found, not a recompute
                 seq.num_cached_tokens = num_cached
+                out.first_admitted.append(seq)
+            seq.admitted_before = True
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -280,8 +245,10 @@ class Scheduler:
             out.scheduled.append(self._scheduled(seq, num_new))
             budget -= num_new
 
-    def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSeq:
-        return ScheduledSeq(seq, num_new, do_sample=seq.num_computed_tokens + num_new == seq.num_tokens)
+    def _scheduled(self, seq: Sequence, num_new: int, drafts: list[int] = ()) -> ScheduledSeq:
+        caught_up = seq.num_computed_tokens + num_new == seq.num_tokens
+        drafts = list(drafts)
+        return ScheduledSeq(seq, num_new + len(drafts), 1 + len(drafts) if caught_up else 0, drafts)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Swap preemption when the host has room for seq's computed KV: it is copied out before this
@@ -296,13 +263,13 @@ class Scheduler:
         computed = seq.block_table[: blocks_for(seq.num_computed_tokens, self.blocks.block_size)]
         if self.host_blocks is not None and self.host_blocks.can_swap_out(len(computed)):
             out.swap_out += self.host_blocks.swap_out(seq.seq_id, computed)
-            self.blocks.free(seq)
+            self._release(seq, host=False)
             seq.status = SequenceStatus.SWAPPED
             self.swapped.append(seq)
             self.swapped.sort(key=lambda s: s.seq_id)
             out.swapped_out.append(seq)
             return
-        self.blocks.free(seq)
+        self._release(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
@@ -312,9 +279,7 @@ class Scheduler:
         sequence, then every swapped one, goes back to the front of the queue, in order, to be
         recomputed from the tokens kept here."""
         for seq in reversed(self.running + self.swapped):
-            self.blocks.free(seq)
-            if self.host_blocks is not None:
-                self.host_blocks.free(seq.seq_id)
+            self._release(seq)
             seq.num_computed_tokens = 0
             seq.status = SequenceStatus.WAITING
             self.waiting.appendleft(seq)
@@ -346,28 +311,43 @@ class Scheduler:
 
     # ---- results of the iteration ----
 
-    def update(self, out: SchedulerOutput, sampled_token_ids: list[int]) -> list[SequenceUpdate]:
-        """Applies one step's results. sampled_token_ids has one token per do_sample sequence, in order.
+    def update(self, out: SchedulerOutput, sampled: list[list[int]]) -> list[SequenceUpdate]:
+        """Applies one step's results. sampled has, for each scheduled sequence with num_samples > 0 (in
+        order), the 1 to num_samples tokens the worker produced: the proposals it accepted, then one
+        more. Each is appended in turn and the stop conditions checked after each; a stop drops the
+        rest. Proposals not accepted are rolled back: their KV is not counted as computed, and blocks
+        the sequence no longer needs go back to the pool.
 
         Sequences aborted while the step ran are skipped: their tokens are dropped."""
         updates = []
-        tokens = iter(sampled_token_ids)
+        tokens_of = iter(sampled)
         for item in out.scheduled:
             seq = item.seq
-            token = next(tokens) if item.do_sample else None
+            tokens = next(tokens_of) if item.num_samples else []
+            if item.num_samples and not 1 <= len(tokens) <= item.num_samples:
+                raise ValueError(
+                    f"seq {seq.seq_id}: {len(tokens)} tokens for {item.num_samples} sampled positions"
+                )
             if seq.is_finished:
                 continue
-            seq.num_computed_tokens += item.num_new_tokens
+            # The KV of the proposals the worker rejected is not part of the sequence.
+            rejected = item.num_samples - len(tokens) if item.num_samples else 0
+            seq.num_computed_tokens += item.num_new_tokens - rejected
             # Blocks whose every token is now computed become reusable by later prompts.
             self.blocks.register_full_blocks(seq)
-            if token is None:
+            if not tokens:
                 continue
-            seq.token_ids.append(token)
-            reason = self._stop_reason(seq, token)
+            reason, kept = None, 0
+            while reason is None and kept < len(tokens):
+                seq.token_ids.append(tokens[kept])
+                reason = self._stop_reason(seq, tokens[kept])
+                kept += 1
             if reason is not None:
                 self.running.remove(seq)
                 self._finish(seq, reason)
-            updates.append(SequenceUpdate(seq, token, reason is not None))
+            elif rejected and self.blocks.truncate(seq, seq.num_tokens):
+                seq.table_shrunk = True
+            updates.append(SequenceUpdate(seq, tokens[:kept], reason is not None))
         return updates
 
     def _stop_reason(self, seq: Sequence, token: int) -> int | None:
@@ -377,8 +357,15 @@ class Scheduler:
             return FINISH_REASON_LENGTH
         return None
 
-    def _finish(self, seq: Sequence, reason: int) -> None:
+    def _release(self, seq: Sequence, host: bool = True) -> None:
+        """The one way a sequence lets go of memory: its device blocks and its prefix-hash
+        registrations, and (unless it is being swapped out to them) its host blocks."""
         self.blocks.free(seq)
+        if host and self.host_blocks is not None:
+            self.host_blocks.free(seq.seq_id)
+
+    def _finish(self, seq: Sequence, reason: int) -> None:
+        self._release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self._by_request[seq.request_id]

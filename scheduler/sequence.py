@@ -46,6 +46,9 @@ class Sequence:
     # Admitted at least once: a re-admission (after a recompute preemption or lost ranks) is the same
     # client request, and is not counted again in the prefix-cache metrics.
     admitted_before: bool = False
+    # Its block table lost blocks at the end (rejected proposals' slots) since the workers last heard of
+    # it: the next step sends the table whole, since the blocks that replace them may differ.
+    table_shrunk: bool = False
 
     @property
     def num_tokens(self) -> int:

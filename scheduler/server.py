@@ -12,6 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from common import metrics, security, tracing
 from common.grpc_util import SERVER_OPTIONS, check_ports_free, write_port_file
 from common.pb.tpserve.internal.v1 import scheduler_pb2_grpc
+from common.pb.tpserve.internal.v1.scheduler_pb2 import ERROR_CODE_INTERNAL
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
 from scheduler.router_streams import RouterStream
@@ -25,25 +26,37 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     async def Connect(self, request_iterator, context):
         router = RouterStream()
-
-        async def pump():
-            async for msg in request_iterator:
-                if msg.HasField("add"):
-                    self.engine.add(msg.add, router)
-                elif msg.HasField("abort"):
-                    self.engine.abort(msg.abort.request_id)
-                elif msg.HasField("queue_depth"):
-                    router.queued = msg.queue_depth.queued
-                    self.engine.queued_changed()
-
-        reader = asyncio.create_task(pump())
+        reader = asyncio.create_task(self._read(request_iterator, router))
+        # A reader that stops (the router closed its side, or an error) ends this stream too, so the
+        # router sees it end and reconnects, rather than heartbeats flowing while its adds go unread.
+        reader.add_done_callback(lambda _: router.outbox.put_nowait(None))
         self.engine.attach(router)
         try:
-            while True:
-                yield await router.outbox.get()
+            while (msg := await router.outbox.get()) is not None:
+                yield msg
         finally:
             reader.cancel()
             self.engine.detach(router)
+
+    async def _read(self, request_iterator, router: RouterStream) -> None:
+        async for msg in request_iterator:
+            try:
+                self._handle(msg, router)
+            except Exception as e:  # a bug: that request fails, the stream goes on
+                log.exception("scheduler: handling a router message failed")
+                if msg.HasField("add"):
+                    self.engine.refuse(
+                        router, msg.add.request_id, ERROR_CODE_INTERNAL, f"the scheduler failed: {e}"
+                    )
+
+    def _handle(self, msg, router: RouterStream) -> None:
+        if msg.HasField("add"):
+            self.engine.add(msg.add, router)
+        elif msg.HasField("abort"):
+            self.engine.abort(msg.abort.request_id)
+        elif msg.HasField("queue_depth"):
+            router.queued = msg.queue_depth.queued
+            self.engine.queued_changed()
 
     async def GetModelInfo(self, request, context):
         if not self.engine.ready.is_set():

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from opentelemetry import trace
 
 from common import tracing
-from scheduler.scheduler import SchedulerOutput
+from scheduler.plan import SchedulerOutput
 from scheduler.sequence import Sequence
 
 

@@ -4,6 +4,12 @@ then one step stream per rank.
 A step is serialized once and written to every rank at the same time; the replies are awaited together.
 Any failure of a rank (an RPC error, a stream that ended, no answer within step_timeout_s) is a
 WorkersLost: the group's caches are useless from then on and the engine rebuilds everything.
+
+A rank lost while the engine is idle is noticed too: each step stream's completion is watched, and a
+stream that ends without the scheduler closing it wakes the engine (`connect`'s on_lost), whose next
+`check()` raises WorkersLost. So health turns NOT_SERVING at once, whether or not a step was running.
+
+The engine needs only connect / check / step / close: unit tests drive it with a fake group.
 """
 
 from __future__ import annotations
@@ -42,11 +48,12 @@ class WorkerGroup:
         self.config = config
         self._channels: list[grpc.aio.Channel] = []
         self._streams: list = []
+        self._broken: str | None = None  # why a step stream ended on its own
 
-    async def connect(self) -> WorkerGroupInfo:
+    async def connect(self, on_lost=lambda: None) -> WorkerGroupInfo:
         """Describes every rank, settles the capacity, allocates the caches and opens the step streams.
         Raises WorkersLost when a rank cannot be reached, and CapacityError when the ranks cannot serve
-        together."""
+        together. on_lost() is called when a step stream ends that this group did not close."""
         await self.close()
         cfg, policy = self.config, self.config.policy
         self._channels = [security.aio_channel(addr, cfg.internal_tls, OPTIONS) for addr in cfg.workers]
@@ -106,7 +113,23 @@ class WorkerGroup:
             ch.stream_stream(STEP_METHOD, response_deserializer=worker_pb2.StepResponse.FromString)()
             for ch in self._channels
         ]
+        self._broken = None
+        for rank, stream in enumerate(self._streams):
+            stream.add_done_callback(self._watcher(rank, stream, on_lost))
         return WorkerGroupInfo(tuple(infos), capacity)
+
+    def _watcher(self, rank: int, stream, on_lost):
+        def ended(_call) -> None:
+            if any(s is stream for s in self._streams):  # not one this group closed
+                self._broken = f"rank {rank}'s step stream ended"
+                on_lost()
+
+        return ended
+
+    def check(self) -> None:
+        """Raises WorkersLost if a rank's stream has ended since connect()."""
+        if self._broken is not None:
+            raise WorkersLost(self._broken)
 
     async def step(self, request: bytes, step_id: int) -> list[worker_pb2.StepResponse]:
         """Sends one serialized StepRequest to every rank at once and returns their replies, in rank
@@ -131,11 +154,12 @@ class WorkerGroup:
         return replies
 
     async def close(self) -> None:
-        for stream in self._streams:
+        streams, channels = self._streams, self._channels
+        self._streams, self._channels = [], []  # first, so the watchers know these ends are ours
+        for stream in streams:
             stream.cancel()
-        for ch in self._channels:
+        for ch in channels:
             await ch.close()
-        self._streams, self._channels = [], []
 
 
 def _detail(e: Exception) -> str:

@@ -1,14 +1,15 @@
-"""Runs this rank's shard of the model for one scheduled step: flat lists in, sampled tokens out.
+"""Runs this rank's shard of the model for one scheduled step: flat arrays in, sampled tokens out.
 
 Every rank runs the same forward on the same StepInputs, so every rank issues the same collectives in
-the same order; only rank 0 samples. The runner decides nothing: which tokens, positions and KV slots to
-compute come from the scheduler.
+the same order; only rank 0 samples. The runner decides nothing: which tokens to compute, and where
+their KV goes, come from the scheduler (the step's lengths and the block tables the worker keeps).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,11 +21,11 @@ from shard_worker.attention import Attention, StepBatch, select_backend
 from shard_worker.attention.flex import PREFILL_MIN_QUERY
 from shard_worker.cuda_graphs import CudaGraphRunner, capture_bytes, graphs_unsupported
 from shard_worker.model.config import ModelConfig
-from shard_worker.model.llama import LlamaModel
 from shard_worker.model.loader import load_weights
+from shard_worker.model.registry import model_class
 from shard_worker.parallel import TensorParallel
-from shard_worker.sampler import Sampler
-from shard_worker.step import SequenceInit, StepInputs, StepOutputs
+from shard_worker.sampling import Sampler, SequenceState
+from shard_worker.step import StepInputs, StepOutputs
 
 log = logging.getLogger("tpserve.shard_worker")
 
@@ -67,7 +68,7 @@ class ModelRunner:
         self.config = ModelConfig.from_pretrained(self.model_dir)
         self.attention = select_backend(attention_backend, self.device, dtype)
         with torch.device(self.device), _default_dtype(dtype):
-            self.model = LlamaModel(self.config, tp)
+            self.model = model_class(self.config.architecture)(self.config, tp)
         for name, layer in self.model.named_modules():
             reason = self.attention.unsupported_layer(layer) if isinstance(layer, Attention) else None
             if reason is not None:
@@ -89,7 +90,9 @@ class ModelRunner:
         # Swap space: the same layout as kv_caches, in host memory (pinned on CUDA, for fast copies).
         self.host_kv_caches: list[torch.Tensor] = []
         self.block_size = 0
-        self.sampler = Sampler(self.config.vocab_size, self.device) if tp.rank == 0 else None
+        self.sampler = (
+            Sampler(self.config.vocab_size, self.device, self.config.eos_token_ids) if tp.rank == 0 else None
+        )
 
     def describe(self) -> dict:
         params = {p.data_ptr(): p for p in self.model.parameters()}.values()  # tied weights once
@@ -103,8 +106,8 @@ class ModelRunner:
 
     def kv_block_bytes(self, block_size: int) -> int:
         """Bytes one KV block takes on this rank, over all layers."""
-        per_token = 2 * self.model.num_local_kv_heads * self.config.head_dim * self.dtype.itemsize
-        return self.config.num_layers * block_size * per_token
+        per_cache = math.prod(self.model.kv_cache_shape(1, block_size)) * self.dtype.itemsize
+        return self.model.num_kv_caches * per_cache
 
     def profile_num_blocks(
         self,
@@ -133,16 +136,16 @@ class ModelRunner:
             self._dummy_step(block_size, max_num_batched_tokens, max_num_seqs, max_model_len)
             budget = int(cpu_kv_cache_gib * 2**30)
         else:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(self.device)
-            free, total = torch.cuda.mem_get_info(self.device)
+            memory = CudaMemory(self.device)
+            memory.empty_cache()
+            free, total = memory.mem_get_info()
             # The CUDA context, NCCL buffers and other processes: memory our allocator does not manage.
-            outside_torch = total - free - torch.cuda.memory_reserved(self.device)
-            self._dummy_step(block_size, max_num_batched_tokens, max_num_seqs, max_model_len)
-            peak = torch.cuda.max_memory_allocated(self.device)
-            torch.cuda.empty_cache()
+            outside_torch = total - free - memory.reserved()
+            weights = memory.allocated()
+            peak = self._dummy_step(block_size, max_num_batched_tokens, max_num_seqs, max_model_len, memory)
+            memory.empty_cache()
             graphs = self._graph_bytes(block_size, max_num_seqs, max_model_len) if self.cuda_graphs else 0
-            budget = int(total * gpu_memory_utilization) - outside_torch - peak - graphs
+            budget = kv_budget(total, gpu_memory_utilization, outside_torch, weights, peak) - graphs
             log.info("rank %d: CUDA graphs take %.1f MiB", self.tp.rank, graphs / 2**20)
         num_blocks = budget // per_block - self.reserved_blocks
         if num_blocks < 1:
@@ -157,16 +160,12 @@ class ModelRunner:
         With CUDA graphs, one block more: block num_blocks is the padding rows' (see cuda_graphs.py)."""
         self.graphs = None  # they write to the old cache: recaptured by capture_cuda_graphs
         total = num_blocks + self.reserved_blocks
-        shape = (2, total, block_size, self.model.num_local_kv_heads, self.config.head_dim)
-        # A new cache means a new scheduler session: it introduces every sequence again (forget_all on
-        # its side), so state of sequences it dropped while disconnected must not linger here.
-        if self.sampler is not None:
-            self.remove_sequences(self.sampler.seq_ids())
+        shape = self.model.kv_cache_shape(total, block_size)
         self.kv_caches = []  # frees an old cache first, so reallocating never needs room for both
         # Zeros, not empty: padding slots are masked out of attention, but a NaN left in memory there
         # would still poison the weighted sum (0 * NaN).
         self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.model.model.layers
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.model.num_kv_caches)
         ]
         self.block_size = block_size
         return total * self.kv_block_bytes(block_size)
@@ -200,12 +199,12 @@ class ModelRunner:
 
     def allocate_host_kv_cache(self, num_blocks: int, block_size: int) -> int:
         """Allocates the swap space: num_blocks host blocks laid out like the device cache; returns bytes."""
-        shape = (2, num_blocks, block_size, self.model.num_local_kv_heads, self.config.head_dim)
+        shape = self.model.kv_cache_shape(num_blocks, block_size)
         self.host_kv_caches = []
         if num_blocks:
             pin = self.device.type == "cuda"
             self.host_kv_caches = [
-                torch.empty(shape, dtype=self.dtype, pin_memory=pin) for _ in self.model.model.layers
+                torch.empty(shape, dtype=self.dtype, pin_memory=pin) for _ in range(self.model.num_kv_caches)
             ]
         return num_blocks * self.kv_block_bytes(block_size)
 
@@ -231,18 +230,10 @@ class ModelRunner:
             # Synchronous, so a swap out is complete before the forward reuses its device blocks.
             d.index_copy_(1, dst_index, s.index_select(1, src_index).to(d.device))
 
-    def add_sequences(self, inits: list[SequenceInit]) -> None:
-        if self.sampler is not None:
-            for init in inits:
-                self.sampler.add(init)
-
-    def remove_sequences(self, seq_ids: list[int]) -> None:
-        if self.sampler is not None:
-            for seq_id in seq_ids:
-                self.sampler.remove(seq_id)
-
     @torch.inference_mode()
-    def execute(self, inputs: StepInputs) -> StepOutputs:
+    def execute(self, inputs: StepInputs, states: list[SequenceState] | None = None) -> StepOutputs:
+        """Runs the step; on rank 0 samples the sequences with sample_counts > 0, whose sampling states
+        `states` holds in batch order."""
         if not self.kv_caches:
             raise RuntimeError("allocate_kv_cache must be called before execute")
         if not len(inputs.seq_ids):
@@ -264,15 +255,24 @@ class ModelRunner:
             hidden = self.model(batch.input_ids, batch.positions, ctx, self.kv_caches)
 
         out = StepOutputs()
-        sampled = np.flatnonzero(inputs.do_sample)
+        sampled = np.flatnonzero(inputs.sample_counts)
         if len(sampled):
-            last_rows = np.cumsum(inputs.query_lens)[sampled] - 1
-            rows = torch.from_numpy(last_rows).to(self.device)
-            logits = self.model.compute_logits(hidden.index_select(0, rows))
+            counts = inputs.sample_counts[sampled]
+            rows = sampled_rows(np.cumsum(inputs.query_lens)[sampled], counts)
+            logits = self.model.compute_logits(hidden.index_select(0, torch.from_numpy(rows).to(self.device)))
             if logits is not None:
-                result = self.sampler.sample(inputs.seq_ids[sampled].tolist(), logits)
-                out.token_ids, out.logprobs = result.token_ids, result.logprobs
-                out.top_token_ids, out.top_logprobs = result.top_token_ids, result.top_logprobs
+                if states is None or len(states) != len(sampled):
+                    raise ValueError(
+                        f"{len(sampled)} sequences sample, {len(states or ())} sampling states given"
+                    )
+                proposals = step_proposals(inputs.input_ids, rows, counts)
+                result = self.sampler.sample(states, counts.tolist(), proposals, logits)
+                out.token_counts, out.token_ids = result.token_counts, result.token_ids
+                out.logprobs, out.top_token_ids, out.top_logprobs = (
+                    result.logprobs,
+                    result.top_token_ids,
+                    result.top_logprobs,
+                )
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         out.allreduce_seconds = self.tp.take_comm_seconds()
@@ -281,16 +281,14 @@ class ModelRunner:
 
     def _check(self, inputs: StepInputs) -> None:
         num_seqs = len(inputs.seq_ids)
-        for name in ("query_lens", "context_lens", "do_sample", "block_table"):
+        for name in ("query_lens", "context_lens", "sample_counts", "block_table"):
             if len(getattr(inputs, name)) != num_seqs:
                 raise ValueError(f"{name} has {len(getattr(inputs, name))} entries for {num_seqs} sequences")
-        num_tokens = int(inputs.query_lens.sum())
-        for name in ("input_ids", "positions", "slot_mapping"):
-            if len(getattr(inputs, name)) != num_tokens:
-                raise ValueError(f"{name} has {len(getattr(inputs, name))} entries for {num_tokens} tokens")
-        if num_tokens and int(inputs.positions.max()) >= self.config.max_position_embeddings:
+        if num_seqs and bool((inputs.sample_counts > inputs.query_lens).any()):
+            raise ValueError("a sequence samples more positions than it computes this step")
+        if num_seqs and int(inputs.context_lens.max()) > self.config.max_position_embeddings:
             raise ValueError(
-                f"position {int(inputs.positions.max())} is beyond max_position_embeddings "
+                f"position {int(inputs.context_lens.max()) - 1} is beyond max_position_embeddings "
                 f"{self.config.max_position_embeddings}"
             )
 
@@ -307,20 +305,32 @@ class ModelRunner:
             self.execute(step)
 
     def _dummy_step(
-        self, block_size: int, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int
-    ) -> None:
-        """Runs the worst step (worst_step) for its peak memory, then warm_up, so both attention kernels
-        are compiled whatever the limits."""
+        self,
+        block_size: int,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        memory: CudaMemory | None = None,
+    ) -> int:
+        """Runs the worst step (worst_step), then warm_up, so both attention tilings are compiled whatever
+        the limits. Returns the bytes the step needed beyond what was allocated when it began (weights
+        and its own scratch KV cache, which the real cache replaces): 0 without `memory`."""
         worst, num_blocks = worst_step(block_size, max_num_batched_tokens, max_num_seqs, max_model_len)
         with self._scratch_cache(num_blocks, block_size), torch.inference_mode():
+            base = 0
+            if memory is not None:
+                base = memory.allocated()
+                memory.reset_peak()
             self.execute(worst)
-            # Its logits, one row per sequence (each samples at most one token), and the sampler's
+            # Its logits, one row per sequence (each samples at least one token), and the sampler's
             # temporaries.
             hidden = torch.zeros(len(worst.seq_ids), self.config.hidden_size)
             logits = self.model.compute_logits(hidden.to(self.device, self.dtype))
             if logits is not None:
                 torch.log_softmax(logits.float(), dim=-1).sort(dim=-1)
+            peak = 0 if memory is None else memory.max_allocated() - base
         self.warm_up(block_size)
+        return peak
 
     @contextlib.contextmanager
     def _scratch_cache(self, num_blocks: int, block_size: int) -> Iterator[None]:
@@ -371,23 +381,67 @@ def synthetic_step(lens: list[tuple[int, int]], block_size: int) -> tuple[StepIn
     The sequences' cached blocks are one shared prefix (attention reads the cache in place, so sharing
     changes nothing it does, and the cache stays small); the blocks a sequence writes are its own."""
     shared = -(-max(c for _, c in lens) // block_size)
-    names = ("seq_ids", "query_lens", "context_lens", "do_sample", "input_ids", "positions", "slot_mapping")
-    step = {name: [] for name in names}
     tables = []
     next_block = shared
-    for seq_id, (q, c) in enumerate(lens):
+    for q, c in lens:
         first_written = (c - q) // block_size
         num_written = -(-c // block_size) - first_written
-        table = list(range(first_written)) + list(range(next_block, next_block + num_written))
+        tables.append(list(range(first_written)) + list(range(next_block, next_block + num_written)))
         next_block += num_written
-        step["seq_ids"].append(seq_id)
-        step["query_lens"].append(q)
-        step["context_lens"].append(c)
-        step["do_sample"].append(False)
-        step["input_ids"] += [0] * q
-        step["positions"] += range(c - q, c)
-        step["slot_mapping"] += [
-            table[p // block_size] * block_size + p % block_size for p in range(c - q, c)
-        ]
-        tables.append(table)
-    return StepInputs(**step, block_table=StepInputs.pad_tables(tables)), next_block
+    step = StepInputs(
+        seq_ids=range(len(lens)),
+        query_lens=[q for q, _ in lens],
+        context_lens=[c for _, c in lens],
+        sample_counts=[0] * len(lens),
+        input_ids=[0] * sum(q for q, _ in lens),
+        block_table=StepInputs.pad_tables(tables),
+    )
+    return step, next_block
+
+
+def sampled_rows(ends: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The step rows sampled: each sampled sequence's last counts[i] rows, ending (exclusive) at ends[i]."""
+    if bool((counts == 1).all()):
+        return ends - 1
+    firsts = np.repeat(ends - counts, counts)
+    offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    return firsts + offsets
+
+
+def step_proposals(input_ids: np.ndarray, rows: np.ndarray, counts: np.ndarray) -> list[list[int]]:
+    """Each sampled sequence's proposals: the inputs after its first sampled row (none for most)."""
+    if bool((counts == 1).all()):
+        return [[]] * len(counts)
+    firsts = rows[np.cumsum(counts) - counts]
+    return [input_ids[r + 1 : r + c].tolist() for r, c in zip(firsts, counts, strict=True)]
+
+
+def kv_budget(total: int, utilization: float, outside_torch: int, allocated: int, step_peak: int) -> int:
+    """Bytes left for the KV cache on a CUDA device: the share of its memory we may fill, less what
+    others hold, what we hold (weights) and the worst step's transient peak."""
+    return int(total * utilization) - outside_torch - allocated - step_peak
+
+
+class CudaMemory:
+    """The CUDA allocator's figures for one device, behind methods a test can fake."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def mem_get_info(self) -> tuple[int, int]:
+        return torch.cuda.mem_get_info(self.device)
+
+    def reserved(self) -> int:
+        return torch.cuda.memory_reserved(self.device)
+
+    def allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
+
+    def max_allocated(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()

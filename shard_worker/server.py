@@ -7,6 +7,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -19,10 +20,10 @@ from common.grpc_util import SERVER_OPTIONS, check_ports_free, write_port_file
 from common.pb.tpserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from common.sampling import SamplingConfig
 from shard_worker import devices
-from shard_worker.block_tables import BlockTables
 from shard_worker.config import WorkerConfig
 from shard_worker.metrics import WorkerMetrics
-from shard_worker.step import SequenceInit, StepInputs
+from shard_worker.step import SequenceInit, WorkerStep
+from shard_worker.worker import Worker
 
 log = logging.getLogger("tpserve.shard_worker")
 
@@ -32,21 +33,22 @@ def _array(data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype="<i8")
 
 
-def step_inputs(req: worker_pb2.StepRequest, tables: BlockTables) -> StepInputs:
-    """The step's arrays, with each sequence's block table brought up to date from the step's deltas."""
-    seq_ids = _array(req.seq_ids)
-    block_table = tables.apply(
-        seq_ids, _array(req.table_reset), _array(req.new_block_counts), _array(req.new_block_ids)
-    )
-    return StepInputs(
-        seq_ids=seq_ids,
+def worker_step(req: worker_pb2.StepRequest) -> WorkerStep:
+    """The StepRequest as plain values."""
+    return WorkerStep(
+        step_id=req.step_id,
+        new_sequences=[sequence_init(m) for m in req.new_sequences],
+        forgotten_seq_ids=list(req.forgotten_seq_ids),
+        swap_out=(list(req.swap_out_src), list(req.swap_out_dst)),
+        swap_in=(list(req.swap_in_src), list(req.swap_in_dst)),
+        seq_ids=_array(req.seq_ids),
         query_lens=_array(req.query_lens),
         context_lens=_array(req.context_lens),
-        do_sample=_array(req.do_sample).astype(bool),
+        sample_counts=_array(req.sample_counts),
         input_ids=_array(req.input_ids),
-        positions=_array(req.positions),
-        slot_mapping=_array(req.slot_mapping),
-        block_table=block_table,
+        table_reset=_array(req.table_reset),
+        new_block_counts=_array(req.new_block_counts),
+        new_block_ids=_array(req.new_block_ids),
     )
 
 
@@ -58,6 +60,7 @@ def sequence_init(msg: worker_pb2.SequenceInit) -> SequenceInit:
         token_ids=list(msg.token_ids),
         num_prompt_tokens=msg.num_prompt_tokens,
         num_sampled=msg.num_sampled,
+        stop_token_ids=tuple(msg.stop_token_ids),
     )
 
 
@@ -75,8 +78,8 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
         # Held by each step and by Describe/InitCache: a scheduler that reconnects after a step timeout
         # must not profile memory or allocate a cache while the old forward still runs.
         self._device_lock = threading.Lock()
-        # Block tables of the sequences the scheduler told this worker about (InitCache starts afresh).
-        self.tables: BlockTables | None = None
+        # The sequences the scheduler told this rank about, and the steps it runs (shard_worker/worker.py).
+        self.worker = Worker(runner)
 
     def Describe(self, request, context):
         with self._device_lock, self._failing_on_error("describing its capacity"):
@@ -114,9 +117,14 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
             return self._init_cache(request)
 
     def _init_cache(self, request) -> worker_pb2.InitCacheResponse:
-        self.tables = BlockTables(-(-request.max_model_len // request.block_size))
-        nbytes = self.runner.allocate_kv_cache(request.num_blocks, request.block_size)
-        host_bytes = self.runner.allocate_host_kv_cache(request.num_host_blocks, request.block_size)
+        start = time.perf_counter()
+        nbytes, host_bytes = self.worker.init_cache(
+            request.num_blocks,
+            request.block_size,
+            request.num_host_blocks,
+            request.max_model_len,
+            request.max_num_seqs,
+        )
         log.info(
             "rank %d: KV cache of %d blocks, %.1f MiB; swap space of %d blocks, %.1f MiB",
             self.config.rank,
@@ -125,14 +133,12 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
             request.num_host_blocks,
             host_bytes / 2**20,
         )
-        # The graphs bake in the cache's addresses, so they follow it (every rank captures at once).
-        seconds = self.runner.capture_cuda_graphs(request.max_num_seqs, request.max_model_len)
         if self.runner.graphs is not None:
             log.info(
-                "rank %d: decode graphs for batch sizes %s captured in %.1fs",
+                "rank %d: decode CUDA graphs for batch sizes %s; InitCache took %.1fs",
                 self.config.rank,
                 ",".join(map(str, self.runner.graphs.sizes)),
-                seconds,
+                time.perf_counter() - start,
             )
         return worker_pb2.InitCacheResponse(kv_cache_bytes=nbytes, host_kv_cache_bytes=host_bytes)
 
@@ -165,28 +171,18 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
             raise
 
     def _step(self, req: worker_pb2.StepRequest) -> worker_pb2.StepResponse:
-        if req.forgotten_seq_ids:
-            self.runner.remove_sequences(list(req.forgotten_seq_ids))
-            self.tables.forget(req.forgotten_seq_ids)
-        if req.new_sequences:
-            self.runner.add_sequences([sequence_init(m) for m in req.new_sequences])
-        # Swap out first: its device blocks may be handed to this step's tokens or swap ins.
-        if req.swap_out_src:
-            self.runner.swap_out(list(req.swap_out_src), list(req.swap_out_dst))
-        if req.swap_in_src:
-            self.runner.swap_in(list(req.swap_in_src), list(req.swap_in_dst))
-        inputs = step_inputs(req, self.tables)
+        step = worker_step(req)
         parent = tracing.context_from_carrier(req.trace_context)
         if parent is None:
-            out = self.runner.execute(inputs)
+            out = self.worker.step(step)
         else:
             with self._tracer.start_as_current_span("shard_worker.forward", context=parent) as span:
-                out = self.runner.execute(inputs)
+                out = self.worker.step(step)
                 span.set_attributes(
                     {
                         "tpserve.rank": self.config.rank,
-                        "tpserve.batch_size": len(inputs.seq_ids),
-                        "tpserve.batch_tokens": len(inputs.input_ids),
+                        "tpserve.batch_size": len(step.seq_ids),
+                        "tpserve.batch_tokens": len(step.input_ids),
                         "tpserve.allreduce_seconds": out.allreduce_seconds,
                     }
                 )
@@ -194,6 +190,7 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
         self.metrics.allreduce.observe(out.allreduce_seconds)
         return worker_pb2.StepResponse(
             step_id=req.step_id,
+            token_counts=out.token_counts,
             token_ids=out.token_ids,
             logprobs=out.logprobs,
             top_token_ids=out.top_token_ids,

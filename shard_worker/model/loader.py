@@ -1,4 +1,10 @@
-"""Fills a model shard from a checkpoint's safetensors files, reading only this rank's slices."""
+"""Fills a model shard from a checkpoint's safetensors files, reading only this rank's slices.
+
+Checkpoint names map onto parameter names through the model class's `packed_modules_mapping` (a name
+piece such as `q_proj` becomes `qkv_proj`, part 0), and expert tensors (`experts.<e>.<proj>.weight`) onto
+the stacked expert parameter `experts.<proj>`, part (e, its part). Every parameter part must be filled
+exactly once and every checkpoint tensor must fill one: either failure is a ValueError naming a tensor.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,6 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from shard_worker.model.config import read_json
-from shard_worker.model.llama import PACKED_MODULES
 
 # Checkpoint tensors with no parameter behind them (old checkpoints saved rotary buffers).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -24,14 +29,14 @@ def load_weights(model: nn.Module, model_dir: str | Path, tie_word_embeddings: b
     read.
     """
     files = checkpoint_files(model_dir)
+    mapping = model.packed_modules_mapping
     params = dict(model.named_parameters(remove_duplicate=False))
     # Each (parameter, part) must be filled exactly once; a merged parameter has one entry per part.
     expected = set()
     for name, param in params.items():
         if tie_word_embeddings and name == "lm_head.weight":
             continue
-        parts = getattr(param, "num_parts", None)
-        expected.update([(name, p) for p in range(parts)] if parts else [(name, None)])
+        expected.update((name, p) for p in getattr(param, "checkpoint_parts", (None,)))
     loaded = set()
     for file in files:
         with _open(file) as f:
@@ -40,10 +45,19 @@ def load_weights(model: nn.Module, model_dir: str | Path, tie_word_embeddings: b
                     continue
                 if tie_word_embeddings and ckpt_name == "lm_head.weight":
                     continue  # shared with the embedding, which is loaded from its own tensor
-                name, part = _param_name(ckpt_name)
+                name, part = param_name(ckpt_name, mapping)
                 if name not in params:
                     raise ValueError(f"{file.name}: tensor {ckpt_name} matches no parameter of the model")
                 param = params[name]
+                parts = getattr(param, "checkpoint_parts", (None,))
+                if part is None and len(parts) > 1:
+                    part_keys = parts  # a fused tensor: all of the parameter's parts at once
+                elif part in parts:
+                    part_keys = (part,)
+                else:  # an expert beyond num_experts, say
+                    raise ValueError(f"{file.name}: tensor {ckpt_name} matches no part of the model's {name}")
+                if loaded & {(name, p) for p in part_keys}:
+                    raise ValueError(f"{file.name}: tensor {ckpt_name} fills {name} a second time")
                 source = f.get_slice(ckpt_name)
                 loader = getattr(param, "weight_loader", None)
                 with torch.no_grad():
@@ -51,11 +65,11 @@ def load_weights(model: nn.Module, model_dir: str | Path, tie_word_embeddings: b
                         loader(param, source, part)
                     else:
                         _load_whole(param, source, ckpt_name)
-                loaded.add((name, part))
+                loaded.update((name, p) for p in part_keys)
     missing = sorted(expected - loaded, key=str)
     if missing:
         raise ValueError(
-            f"checkpoint {model_dir} has no tensor {_checkpoint_name(*missing[0])} "
+            f"checkpoint {model_dir} has no tensor {_checkpoint_name(*missing[0], mapping)} "
             f"({len(missing)} missing in all)"
         )
 
@@ -91,22 +105,31 @@ def _open(file: Path):
         raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
 
 
-def _param_name(ckpt_name: str) -> tuple[str, int | None]:
-    parts = ckpt_name.split(".")
-    for i, piece in enumerate(parts):
-        if piece in PACKED_MODULES:
-            merged, index = PACKED_MODULES[piece]
-            return ".".join([*parts[:i], merged, *parts[i + 1 :]]), index
+def param_name(ckpt_name: str, mapping: dict) -> tuple[str, object]:
+    """(our parameter's name, the part this tensor fills: None for the whole parameter)."""
+    pieces = ckpt_name.split(".")
+    # experts.<e>.<proj>.weight -> experts.<proj as mapped>, part (e, the mapped part).
+    if len(pieces) >= 4 and pieces[-4] == "experts" and pieces[-3].isdigit() and pieces[-1] == "weight":
+        merged, index = mapping.get(pieces[-2], (pieces[-2], None))
+        return ".".join([*pieces[:-3], merged]), (int(pieces[-3]), index)
+    for i, piece in enumerate(pieces):
+        if piece in mapping:
+            merged, index = mapping[piece]
+            return ".".join([*pieces[:i], merged, *pieces[i + 1 :]]), index
     return ckpt_name, None
 
 
-def _checkpoint_name(name: str, part: int | None) -> str:
-    if part is None:
-        return name
-    for ckpt_piece, (merged, index) in PACKED_MODULES.items():
+def _checkpoint_name(name: str, part, mapping: dict) -> str:
+    """The checkpoint tensor that would fill this part of a parameter (param_name's inverse); a part
+    the mapping does not name comes from a fused tensor, named like the parameter."""
+    if isinstance(part, tuple):
+        expert, part = part
+        prefix, _, proj = name.rpartition(".")
+        name = f"{prefix}.{expert}.{proj}.weight"
+    for ckpt_piece, (merged, index) in mapping.items():
         if index == part and f".{merged}." in name:
             return name.replace(f".{merged}.", f".{ckpt_piece}.")
-    return f"{name} (part {part})"
+    return name
 
 
 def _load_whole(param: nn.Parameter, source, ckpt_name: str) -> None:

@@ -109,7 +109,7 @@ def test_reflection_lists_the_generation_service(stack):
 
 def test_invalid_argument_carries_a_bad_request_detail_naming_the_field(stack):
     stub = generation_pb2_grpc.GenerationStub(stack)
-    request = pb.GenerateRequest(messages=[pb.ChatMessage(role="tool", content="hi")], max_new_tokens=4)
+    request = pb.GenerateRequest(messages=[pb.ChatMessage(role="robot", content="hi")], max_new_tokens=4)
     with pytest.raises(grpc.RpcError) as e:
         list(stub.Generate(request, timeout=60))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -118,4 +118,4 @@ def test_invalid_argument_carries_a_bad_request_detail_naming_the_field(stack):
     detail = error_details_pb2.BadRequest()
     assert status.details[0].Unpack(detail)
     (violation,) = detail.field_violations
-    assert violation.field == "messages[0].role" and "tool" in violation.description
+    assert violation.field == "messages[0].role" and "robot" in violation.description

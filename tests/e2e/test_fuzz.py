@@ -62,7 +62,7 @@ def requests(draw):
 
 
 VOCAB = 1024  # the tiny model's
-GREEDY_BELOW = 1e-5  # router/validation.py: a smaller temperature is greedy decoding
+GREEDY_BELOW = 1e-5  # router/sampling_checks.py: a smaller temperature is greedy decoding
 
 
 @pytest.fixture(scope="module")

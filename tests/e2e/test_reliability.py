@@ -125,6 +125,23 @@ def test_killed_rank_of_a_tp2_group_restarts_the_group_and_no_request_is_lost(ti
     kill_mid_load(tiny_model, reference, "shard-worker rank 1", "--tp", "2")
 
 
+def test_a_shard_worker_killed_while_idle_is_noticed_and_comes_back(tiny_model):
+    """SIGKILL of the only rank while nothing runs: the scheduler's health turns NOT_SERVING (it used to
+    stay SERVING until the next request happened to hit the dead stream), and SERVING again once the
+    launcher's restarted rank is initialised; then it serves."""
+    with launch(tiny_model, "--max-restarts", "1") as (target, info):
+        with grpc.insecure_channel(target) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            assert generate(stub, text="before", max_new_tokens=3, ignore_eos=True)[0]
+            wait_until(lambda: all_blocks_free(stub), 10, "idle")
+            os.kill(info["pids"]["shard-worker rank 0"], signal.SIGKILL)
+            wait_until(lambda: not serving(info["scheduler"]), 30, "the scheduler NOT_SERVING")
+            wait_until(lambda: serving(info["scheduler"]), 60, "the scheduler SERVING again")
+            wait_until(lambda: serving(target), 30, "the router SERVING again")
+            tokens, _, reason, _ = generate(stub, text="after", max_new_tokens=3, ignore_eos=True)
+            assert len(tokens) == 3 and reason == pb.FINISH_REASON_LENGTH
+
+
 def test_requests_sent_while_the_scheduler_restarts_wait_for_it(tiny_model):
     with launch(tiny_model, "--max-restarts", "1") as (target, info):
         with grpc.insecure_channel(target) as channel:

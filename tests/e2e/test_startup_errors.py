@@ -133,6 +133,48 @@ def test_router_with_an_unreadable_tokenizer(tmp_path):
     assert "--model" in line and "tokenizer" in line
 
 
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_signal_while_starting_stops_every_child_at_once(tiny_model, tmp_path, sig):
+    """Ctrl-C (or SIGTERM) given to `tpserve launch` while its children start: it stops them and exits,
+    without waiting for the stack to serve first (it used to: a minute for SmolLM2)."""
+    import os
+    import re
+    import signal
+    import time
+
+    ready = tmp_path / "ready.json"
+    cmd = [sys.executable, "-m", "common.cli", "--log-level", "INFO", "launch", "--model", str(tiny_model)]
+    cmd += ["--port", "0", "--ready-file", str(ready)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    lines = []
+    try:
+        # Right after the first child starts: it is loading the model, nothing is serving yet.
+        while not any("started shard-worker" in line for line in lines):
+            line = proc.stderr.readline()
+            assert line, "".join(lines)
+            lines.append(line)
+        proc.send_signal(getattr(signal, sig))
+        _, rest = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    lines += rest.splitlines(keepends=True)
+    assert proc.returncode == 0, "".join(lines)
+    assert not ready.exists(), "the stack went on to serve before stopping"
+    pids = [int(p) for p in re.findall(r"started [\w -]+ \(pid (\d+)\)", "".join(lines))]
+    assert pids
+    for pid in pids:  # each child is gone (waited on by the launcher, so no zombie lingers)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            assert time.monotonic() < deadline, f"child {pid} still running"
+            time.sleep(0.05)
+
+
 def test_worker_with_triton_on_cpu_without_the_interpreter(tiny_model):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = tpserve("shard-worker", "--model", str(tiny_model), "--attention-backend", "triton", env=env)

@@ -32,42 +32,31 @@ def run_greedy(runner: ModelRunner, tp: TensorParallel) -> tuple[list[list[int]]
     plans the same next step (the scheduler's job in the real system)."""
     runner.allocate_kv_cache(BLOCKS_PER_SEQ * len(PROMPTS), BLOCK_SIZE)
     greedy = SamplingConfig(temperature=0.0)
-    runner.add_sequences([SequenceInit(i, greedy, TOP, p, len(p)) for i, p in enumerate(PROMPTS)])
+    states = None
+    if runner.sampler is not None:
+        states = [
+            runner.sampler.new_state(SequenceInit(i, greedy, TOP, p, len(p))) for i, p in enumerate(PROMPTS)
+        ]
     tokens = [list(p) for p in PROMPTS]
     computed = [0] * len(PROMPTS)
     logprobs: list[list[float]] = [[] for _ in PROMPTS]
     for step in range(STEPS):
-        names = (
-            "seq_ids",
-            "query_lens",
-            "context_lens",
-            "do_sample",
-            "input_ids",
-            "positions",
-            "slot_mapping",
-        )
-        lists = {name: [] for name in names}
+        lists = {name: [] for name in ("seq_ids", "query_lens", "context_lens", "sample_counts", "input_ids")}
         tables = []
         for i, toks in enumerate(tokens):
             n = len(toks) - computed[i]
             if step == 0 and i == len(PROMPTS) - 1:
                 n //= 2
-            blocks = list(range(i * BLOCKS_PER_SEQ, (i + 1) * BLOCKS_PER_SEQ))
-            positions = range(computed[i], computed[i] + n)
             lists["seq_ids"].append(i)
             lists["query_lens"].append(n)
             lists["context_lens"].append(computed[i] + n)
-            lists["do_sample"].append(computed[i] + n == len(toks))
+            lists["sample_counts"].append(int(computed[i] + n == len(toks)))
             lists["input_ids"] += toks[computed[i] : computed[i] + n]
-            lists["positions"] += positions
-            lists["slot_mapping"] += [
-                blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in positions
-            ]
-            tables.append(blocks)
+            tables.append(list(range(i * BLOCKS_PER_SEQ, (i + 1) * BLOCKS_PER_SEQ)))
             computed[i] += n
         inp = StepInputs(**lists, block_table=StepInputs.pad_tables(tables))
-        out = runner.execute(inp)
-        sampled = [i for i, s in zip(inp.seq_ids, inp.do_sample, strict=True) if s]
+        sampled = [i for i, s in zip(inp.seq_ids, inp.sample_counts, strict=True) if s]
+        out = runner.execute(inp, None if states is None else [states[i] for i in sampled])
         if tp.rank != 0:
             assert out.token_ids == [] and out.logprobs == []
         new = torch.tensor(out.token_ids if tp.rank == 0 else [0] * len(sampled))

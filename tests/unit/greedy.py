@@ -13,7 +13,7 @@ import torch
 from shard_worker.model_runner import ModelRunner
 from shard_worker.parallel import TensorParallel
 from shard_worker.step import SequenceInit
-from tests.unit.test_model_runner import BLOCK_SIZE, GREEDY, BlockPool, Seq, run_step
+from tests.unit.test_model_runner import BLOCK_SIZE, GREEDY, BlockPool, Driver, Seq, run_step
 
 # Prime, so BlockPool's scrambled order (i * 37 % n) is a permutation.
 NUM_BLOCKS = 499
@@ -24,10 +24,11 @@ def runner_greedy(runner: ModelRunner, prompts: list[list[int]], new_tokens: int
     runner.allocate_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
     pool = BlockPool(NUM_BLOCKS)
     seqs = [Seq(i, list(p), len(p)) for i, p in enumerate(prompts)]
-    runner.add_sequences([SequenceInit(s.seq_id, GREEDY, 0, s.tokens, s.prompt_len) for s in seqs])
-    run_step(runner, pool, [(s, s.prompt_len) for s in seqs])
+    driver = Driver(runner)
+    driver.add([SequenceInit(s.seq_id, GREEDY, 0, s.tokens, s.prompt_len) for s in seqs])
+    run_step(driver, pool, [(s, s.prompt_len) for s in seqs])
     while len(seqs[0].output) < new_tokens:
-        run_step(runner, pool, [(s, 1) for s in seqs])
+        run_step(driver, pool, [(s, 1) for s in seqs])
     return [s.output for s in seqs]
 
 

@@ -93,7 +93,7 @@ def test_checkpoint_feature_decodes_like_transformers(tmp_path, features):
     reference = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float64)
     if "llama3_rope" in features:
         assert reference.config.rope_parameters["rope_type"] == "llama3"
-        inv_freq = torch.tensor(runner.config.rope_inv_freq, dtype=torch.float64)
+        inv_freq = torch.tensor(runner.config.rotary[0].inv_freq, dtype=torch.float64)
         torch.testing.assert_close(inv_freq, reference.model.rotary_emb.inv_freq.double())
 
     got = runner_greedy(runner, prompts(), NEW_TOKENS)

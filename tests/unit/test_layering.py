@@ -9,6 +9,7 @@ PURE = [
     "scheduler.scheduler",
     "scheduler.block_manager",
     "scheduler.batch",
+    "scheduler.plan",
     "scheduler.capacity",
     "scheduler.swap",
     "scheduler.fallback",

@@ -49,7 +49,7 @@ class BlockPool:
 
 def plan(pool: BlockPool, chunks: list[tuple[Seq, int]]) -> StepInputs:
     """The StepInputs computing the next n tokens of each (seq, n)."""
-    names = ("seq_ids", "query_lens", "context_lens", "do_sample", "input_ids", "positions", "slot_mapping")
+    names = ("seq_ids", "query_lens", "context_lens", "sample_counts", "input_ids")
     inp = {name: [] for name in names}
     tables = []
     for seq, n in chunks:
@@ -58,14 +58,26 @@ def plan(pool: BlockPool, chunks: list[tuple[Seq, int]]) -> StepInputs:
         inp["seq_ids"].append(seq.seq_id)
         inp["query_lens"].append(n)
         inp["context_lens"].append(end)
-        inp["do_sample"].append(end == len(seq.tokens))
+        inp["sample_counts"].append(int(end == len(seq.tokens)))
         inp["input_ids"] += seq.tokens[start:end]
-        inp["positions"] += range(start, end)
-        inp["slot_mapping"] += [
-            seq.blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start, end)
-        ]
         tables.append(list(seq.blocks))
     return StepInputs(**inp, block_table=StepInputs.pad_tables(tables))
+
+
+class Driver:
+    """Runs steps on a ModelRunner as the worker does, keeping each sequence's sampling state."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.states = {}
+
+    def add(self, inits: list[SequenceInit]) -> None:
+        for init in inits:
+            self.states[init.seq_id] = self.runner.sampler.new_state(init)
+
+    def execute(self, inp: StepInputs):
+        sampled = [self.states[int(i)] for i, n in zip(inp.seq_ids, inp.sample_counts, strict=True) if n]
+        return self.runner.execute(inp, sampled)
 
 
 def forward_logits(runner: ModelRunner, inp: StepInputs) -> torch.Tensor:
@@ -80,11 +92,11 @@ def forward_logits(runner: ModelRunner, inp: StepInputs) -> torch.Tensor:
         return runner.model.compute_logits(hidden)
 
 
-def run_step(runner: ModelRunner, pool: BlockPool, chunks: list[tuple[Seq, int]]):
+def run_step(driver: Driver, pool: BlockPool, chunks: list[tuple[Seq, int]]):
     inp = plan(pool, chunks)
-    out = runner.execute(inp)
-    sampled = [seq for (seq, _), s in zip(chunks, inp.do_sample, strict=True) if s]
-    assert len(out.token_ids) == len(sampled)
+    out = driver.execute(inp)
+    sampled = [seq for (seq, _), s in zip(chunks, inp.sample_counts, strict=True) if s]
+    assert out.token_counts == [1] * len(sampled)
     for seq, n in chunks:
         seq.num_computed += n
     for seq, token in zip(sampled, out.token_ids, strict=True):
@@ -116,14 +128,12 @@ def new_runner(tiny_model) -> ModelRunner:
 
 
 def test_continuous_batch_matches_transformers_greedy(tiny_model, reference):
-    runner = new_runner(tiny_model)
+    runner = Driver(new_runner(tiny_model))
     pool = BlockPool(NUM_BLOCKS)
     seqs = [Seq(i, prompt(n, i), n) for i, n in enumerate([3, 7, 12, 21])]
     chunked = Seq(10, prompt(30, 10), 30)
     late = Seq(11, prompt(9, 11), 9)
-    runner.add_sequences(
-        [SequenceInit(s.seq_id, GREEDY, 0, s.tokens, s.prompt_len) for s in [*seqs, chunked]]
-    )
+    runner.add([SequenceInit(s.seq_id, GREEDY, 0, s.tokens, s.prompt_len) for s in [*seqs, chunked]])
     new_tokens = 12
 
     # Step 0: four whole prompts and the first chunk of a fifth, in one batch.
@@ -134,7 +144,7 @@ def test_continuous_batch_matches_transformers_greedy(tiny_model, reference):
     step = 2
     while any(len(s.output) < new_tokens for s in [*seqs, chunked, late]):
         if step == 4:
-            runner.add_sequences([SequenceInit(late.seq_id, GREEDY, 0, late.tokens, late.prompt_len)])
+            runner.add([SequenceInit(late.seq_id, GREEDY, 0, late.tokens, late.prompt_len)])
             # Joining between decodes: the prefill group's tokens are not contiguous in the step.
             decodes = [(s, 1) for s in [*seqs, chunked]]
             run_step(runner, pool, [*decodes[:2], (late, late.prompt_len), *decodes[2:]])
@@ -163,8 +173,8 @@ def test_prefill_logits_and_logprobs_match_transformers(tiny_model, reference):
         start += s.prompt_len
 
     # Through execute: the chosen token's logprob and the top 5 are transformers' log_softmax.
-    runner2 = new_runner(tiny_model)
-    runner2.add_sequences([SequenceInit(s.seq_id, GREEDY, 5, s.tokens, s.prompt_len) for s in seqs])
+    runner2 = Driver(new_runner(tiny_model))
+    runner2.add([SequenceInit(s.seq_id, GREEDY, 5, s.tokens, s.prompt_len) for s in seqs])
     out = runner2.execute(
         plan(BlockPool(NUM_BLOCKS), [(Seq(s.seq_id, s.tokens, s.prompt_len), s.prompt_len) for s in seqs])
     )

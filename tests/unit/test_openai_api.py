@@ -18,8 +18,10 @@ from common.pb.tpserve.v1 import generation_pb2 as pb
 from common.security import TlsFiles
 from router.auth import ApiKeys
 from router.frontend import RequestFailed
-from router.openai_api import OpenAIServer
-from router.openai_protocol import ApiError, Encoder, from_failure, parse_chat, parse_completion
+from router.openai.encoder import Encoder
+from router.openai.errors import ApiError, from_failure
+from router.openai.protocol import parse_chat, parse_completion
+from router.openai.server import OpenAIServer
 
 # ---- requests ----
 
@@ -35,7 +37,7 @@ def test_completion_body_becomes_a_generate_request():
         "stop": "\n",
         "presence_penalty": 0.5,
         "frequency_penalty": -0.5,
-        "user": "ignored",
+        "user": "accepted, no effect",
     }
     req = parse_completion(body, "r1")
     g = req.generate
@@ -109,13 +111,17 @@ def test_chat_body_becomes_messages():
 @pytest.mark.parametrize(
     "body, param, words",
     [
-        ({"prompt": "x", "n": 2}, "n", "n must be 1"),
+        ({"prompt": "x", "n": 2}, "n", "only n=1"),
         ({"prompt": "x", "best_of": 3}, "best_of", "not supported"),
         ({"prompt": "x", "echo": True}, "echo", "not supported"),
-        ({"prompt": "x", "logit_bias": {"5": 1}}, "logit_bias", "not supported"),
+        ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias", "keys must be token ids"),
+        ({"prompt": "x", "suffix": "y"}, "suffix", "not supported"),
+        ({"prompt": "x", "frobnicate": 1}, "frobnicate", "unrecognized request field"),
+        ({"prompt": "x", "tools": []}, "tools", "of /v1/chat/completions only"),
         ({"prompt": "x", "temperature": "hot"}, "temperature", "must be a number, got a string"),
         ({"prompt": "x", "temperature": True}, "temperature", "must be a number, got a boolean"),
-        ({"prompt": "x", "max_tokens": -1}, "max_tokens", "must be in [0,"),
+        ({"prompt": "x", "max_tokens": -1}, "max_tokens", "max_tokens must be at least 1, got -1"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens must be at least 1, got 0"),
         ({"prompt": "x", "seed": -3}, "seed", "must be in [0,"),
         ({"prompt": "x", "stop": [1]}, "stop", "a string or an array of strings"),
         ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "only allowed when"),
@@ -141,7 +147,10 @@ def test_completion_bodies_refused_before_the_frontend(body, param, words):
         ({"messages": [{"content": "no role"}]}, "messages[0]"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
-        ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+            "tools[0].function",
+        ),
         (
             {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
             "response_format",
@@ -204,8 +213,12 @@ def test_fields_and_messages_are_renamed_to_the_clients_names():
         RequestFailed(bad, "top_logprobs 30 is above the limit of 20", "top_logprobs"), completion
     )
     assert (e.param, e.message) == ("logprobs", "logprobs 30 is above the limit of 20")
-    e = from_failure(RequestFailed(bad, "messages[0].role is 'tool'; ...", "messages[0].role"), chat)
+    e = from_failure(RequestFailed(bad, "messages[0].role is 'robot'; ...", "messages[0].role"), chat)
     assert e.param == "messages[0].role"
+    # Other fields the message mentions get the client's names too.
+    msg = "sampling.min_tokens 5 is above max_new_tokens 4"
+    e = from_failure(RequestFailed(bad, msg, "sampling.min_tokens"), chat)
+    assert (e.param, e.message) == ("min_tokens", "min_tokens 5 is above max_completion_tokens 4")
 
 
 # ---- responses ----
@@ -367,11 +380,12 @@ def failing(code, message="no", after_first=False):
     return script
 
 
-def serve(script, test, **kw):
-    """Runs test(session, base_url, frontend, server) against an OpenAIServer on a free port."""
+def serve(script, test, *, frontend_cls=None, **kw):
+    """Runs test(session, base_url, frontend, server) against an OpenAIServer on a free port. frontend_cls:
+    FakeFrontend or a subclass; kw: the server's options."""
 
     async def main():
-        frontend = FakeFrontend(script)
+        frontend = (frontend_cls or FakeFrontend)(script)
         server = OpenAIServer(frontend, **kw)
         port = await server.start("127.0.0.1", 0)
         try:

@@ -9,13 +9,12 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from shard_worker.model.linear import (
+from shard_worker.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from shard_worker.model.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
-    ParallelLMHead,
     QKVParallelLinear,
     RowParallelLinear,
-    VocabParallelEmbedding,
 )
 from shard_worker.parallel import TensorParallel
 

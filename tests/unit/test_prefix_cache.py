@@ -5,7 +5,7 @@ import pytest
 from scheduler.block_manager import BlockManager, hash_block
 from scheduler.scheduler import Scheduler, SchedulingPolicy
 from scheduler.sequence import Sequence
-from tests.unit.test_scheduler import slot
+from tests.unit.fakes import kv_slot, one_each
 
 BS = 4
 EOS = 2
@@ -287,15 +287,15 @@ def run_checking_kv(sched, arrivals, max_steps=10_000):
             s, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_new_tokens
             for p in range(start, end):
-                kv[slot(bm, s, p)] = tuple(s.token_ids[: p + 1])
+                kv[kv_slot(s.block_table, p, bm.block_size)] = tuple(s.token_ids[: p + 1])
             for p in range(end):
-                assert kv[slot(bm, s, p)] == tuple(s.token_ids[: p + 1]), (
+                assert kv[kv_slot(s.block_table, p, bm.block_size)] == tuple(s.token_ids[: p + 1]), (
                     f"{s.request_id} reads stale KV at {p}"
                 )
-            if item.do_sample:
+            if item.num_samples:
                 sampled.append(fake_model(s))
-        for u in sched.update(out, sampled):
-            outputs.setdefault(u.seq.request_id, []).append(u.new_token)
+        for u in sched.update(out, one_each(sampled)):
+            outputs.setdefault(u.seq.request_id, []).extend(u.new_tokens)
         sched.check_invariants()
     raise AssertionError("did not finish")
 

@@ -9,11 +9,39 @@ import pytest
 import torch
 
 from common.sampling import SamplingConfig
-from shard_worker import sampler as sampler_module
-from shard_worker.sampler import Sampler
+from shard_worker.sampling import Sampler as _Sampler
+from shard_worker.sampling import draw as sampler_module
+from shard_worker.sampling.processors import Penalties
 from shard_worker.step import SequenceInit
 
 VOCAB = 50
+
+
+class Sampler:
+    """The sampler with the sequences' states kept by seq id, as the worker keeps them: one row each."""
+
+    def __init__(self, vocab_size: int, eos_token_ids=()):
+        self.sampler = _Sampler(vocab_size, "cpu", eos_token_ids)
+        self.states = {}
+
+    def add(self, init: SequenceInit) -> None:
+        self.remove(init.seq_id)
+        self.states[init.seq_id] = self.sampler.new_state(init)
+
+    def remove(self, seq_id: int) -> None:
+        state = self.states.pop(seq_id, None)
+        if state is not None:
+            self.sampler.release(state)
+
+    def sample(self, seq_ids: list[int], logits: torch.Tensor):
+        n = len(seq_ids)
+        return self.sampler.sample([self.states[i] for i in seq_ids], [1] * n, [[]] * n, logits)
+
+    def apply_penalties(self, seq_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        penalties = next(p for p in self.sampler.processors if isinstance(p, Penalties))
+        out = logits.clone().float()
+        penalties.apply([self.states[i] for i in seq_ids], torch.arange(len(seq_ids)), out)
+        return out
 
 
 def make_sampler(*configs: SamplingConfig, top_logprobs: int = 0) -> Sampler:
@@ -172,11 +200,6 @@ def test_no_logprobs_unless_asked():
     assert (out.logprobs, out.top_token_ids, out.top_logprobs) == ([], [], [])
 
 
-def test_unknown_sequence_is_a_clear_error():
-    with pytest.raises(KeyError, match="never added"):
-        Sampler(VOCAB).sample([9], random_logits(1))
-
-
 # Peaked rows take the shortcut; flat rows, and a top_k beyond the candidates, need the full sort.
 @pytest.mark.parametrize(("spread", "big_k"), [(8.0, 40), (1.0, 40), (8.0, 300)])
 def test_candidate_shortcut_keeps_the_same_tokens_as_a_full_sort(monkeypatch, spread, big_k):
@@ -184,10 +207,9 @@ def test_candidate_shortcut_keeps_the_same_tokens_as_a_full_sort(monkeypatch, sp
     cases = [(0, 0.5), (0, 0.9), (5, 1.0), (5, 0.5), (big_k, 0.9), (0, 0.99), (40, 0.8), (0, 1.0)]
     logits = torch.randn(len(cases), vocab, generator=torch.Generator().manual_seed(3)) * spread
     top_k, top_p = [k for k, _ in cases], [p for _, p in cases]
-    sampler = Sampler(vocab)
-    fast = sampler._top_k_top_p(logits, top_k, top_p)
+    fast = sampler_module._top_k_top_p(logits, top_k, top_p)
     monkeypatch.setattr(sampler_module, "CANDIDATES", vocab)
-    slow = sampler._top_k_top_p(logits, top_k, top_p)
+    slow = sampler_module._top_k_top_p(logits, top_k, top_p)
     assert torch.equal(fast.isfinite(), slow.isfinite())
     assert fast[-1].isfinite().all()  # a row without filters keeps everything
     # Independent of the sampler's code: top_k 5 then top_p 0.5 by a plain sort.

@@ -7,6 +7,7 @@ from scheduler.batch import StepBuilder
 from scheduler.block_manager import BlockManager
 from scheduler.scheduler import Scheduler, SchedulingPolicy
 from scheduler.sequence import Sequence, SequenceStatus
+from tests.unit.fakes import one_each, step_arrays
 
 BS = 16
 EOS = 2
@@ -37,9 +38,9 @@ def run_to_completion(sched, max_steps=10_000):
         out = sched.schedule()
         steps.append(out)
         # The model sees tokens only up to what the step computes; sampling uses the full sequence.
-        tokens = [fake_model(s.seq) for s in out.scheduled if s.do_sample]
-        for u in sched.update(out, tokens):
-            outputs.setdefault(u.seq.request_id, []).append(u.new_token)
+        tokens = [fake_model(s.seq) for s in out.scheduled if s.num_samples]
+        for u in sched.update(out, one_each(tokens)):
+            outputs.setdefault(u.seq.request_id, []).extend(u.new_tokens)
         sched.check_invariants()
     raise AssertionError("did not finish")
 
@@ -67,16 +68,16 @@ def test_token_budget_splits_long_prompts_across_iterations():
     for i in range(3):
         sched.add(seq(i, 130, max_new=2))
     out = sched.schedule()
-    assert [(s.seq.request_id, s.num_new_tokens, s.do_sample) for s in out.scheduled] == [("r0", 100, False)]
-    sched.update(out, [])
+    assert [(s.seq.request_id, s.num_new_tokens, s.num_samples) for s in out.scheduled] == [("r0", 100, 0)]
+    sched.update(out, one_each([]))
     out = sched.schedule()
     # r0 finishes its prompt (30) and samples; r1 gets the rest of the budget.
-    assert [(s.seq.request_id, s.num_new_tokens, s.do_sample) for s in out.scheduled] == [
-        ("r0", 30, True),
-        ("r1", 70, False),
+    assert [(s.seq.request_id, s.num_new_tokens, s.num_samples) for s in out.scheduled] == [
+        ("r0", 30, 1),
+        ("r1", 70, 0),
     ]
     assert out.num_batched_tokens == 100
-    sched.update(out, [fake_model(out.scheduled[0].seq)])
+    sched.update(out, one_each([fake_model(out.scheduled[0].seq)]))
     outputs, steps = run_to_completion(sched)
     assert all(s.num_batched_tokens <= 100 for s in steps)
     assert sched.blocks.num_free_blocks == sched.blocks.num_blocks
@@ -116,7 +117,7 @@ def test_preemption_takes_the_newest_running_sequence():
     sched.add(b)
     out = sched.schedule()
     assert len(out.scheduled) == 2  # 2 blocks each
-    sched.update(out, [fake_model(a), fake_model(b)])
+    sched.update(out, one_each([fake_model(a), fake_model(b)]))
     # a now has 33 tokens and needs a third block: b, the newer, is preempted.
     out = sched.schedule()
     assert out.preempted == [b] and out.admitted == []
@@ -130,13 +131,16 @@ def test_abort_frees_every_block():
     for i in range(5):
         sched.add(seq(i, 40, max_new=50))
     out = sched.schedule()
-    sched.update(out, [fake_model(s.seq) for s in out.scheduled if s.do_sample])
+    sched.update(out, one_each([fake_model(s.seq) for s in out.scheduled if s.num_samples]))
     assert sched.blocks.num_free_blocks < 32
     for i in range(5):
         assert sched.abort(f"r{i}").finish_reason == FINISH_REASON_ABORTED
     assert sched.blocks.num_free_blocks == 32
     assert not sched.has_unfinished
     assert sched.abort("r0") is None
+    # The workers hear of them with the next step that goes out: an empty one keeps them.
+    assert sched.schedule().forgotten_seq_ids == []
+    sched.add(seq(5, 3))
     assert sorted(sched.schedule().forgotten_seq_ids) == [0, 1, 2, 3, 4]
 
 
@@ -146,7 +150,7 @@ def test_abort_during_a_step_drops_its_token():
     sched.add(s)
     out = sched.schedule()
     sched.abort("r0")
-    assert sched.update(out, [99]) == []
+    assert sched.update(out, one_each([99])) == []
     assert s.num_output_tokens == 0
 
 
@@ -164,7 +168,7 @@ def test_stop_conditions(kwargs, token, reason):
     s = seq(0, 5, max_new=max_new, **kwargs)
     sched.add(s)
     out = sched.schedule()
-    [u] = sched.update(out, [token])
+    [u] = sched.update(out, one_each([token]))
     assert u.finished and s.finish_reason == reason and s.token_ids[-1] == token
     assert sched.blocks.num_free_blocks == sched.blocks.num_blocks
 
@@ -174,9 +178,9 @@ def test_ignore_eos_keeps_going_and_max_model_len_stops():
     s = seq(0, 5, max_new=3, ignore_eos=True)
     sched.add(s)
     for _ in range(2):
-        [u] = sched.update(sched.schedule(), [EOS])
+        [u] = sched.update(sched.schedule(), one_each([EOS]))
         assert not u.finished
-    [u] = sched.update(sched.schedule(), [EOS])
+    [u] = sched.update(sched.schedule(), one_each([EOS]))
     assert u.finished and s.finish_reason == FINISH_REASON_LENGTH and s.num_tokens == 8
 
 
@@ -217,46 +221,44 @@ def test_static_mode_admits_no_one_until_the_batch_finishes():
     batch_ids = set()
     while not all(s.is_finished for s in first):
         batch_ids |= {s.seq.request_id for s in out.scheduled}
-        sched.update(out, [50] * sum(s.do_sample for s in out.scheduled))
+        sched.update(out, one_each([50] * sum(s.num_samples for s in out.scheduled)))
         out = sched.schedule(now=10.0)
     # r3 ran only once r0..r2 had all finished, although r0 finished long before r2.
     assert batch_ids == {"r0", "r1", "r2"}
     assert [s.seq.request_id for s in out.scheduled] == ["r3"]
 
 
-def test_step_builder_flat_arrays_and_slots():
+def test_step_builder_flat_arrays_and_table_deltas():
     sched = make(SchedulingPolicy(max_num_batched_tokens=20, max_model_len=1024))
     a, b = seq(0, 18, max_new=30), seq(1, 5)
     sched.add(a)
     sched.add(b)
-    builder = StepBuilder(BS)
+    builder = StepBuilder()
     out = sched.schedule()
-    plan = builder.build(out)
-    assert list(plan.seq_ids) == [0, 1] and list(plan.query_lens) == [18, 2]
-    assert list(plan.context_lens) == [18, 2]
-    assert list(plan.do_sample) == [1, 0]
-    assert [s.seq_id for s in plan.new_sequences] == [0, 1]
-    assert list(plan.input_ids) == a.token_ids + b.token_ids[:2]
-    assert list(plan.positions) == list(range(18)) + [0, 1]
-    expected = [slot(sched.blocks, a, p) for p in range(18)] + [slot(sched.blocks, b, p) for p in range(2)]
-    assert list(plan.slot_mapping) == expected
+    req = builder.build(out)
+    arr = step_arrays(req)
+    assert arr["seq_ids"] == [0, 1] and arr["query_lens"] == [18, 2]
+    assert arr["context_lens"] == [18, 2]
+    assert arr["sample_counts"] == [1, 0]
+    assert [s.seq_id for s in req.new_sequences] == [0, 1]
+    assert arr["input_ids"] == a.token_ids + b.token_ids[:2]
     # First sight: whole tables, flagged as resets.
-    assert list(plan.table_reset) == [1, 1] and list(plan.new_block_counts) == [2, 1]
-    assert list(plan.new_block_ids) == a.block_table + b.block_table
-    sched.update(out, [7])
-    plan = builder.build(sched.schedule())
-    assert plan.new_sequences == []  # sampling state goes to the workers once
-    assert list(plan.positions) == [18, 2, 3, 4]
+    assert arr["table_reset"] == [1, 1] and arr["new_block_counts"] == [2, 1]
+    assert arr["new_block_ids"] == a.block_table + b.block_table
+    sched.update(out, one_each([7]))
+    arr = step_arrays(req := builder.build(sched.schedule()))
+    assert list(req.new_sequences) == []  # sampling state goes to the workers once
+    assert arr["query_lens"] == [1, 3] and arr["context_lens"] == [19, 5]
     # Neither gained a block: the workers keep their tables and the step carries no block id.
-    assert list(plan.table_reset) == [0, 0] and list(plan.new_block_counts) == [0, 0]
-    assert len(plan.new_block_ids) == 0
+    assert arr["table_reset"] == [0, 0] and arr["new_block_counts"] == [0, 0]
+    assert arr["new_block_ids"] == []
     for _ in range(20):  # a's decodes cross into its third block: only that block travels
         out = sched.schedule()
-        plan = builder.build(out)
-        sched.update(out, [7] * sum(s.do_sample for s in out.scheduled))
+        arr = step_arrays(builder.build(out))
+        sched.update(out, one_each([7] * len(out.sampled)))
         if len(a.block_table) == 3:
             break
-    assert list(plan.new_block_ids) == [a.block_table[2]] and plan.table_reset[0] == 0
+    assert arr["new_block_ids"] == [a.block_table[2]] and arr["table_reset"][0] == 0
 
 
 def test_requeue_all_after_losing_the_workers_recomputes_with_same_output():
@@ -272,9 +274,9 @@ def test_requeue_all_after_losing_the_workers_recomputes_with_same_output():
                 assert sched.blocks.num_free_blocks == 64 and not sched.running
                 sched.replace_blocks(BlockManager(40, BS))
             out = sched.schedule()
-            tokens = [fake_model(s.seq) for s in out.scheduled if s.do_sample]
-            for u in sched.update(out, tokens):
-                outputs.setdefault(u.seq.request_id, []).append(u.new_token)
+            tokens = [fake_model(s.seq) for s in out.scheduled if s.num_samples]
+            for u in sched.update(out, one_each(tokens)):
+                outputs.setdefault(u.seq.request_id, []).extend(u.new_tokens)
             step += 1
         assert sched.blocks.num_free_blocks == sched.blocks.num_blocks
         return outputs
@@ -312,7 +314,7 @@ def test_admission_window_fills_free_slots_up_to_the_depth():
     for i in range(3):
         sched.add(seq(i, 5, max_new=50))
     assert sched.admission_window(depth=10) == 1  # 4 slots, 3 already waiting
-    sched.update(sched.schedule(), [50, 50, 50])
+    sched.update(sched.schedule(), one_each([50, 50, 50]))
     assert sched.admission_window(depth=10) == 1  # 3 running, 1 slot free
     static = make(SchedulingPolicy(batching="static", static_batch_size=3, max_model_len=1024))
     assert static.admission_window(depth=32) == 3
@@ -344,13 +346,13 @@ def test_switching_to_static_freezes_the_running_batch():
     for i in range(3):
         sched.add(seq(i, 5, max_new=3 + 10 * i))
     out = sched.schedule()
-    sched.update(out, [50] * 3)
+    sched.update(out, one_each([50] * 3))
     sched.set_batching("static")
     sched.add(seq(3, 5, max_new=2))
     while not all(sched._by_request.get(f"r{i}") is None for i in range(3)):
         out = sched.schedule(now=100.0)
         assert "r3" not in {s.seq.request_id for s in out.scheduled}
-        sched.update(out, [50] * sum(s.do_sample for s in out.scheduled))
+        sched.update(out, one_each([50] * sum(s.num_samples for s in out.scheduled)))
     assert [s.seq.request_id for s in sched.schedule(now=100.0).scheduled] == ["r3"]
     sched.set_batching("continuous")
     assert sched.batching == "continuous"
@@ -377,7 +379,7 @@ def test_ranks_back_with_a_smaller_pool_fail_what_no_longer_fits_and_keep_the_re
 def run_steps(sched, n):
     for _ in range(n):
         out = sched.schedule()
-        sched.update(out, [fake_model(s.seq) for s in out.scheduled if s.do_sample])
+        sched.update(out, one_each([fake_model(s.seq) for s in out.scheduled if s.num_samples]))
 
 
 def test_min_batch_wait_never_delays_running_sequences_nor_waits_for_what_cannot_join():
@@ -397,11 +399,30 @@ def test_min_batch_wait_never_delays_running_sequences_nor_waits_for_what_cannot
     assert shallow.batch_wait_deadline(now=0.0, queued=9, admission_depth=3) == 0.5  # room for a third
     # Running sequences are never held back, whatever is on its way.
     out = sched.schedule()
-    sched.update(out, [50] * len(out.scheduled))
+    sched.update(out, one_each([50] * len(out.scheduled)))
     sched.add(seq(9, 5))
     assert sched.running and sched.batch_wait_deadline(now=2.0, queued=5) is None
 
 
-def slot(blocks, seq, position: int) -> int:
-    """The flat KV slot of a sequence's token (block * block_size + offset), as a worker addresses it."""
-    return seq.block_table[position // blocks.block_size] * blocks.block_size + position % blocks.block_size
+def test_requeue_all_keeps_first_admission_figures():
+    """After the ranks are lost, re-admission is not a new queue wait, and Usage.cached_tokens keeps
+    what the request found at its first admission (both were overwritten before)."""
+    prefix = [10 + j % 40 for j in range(40)]
+    sched = Scheduler(
+        SchedulingPolicy(max_model_len=256), BlockManager(64, BS, enable_prefix_caching=True), [EOS]
+    )
+    first = Sequence(0, "r0", prefix + [60], 41, 10)
+    sched.add(first)
+    out = sched.schedule()
+    assert out.first_admitted == [first]
+    sched.update(out, one_each([fake_model(first)]))
+    second = Sequence(1, "r1", prefix + [61], 41, 10)
+    sched.add(second)
+    out = sched.schedule()
+    assert out.first_admitted == [second] and second.num_cached_tokens == 32
+    sched.update(out, one_each([fake_model(s.seq) for s in out.sampled]))
+    sched.requeue_all()
+    sched.replace_blocks(BlockManager(64, BS, enable_prefix_caching=True))  # fresh caches: no hits
+    out = sched.schedule()
+    assert {s.seq_id for s in out.admitted} == {0, 1} and out.first_admitted == []
+    assert second.num_cached_tokens == 32

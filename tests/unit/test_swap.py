@@ -10,6 +10,7 @@ from scheduler.block_manager import BlockManager
 from scheduler.scheduler import Scheduler, SchedulingPolicy
 from scheduler.sequence import SequenceStatus
 from scheduler.swap import HostBlockPool
+from tests.unit.fakes import kv_slot, one_each, step_arrays
 from tests.unit.test_scheduler import BS, EOS, fake_model, seq
 
 
@@ -21,7 +22,7 @@ def make(num_blocks, num_host_blocks=None, caching=False, **policy):
 
 
 class FakeWorker:
-    """Device and host KV as one token id per slot; runs a StepPlan like a shard worker would."""
+    """Device and host KV as one token id per slot; runs a StepRequest like a shard worker would."""
 
     def __init__(self, num_blocks, num_host_blocks):
         self.device = [None] * (num_blocks * BS)
@@ -33,38 +34,42 @@ class FakeWorker:
         for s, d in zip(src_blocks, dst_blocks, strict=True):
             dst[d * BS : (d + 1) * BS] = src[s * BS : (s + 1) * BS]
 
-    def step(self, plan, seqs_by_id) -> list[int]:
-        self._copy(self.device, plan.swap_out_src, self.host, plan.swap_out_dst)
-        self._copy(self.host, plan.swap_in_src, self.device, plan.swap_in_dst)
-        for slot, token in zip(plan.slot_mapping, plan.input_ids, strict=True):
-            self.device[slot] = token
-        for seq_id in plan.forgotten_seq_ids:
+    def step(self, req, seqs_by_id) -> list[list[int]]:
+        a = step_arrays(req)
+        self._copy(self.device, req.swap_out_src, self.host, req.swap_out_dst)
+        self._copy(self.host, req.swap_in_src, self.device, req.swap_in_dst)
+        for seq_id in req.forgotten_seq_ids:
             self.tables.pop(seq_id, None)
-        sampled, table_at = [], 0
-        for seq_id, ctx, reset, n, sample in zip(
-            plan.seq_ids,
-            plan.context_lens,
-            plan.table_reset,
-            plan.new_block_counts,
-            plan.do_sample,
+        sampled, table_at, token_at = [], 0, 0
+        for seq_id, q, ctx, reset, n, samples in zip(
+            a["seq_ids"],
+            a["query_lens"],
+            a["context_lens"],
+            a["table_reset"],
+            a["new_block_counts"],
+            a["sample_counts"],
             strict=True,
         ):
             table = [] if reset else self.tables[seq_id]
-            table += plan.new_block_ids[table_at : table_at + n]
+            table += a["new_block_ids"][table_at : table_at + n]
             self.tables[seq_id] = table
             table_at += n
-            kv = [self.device[table[p // BS] * BS + p % BS] for p in range(ctx)]
+            # Slots from the table this worker keeps, as a real worker derives them.
+            for p, token in zip(range(ctx - q, ctx), a["input_ids"][token_at : token_at + q], strict=True):
+                self.device[kv_slot(table, p, BS)] = token
+            token_at += q
+            kv = [self.device[kv_slot(table, p, BS)] for p in range(ctx)]
             seq = seqs_by_id[seq_id]
             assert kv == seq.token_ids[:ctx], f"seq {seq_id}: the KV read back is not its tokens"
-            if sample:
-                sampled.append(fake_model(seq))
+            if samples:
+                sampled.append([fake_model(seq)])
         return sampled
 
 
 def run(sched, num_host_blocks=0, lose_at=None):
     """Drives the scheduler with a FakeWorker; returns (outputs, steps)."""
     worker = FakeWorker(sched.blocks.num_blocks, num_host_blocks)
-    builder = StepBuilder(BS)
+    builder = StepBuilder()
     seqs_by_id = {s.seq_id: s for s in sched.waiting}
     outputs: dict[str, list[int]] = {}
     steps = []
@@ -73,12 +78,12 @@ def run(sched, num_host_blocks=0, lose_at=None):
             sched.requeue_all()
             host = HostBlockPool(num_host_blocks)
             sched.replace_blocks(BlockManager(sched.blocks.num_blocks, BS), host)
-            worker, builder = FakeWorker(sched.blocks.num_blocks, num_host_blocks), StepBuilder(BS)
+            worker, builder = FakeWorker(sched.blocks.num_blocks, num_host_blocks), StepBuilder()
         out = sched.schedule()
         assert not (out.swap_out and out.swap_in)
         steps.append(out)
         for u in sched.update(out, worker.step(builder.build(out), seqs_by_id)):
-            outputs.setdefault(u.seq.request_id, []).append(u.new_token)
+            outputs.setdefault(u.seq.request_id, []).extend(u.new_tokens)
         sched.check_invariants()
         assert len(steps) < 10_000
     return outputs, steps
@@ -95,7 +100,7 @@ def test_swap_out_when_blocks_run_out_then_swap_in_where_it_was():
     sched.add(a)
     sched.add(b)
     out = sched.schedule()
-    sched.update(out, [fake_model(a), fake_model(b)])
+    sched.update(out, one_each([fake_model(a), fake_model(b)]))
     b_blocks = list(b.block_table)
     # a has 33 tokens and needs a third block: b, the newer, is swapped out, keeping its progress.
     out = sched.schedule()
@@ -104,7 +109,7 @@ def test_swap_out_when_blocks_run_out_then_swap_in_where_it_was():
     assert [d for d, _ in out.swap_out] == b_blocks and sched.swapped == [b]
     assert sched.host_blocks.num_free_blocks == 6
     assert [s.seq for s in out.scheduled] == [a]
-    sched.update(out, [fake_model(a)])
+    sched.update(out, one_each([fake_model(a)]))
     # Blocks free up when a is aborted: b comes back into fresh blocks and decodes one token.
     sched.abort("r0")
     out = sched.schedule()
@@ -120,7 +125,7 @@ def test_recompute_when_host_space_is_short():
     a, b = seq(0, 32, max_new=40), seq(1, 31, max_new=40)
     sched.add(a)
     sched.add(b)
-    sched.update(sched.schedule(), [fake_model(a), fake_model(b)])
+    sched.update(sched.schedule(), one_each([fake_model(a), fake_model(b)]))
     out = sched.schedule()
     assert out.preempted == [b] and out.swapped_out == [] and out.swap_out == []
     assert b.status is SequenceStatus.WAITING and b.num_computed_tokens == 0 and sched.waiting[0] is b
@@ -131,13 +136,14 @@ def test_abort_of_a_swapped_sequence_frees_its_host_blocks():
     a, b = seq(0, 32, max_new=40), seq(1, 31, max_new=40)
     sched.add(a)
     sched.add(b)
-    sched.update(sched.schedule(), [fake_model(a), fake_model(b)])
+    sched.update(sched.schedule(), one_each([fake_model(a), fake_model(b)]))
     sched.schedule()
     assert b.status is SequenceStatus.SWAPPED
     assert sched.abort("r1").finish_reason == FINISH_REASON_ABORTED
     assert sched.host_blocks.num_free_blocks == 8 and sched.swapped == []
     sched.abort("r0")
     assert not sched.has_unfinished and sched.blocks.num_free_blocks == 4
+    sched.add(seq(2, 3))  # the next step that goes out tells the workers
     assert sorted(sched.schedule().forgotten_seq_ids) == [0, 1]
 
 
@@ -169,7 +175,7 @@ def test_swapped_sequences_come_back_before_new_ones_are_admitted():
     sched = make(num_blocks=12, num_host_blocks=64)
     add_workload(sched, n=8)
     admitted_while_swapped = []
-    worker, builder = FakeWorker(12, 64), StepBuilder(BS)
+    worker, builder = FakeWorker(12, 64), StepBuilder()
     seqs_by_id = {s.seq_id: s for s in sched.waiting}
     while sched.has_unfinished:
         swapped_before = list(sched.swapped)
@@ -204,7 +210,7 @@ def test_requeue_all_puts_swapped_sequences_back_in_the_queue():
     a, b = seq(0, 32, max_new=40), seq(1, 31, max_new=40)
     sched.add(a)
     sched.add(b)
-    sched.update(sched.schedule(), [fake_model(a), fake_model(b)])
+    sched.update(sched.schedule(), one_each([fake_model(a), fake_model(b)]))
     sched.schedule()
     sched.requeue_all()
     assert list(sched.waiting) == [a, b] and sched.swapped == [] and sched.running == []
@@ -212,15 +218,15 @@ def test_requeue_all_puts_swapped_sequences_back_in_the_queue():
     assert sched.host_blocks.num_free_blocks == 8 and sched.blocks.num_free_blocks == 4
 
 
-def test_step_plan_carries_the_block_copies():
+def test_step_request_carries_the_block_copies():
     sched = make(num_blocks=4, num_host_blocks=8)
     a, b = seq(0, 32, max_new=40), seq(1, 31, max_new=40)
     sched.add(a)
     sched.add(b)
-    builder = StepBuilder(BS)
+    builder = StepBuilder()
     out = sched.schedule()
     builder.build(out)
-    sched.update(out, [fake_model(a), fake_model(b)])
+    sched.update(out, one_each([fake_model(a), fake_model(b)]))
     b_blocks = list(b.block_table)
     plan = builder.build(sched.schedule())
     assert plan.swap_out_src == b_blocks and plan.swap_out_dst == [0, 1]

@@ -11,6 +11,7 @@ from tests.unit.test_model_runner import (
     GREEDY,
     NUM_BLOCKS,
     BlockPool,
+    Driver,
     Seq,
     new_runner,
     prompt,
@@ -43,9 +44,10 @@ def test_a_swapped_sequence_decodes_as_if_never_swapped(tiny_model):
         runner.allocate_host_kv_cache(NUM_HOST_BLOCKS, BLOCK_SIZE)
         pool = BlockPool(NUM_BLOCKS)
         seq = Seq(0, prompt(13, 0), 13)
-        runner.add_sequences([SequenceInit(0, GREEDY, 0, seq.tokens, seq.prompt_len)])
-        run_step(runner, pool, [(seq, seq.prompt_len)])
-        run_step(runner, pool, [(seq, 1)])
+        driver = Driver(runner)
+        driver.add([SequenceInit(0, GREEDY, 0, seq.tokens, seq.prompt_len)])
+        run_step(driver, pool, [(seq, seq.prompt_len)])
+        run_step(driver, pool, [(seq, 1)])
         if swap:
             old = list(seq.blocks)
             runner.swap_out(old, list(range(len(old))))
@@ -54,7 +56,7 @@ def test_a_swapped_sequence_decodes_as_if_never_swapped(tiny_model):
             seq.blocks = [pool.free.pop() for _ in old]  # fresh blocks, elsewhere
             runner.swap_in(list(range(len(old))), seq.blocks)
         while len(seq.output) < 8:
-            run_step(runner, pool, [(seq, 1)])
+            run_step(driver, pool, [(seq, 1)])
         return seq.output
 
     assert go(swap=True) == go(swap=False)

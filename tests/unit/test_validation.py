@@ -88,7 +88,8 @@ def test_text_prompt_without_tokenizer_is_a_programming_error():
         (request(token_ids=[1] * 121, max_new_tokens=8), "max_new_tokens", ["121", "8", "max_model_len 128"]),
         (request(text="x" * 100, max_new_tokens=29), "max_new_tokens", ["100", "29", "max_model_len 128"]),
         (request(token_ids=[1] * 128, max_new_tokens=1), "token_ids", ["128", "127"]),
-        (request(sampling=dict(temperature=-0.5)), "sampling.temperature", [">= 0"]),
+        (request(sampling=dict(temperature=-0.5)), "sampling.temperature", ["[0, 2]", "-0.5"]),
+        (request(sampling=dict(temperature=3)), "sampling.temperature", ["[0, 2]", "got 3"]),
         (request(sampling=dict(temperature=math.nan)), "sampling.temperature", ["finite"]),
         (request(sampling=dict(temperature=math.inf)), "sampling.temperature", ["finite"]),
         (request(sampling=dict(top_p=0.0)), "sampling.top_p", ["(0, 1]"]),
@@ -198,8 +199,8 @@ def test_unset_max_new_tokens_takes_the_default_lowered_to_fit():
 
 
 def test_chat_prompt_is_rendered_and_checked():
-    def render(messages):
-        return [len(m["content"]) for m in messages]
+    def render(prompt):
+        return [len(m["content"]) for m in prompt.messages]
 
     req = generation_pb2.GenerateRequest(
         messages=[generation_pb2.ChatMessage(role="user", content="hello")], max_new_tokens=4

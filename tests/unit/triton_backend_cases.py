@@ -32,6 +32,7 @@ from tests.unit.test_attention import BLOCK_SIZE, CPU, Step, naive_attention, ra
 torch.set_flush_denormal(True)
 RESULTS: list[dict] = []
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 3e-3}
+GREEDY = SamplingConfig(temperature=0.0)
 
 
 def record(case: str, check: str, max_err: float, tol: float) -> None:
@@ -103,18 +104,12 @@ def decode_step(rng: random.Random, num_seqs: int, num_blocks: int, max_context:
     rng.shuffle(pool)
     contexts = [rng.randint(1, max_context) for _ in range(num_seqs)]
     tables = [[pool.pop() for _ in range(-(-c // BLOCK_SIZE))] for c in contexts]
-    slots = [
-        t[(c - 1) // BLOCK_SIZE] * BLOCK_SIZE + (c - 1) % BLOCK_SIZE
-        for t, c in zip(tables, contexts, strict=True)
-    ]
     return StepInputs(
         seq_ids=list(range(num_seqs)),
         query_lens=[1] * num_seqs,
         context_lens=contexts,
-        do_sample=[True] * num_seqs,
+        sample_counts=[1] * num_seqs,
         input_ids=[rng.randrange(2, 1000) for _ in range(num_seqs)],
-        positions=[c - 1 for c in contexts],
-        slot_mapping=slots,
         block_table=StepInputs.pad_tables(tables),
     )
 
@@ -167,9 +162,8 @@ def case_graph_buckets() -> None:
     for use_graphs in (True, False):
         runner.graphs = graphs if use_graphs else None
         inputs = decode_step(random.Random(9), 6, num_blocks, max_context=60)
-        runner.add_sequences([SequenceInit(s, SamplingConfig(temperature=0.0), 0, [3], 1) for s in range(6)])
-        tokens[use_graphs] = runner.execute(inputs).token_ids
-        runner.remove_sequences(list(range(6)))
+        states = [runner.sampler.new_state(SequenceInit(s, GREEDY, 0, [3], 1)) for s in range(6)]
+        tokens[use_graphs] = runner.execute(inputs, states).token_ids
     record("graph_buckets", "execute: greedy tokens", 0.0 if tokens[True] == tokens[False] else 1.0, 0.0)
     not_decode = StepBatch.build(np.zeros(3, dtype=np.int64), np.array([2, 1]), np.array([2, 5]),
                                  np.array([[0], [1]]), BLOCK_SIZE, CPU)  # fmt: skip

@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP API: aiohttp's server in the router's own event loop, a thin layer over the
 same Frontend as the gRPC servicer (router/grpc_api.py).
 
-Each handler decodes the body into a GenerateRequest (router/openai_protocol.py), iterates
-`Frontend.generate`, and encodes what comes out as one JSON answer or as server-sent events. Validation,
-admission, buckets, metrics and tracing are the Frontend's, so they are the same on both APIs.
+Each handler decodes its body (protocol.py, tokenize.py), calls the Frontend, and encodes what comes out as
+one JSON answer or as server-sent events (encoder.py). Validation, admission, buckets, metrics and tracing
+are the Frontend's, so they are the same on both APIs. Besides OpenAI's endpoints it serves vLLM's
+(/tokenize, /detokenize, /version, /ping) and the router's /metrics, so clients written for vLLM find them.
 
 The first response is awaited before anything is sent: validation and admission fail there, so a bad
 request is a 400 and a full queue a 429 even when streaming. A failure after the first event can only
@@ -17,26 +18,35 @@ next token, and its `finally` aborts the request; a write that fails closes the 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import importlib.metadata
 import json
 import logging
+import os
 import ssl
 import uuid
 from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from common import tracing
 from common.grpc_util import MAX_MESSAGE_BYTES
 from common.pb.tpserve.v1 import generation_pb2 as pb
 from common.security import TlsFiles
-from router import openai_protocol as oai
 from router.auth import ApiKeys, refusal
 from router.frontend import Frontend, RequestFailed
+from router.openai import protocol, tokenize
+from router.openai.encoder import Encoder
+from router.openai.errors import ApiError, bad_request, from_failure
+from router.openai.tool_parsers import PARSERS
 
 log = logging.getLogger("tpserve.router")
 
-EXEMPT_PATHS = ("/health",)  # probes need no key, as gRPC health
+# Probes, the version and the metrics need no key (as gRPC health and the --metrics-port); everything that
+# makes the server work (generating, tokenizing) does.
+EXEMPT_PATHS = ("/health", "/ping", "/version", "/metrics")
 
 
 def ssl_context(tls: TlsFiles) -> ssl.SSLContext:
@@ -49,13 +59,20 @@ def ssl_context(tls: TlsFiles) -> ssl.SSLContext:
     return ctx
 
 
-def _error(e: oai.ApiError) -> web.Response:
+def _error(e: ApiError) -> web.Response:
     headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
     return web.json_response(e.body(), status=e.status, headers=headers)
 
 
 def _sse(obj: dict) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("tpserve")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
 
 
 class OpenAIServer:
@@ -67,12 +84,18 @@ class OpenAIServer:
         on_refused: Callable[[], None] = lambda: None,
         tls: TlsFiles | None = None,
         drain_timeout_s: float = 30.0,
+        metrics_registry=None,
+        tool_call_parser: str | None = None,
     ):
         self.frontend = frontend
         self.keys = keys
         self.on_refused = on_refused
         self.tls = tls
         self.draining = False
+        self.metrics_registry = metrics_registry
+        self.tool_call_parser = tool_call_parser
+        # Any path naming the served directory is the served model (resolved once: it does not move).
+        self._model_path = os.path.realpath(frontend.config.model)
         # Token-id prompts of long contexts are megabytes: the same bound as gRPC messages.
         app = web.Application(middlewares=[self._errors, self._auth], client_max_size=MAX_MESSAGE_BYTES)
         app.add_routes(
@@ -80,7 +103,14 @@ class OpenAIServer:
                 web.post("/v1/completions", self.completions),
                 web.post("/v1/chat/completions", self.chat_completions),
                 web.get("/v1/models", self.models),
+                web.get("/v1/models/{model:.+}", self.model),
+                web.post("/tokenize", self.tokenize),
+                web.post("/detokenize", self.detokenize),
                 web.get("/health", self.health),
+                web.get("/ping", self.health),
+                web.post("/ping", self.health),
+                web.get("/version", self.version),
+                web.get("/metrics", self.metrics),
             ]
         )
         self.app = app
@@ -113,13 +143,13 @@ class OpenAIServer:
     async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
         try:
             return await handler(request)
-        except oai.ApiError as e:
+        except ApiError as e:
             return _error(e)
         except web.HTTPException as e:
             if e.status < 400:
                 raise
             # aiohttp's own refusals (unknown path, wrong method, body too large) in OpenAI's shape too.
-            return _error(oai.ApiError(e.status, f"{request.method} {request.path}: {e.reason}"))
+            return _error(ApiError(e.status, f"{request.method} {request.path}: {e.reason}"))
 
     @web.middleware
     async def _auth(self, request: web.Request, handler) -> web.StreamResponse:
@@ -128,7 +158,7 @@ class OpenAIServer:
             message = refusal(self.keys, [("authorization", v) for v in values])
             if message is not None:
                 self.on_refused()
-                raise oai.ApiError(401, message, code="UNAUTHENTICATED")  # the message holds no key
+                raise ApiError(401, message, code="UNAUTHENTICATED")  # the message holds no key
         return await handler(request)
 
     # ---- endpoints ----
@@ -139,22 +169,58 @@ class OpenAIServer:
             {"status": "SERVING" if serving else "NOT_SERVING"}, status=200 if serving else 503
         )
 
-    async def models(self, request: web.Request) -> web.Response:
-        info = self._model_info()
-        card = {
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": _version()})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        if self.metrics_registry is None:
+            raise ApiError(404, "this server has no metrics")
+        # Off the loop: the collectors read the loop's state through the loop itself (router/server.py
+        # on_loop), which would wait forever on a loop busy running them.
+        text = await asyncio.get_running_loop().run_in_executor(None, generate_latest, self.metrics_registry)
+        return web.Response(body=text, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    def _card(self, info: pb.ModelInfo) -> dict:
+        return {
             "id": info.model_name,
             "object": "model",
             "created": 0,
             "owned_by": "tpserve",
+            "root": self.frontend.config.model,  # vLLM's: where the weights come from
+            "parent": None,
             "max_model_len": info.max_model_len,
         }
-        return web.json_response({"object": "list", "data": [card]})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._card(self._model_info())]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        return web.json_response(self._card(self._check_model(request.match_info["model"])))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, oai.parse_completion)
+        return await self._generate(request, protocol.parse_completion)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, oai.parse_chat)
+        return await self._generate(
+            request, lambda body, rid: protocol.parse_chat(body, rid, self.tool_call_parser)
+        )
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        req = tokenize.parse_tokenize(await self._body(request))
+        self._check_model(req.model)
+        try:
+            ids, strs, max_model_len = await self.frontend.tokenize(req.generate, req.return_token_strs)
+        except RequestFailed as e:
+            raise from_failure(e, {"text": "prompt"}) from None
+        return web.json_response(tokenize.tokenize_response(ids, max_model_len, strs))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        model, ids = tokenize.parse_detokenize(await self._body(request))
+        self._check_model(model)
+        try:
+            return web.json_response({"prompt": await self.frontend.detokenize(ids)})
+        except RequestFailed as e:
+            raise from_failure(e, {}) from None
 
     # ---- the path ----
 
@@ -162,51 +228,60 @@ class OpenAIServer:
         try:
             return self.frontend.model_info()
         except RequestFailed as e:
-            raise oai.from_failure(e, {}) from None
+            raise from_failure(e, {}) from None
 
     def _check_model(self, name: str | None) -> pb.ModelInfo:
-        """The served model, or 404 for another name. Its name (as /v1/models lists it) and the --model
-        path the router was given are both accepted."""
+        """The served model, or 404 for another name. Its name (as /v1/models lists it) and any path to the
+        directory the router was given (--model) are the served model."""
         info = self._model_info()
-        if name is not None and name not in (info.model_name, self.frontend.config.model):
-            raise oai.ApiError(
-                404,
-                f"The model `{name}` does not exist (this server serves `{info.model_name}`)",
-                param="model",
-                code="NOT_FOUND",
-            )
-        return info
+        if name is None or name in (info.model_name, self.frontend.config.model):
+            return info
+        if os.sep in name and os.path.realpath(name) == self._model_path:
+            return info
+        raise ApiError(
+            404,
+            f"The model `{name}` does not exist (this server serves `{info.model_name}`)",
+            param="model",
+            code="NOT_FOUND",
+        )
+
+    async def _body(self, request: web.Request) -> object:
+        if self.draining:
+            raise ApiError(503, "the server is shutting down", code="UNAVAILABLE")
+        try:
+            return await request.json()
+        except ValueError as e:
+            raise bad_request(None, f"the request body is not valid JSON: {e}") from None
 
     async def _generate(self, request: web.Request, parse) -> web.StreamResponse:
-        if self.draining:
-            raise oai.ApiError(503, "the server is shutting down", code="UNAVAILABLE")
-        try:
-            body = await request.json()
-        except ValueError as e:
-            raise oai.bad_request(None, f"the request body is not valid JSON: {e}") from None
-        req = parse(body, request.headers.get("X-Request-Id") or uuid.uuid4().hex)
+        req = parse(await self._body(request), request.headers.get("X-Request-Id") or uuid.uuid4().hex)
         info = self._check_model(req.model)
-        encoder = oai.Encoder(req, info.model_name)
+        parser = None
+        if req.tool_choice is not None and req.tool_choice.parses:
+            parser = PARSERS[self.tool_call_parser]()
+            if parser.needs_special_tokens and not req.generate.HasField("skip_special_tokens"):
+                req.generate.skip_special_tokens = False  # the parser's marker is a special token
+        encoder = Encoder(req, info.model_name, tool_parser=parser)
         parent = tracing.context_from_metadata((k.lower(), v) for k, v in request.headers.items())
         async with contextlib.aclosing(self.frontend.generate(req.generate, parent)) as responses:
             try:
                 first = await anext(responses)
             except RequestFailed as e:
-                raise oai.from_failure(e, req.params) from None
+                raise from_failure(e, req.params) from None
             if req.stream:
                 return await self._stream(request, req, encoder, first, responses)
             whole = [first]
             try:
                 whole += [resp async for resp in responses]
             except RequestFailed as e:
-                raise oai.from_failure(e, req.params) from None
+                raise from_failure(e, req.params) from None
             return web.json_response(encoder.whole(whole))
 
     async def _stream(
         self,
         request: web.Request,
-        req: oai.ApiRequest,
-        encoder: oai.Encoder,
+        req: protocol.ApiRequest,
+        encoder: Encoder,
         first: pb.GenerateResponse,
         rest: AsyncIterator[pb.GenerateResponse],
     ) -> web.StreamResponse:
@@ -227,7 +302,7 @@ class OpenAIServer:
                 try:
                     resp = await anext(rest)
                 except RequestFailed as e:
-                    await response.write(_sse(oai.from_failure(e, req.params).body()))
+                    await response.write(_sse(from_failure(e, req.params).body()))
                     break
             if req.include_usage and resp.finish_reason:
                 await response.write(_sse(encoder.usage_chunk(resp.usage)))

@@ -1,0 +1,90 @@
+"""One iteration's plan and what it did, as the scheduler hands them to the engine: which sequences run
+and how many tokens each computes and samples, who was preempted, swapped or admitted, the block copies
+to make; the counts every report reads; the tokens each sequence gained. Plain Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from scheduler.sequence import Sequence
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens computed this step: a decode's 1 (plus proposals), or a prompt chunk
+    num_samples: int  # positions sampled: 0 mid-prompt, else 1 + len(draft_token_ids)
+    # Proposed continuations verified this step (speculative decoding): the last tokens of the query.
+    draft_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    # Every sequence preempted this step; those swapped to host are also in swapped_out, the others
+    # will be recomputed.
+    preempted: list[Sequence] = field(default_factory=list)
+    swapped_out: list[Sequence] = field(default_factory=list)
+    # Swapped sequences back on the device this step (they are scheduled too).
+    swapped_in: list[Sequence] = field(default_factory=list)
+    # Block copies every rank makes before this step's forward: (device block, host block) out, then
+    # (host block, device block) in. A step never carries both kinds (see Scheduler.schedule).
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # Sequences admitted from the waiting queue this step (first time, or back after a preemption).
+    admitted: list[Sequence] = field(default_factory=list)
+    # Of those, the ones admitted for the first time (their queue time ends now).
+    first_admitted: list[Sequence] = field(default_factory=list)
+    # Sequences the workers may forget (finished or aborted since the last step).
+    forgotten_seq_ids: list[int] = field(default_factory=list)
+    # Static mode: nothing to run now, but a batch may start at this time even if not full.
+    wake_at: float | None = None
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def sampled(self) -> list[ScheduledSeq]:
+        """The scheduled sequences that sample this step, in batch order (the workers' answer order)."""
+        return [s for s in self.scheduled if s.num_samples]
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing for the workers to do: no sequence to compute and no block to copy."""
+        return not (self.scheduled or self.swap_out or self.swap_in)
+
+
+@dataclass(frozen=True)
+class SchedulerSnapshot:
+    waiting: int  # sequences waiting for admission: new, or preempted to be recomputed
+    running: int  # sequences in the running batch
+    swapped: int  # preempted sequences whose KV is on host blocks, waiting to come back
+    kv_blocks_total: int
+    kv_blocks_free: int  # blocks no sequence holds (cached prefixes nobody holds count as free)
+    num_preemptions: int  # since start
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache since start
+    prefix_cache_hits: int  # of those, tokens found cached
+    prefix_cache_blocks: int  # blocks holding reusable prefixes
+
+    @property
+    def in_flight(self) -> int:
+        """Every sequence the scheduler holds."""
+        return self.waiting + self.running + self.swapped
+
+
+@dataclass
+class SequenceUpdate:
+    seq: Sequence
+    new_tokens: list[int]  # appended this step (a stop inside a worker's answer drops the rest)
+    finished: bool
+
+
+class Proposer(Protocol):
+    """Proposes tokens likely to follow a sequence, for the step to verify (speculative decoding)."""
+
+    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
+        """At most max_tokens ids; empty when there is nothing worth proposing."""
+        ...

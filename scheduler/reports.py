@@ -1,0 +1,136 @@
+"""What a step did and what the replica reports about itself: the step's outputs for the routers, the
+running totals (GetStats, the benchmark), the load report (the routers' choice among replicas).
+
+Everything that reports on steps reads one StepResult, and every count comes from one SchedulerSnapshot,
+so a number means the same thing in each report.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from common.pb.tpserve.internal.v1 import scheduler_pb2, worker_pb2
+from common.pb.tpserve.v1 import generation_pb2
+from scheduler.plan import SchedulerOutput, SchedulerSnapshot, SequenceUpdate
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one iteration did."""
+
+    out: SchedulerOutput
+    updates: list[SequenceUpdate]
+    replies: list[worker_pb2.StepResponse]  # in rank order; rank 0's carries the samples
+    seconds: float  # wall time of the whole step: plan, send, forward, receive, apply
+
+    @property
+    def forward_seconds(self) -> float:
+        return max(r.forward_seconds for r in self.replies)
+
+    @property
+    def allreduce_seconds(self) -> float:
+        return max(r.allreduce_seconds for r in self.replies)
+
+
+@dataclass
+class StepTotals:
+    """Running sums the benchmark and GetStats read (mean batch size, time per step)."""
+
+    steps: int = 0
+    batched_seqs: int = 0
+    batched_tokens: int = 0
+    step_seconds: float = 0.0
+    forward_seconds: float = 0.0
+    allreduce_seconds: float = 0.0
+
+    def add(self, result: StepResult, metrics) -> None:
+        out, forward, allreduce = result.out, result.forward_seconds, result.allreduce_seconds
+        self.steps += 1
+        self.batched_seqs += len(out.scheduled)
+        self.batched_tokens += out.num_batched_tokens
+        self.step_seconds += result.seconds
+        self.forward_seconds += forward
+        self.allreduce_seconds += allreduce
+        metrics.step_duration.observe(result.seconds)
+        metrics.forward_duration.observe(forward)
+        metrics.allreduce_duration.observe(allreduce)
+        metrics.batch_size.observe(len(out.scheduled))
+        metrics.batch_tokens.observe(out.num_batched_tokens)
+
+
+def step_outputs(result: StepResult) -> list[scheduler_pb2.RequestOutput]:
+    """A RequestOutput per sequence that got tokens, with their logprobs when it asked."""
+    logprobs = _logprobs(result.out, result.replies[0])
+    outputs = []
+    for u in result.updates:
+        seq = u.seq
+        output = scheduler_pb2.RequestOutput(request_id=seq.request_id, token_ids=u.new_tokens)
+        if seq.seq_id in logprobs:
+            output.logprobs.extend(logprobs[seq.seq_id][: len(u.new_tokens)])
+        if u.finished:
+            output.finish_reason = seq.finish_reason
+            output.cached_tokens = seq.num_cached_tokens
+        outputs.append(output)
+    return outputs
+
+
+def _logprobs(
+    out: SchedulerOutput, reply: worker_pb2.StepResponse
+) -> dict[int, list[generation_pb2.Logprobs]]:
+    """Per sampled sequence that asked, the logprobs of each of its tokens. They arrive flat over every
+    token of every sampled sequence, in batch order, each with its sequence's top_logprobs alternatives."""
+    if not len(reply.logprobs):
+        return {}
+    found: dict[int, list[generation_pb2.Logprobs]] = {}
+    token_at = top_at = 0
+    for item, count in zip(out.sampled, reply.token_counts, strict=True):
+        n = item.seq.top_logprobs
+        for i in range(token_at, token_at + count):
+            if n:
+                top = [
+                    generation_pb2.TokenLogprob(token_id=tid, logprob=lp)
+                    for tid, lp in zip(
+                        reply.top_token_ids[top_at : top_at + n],
+                        reply.top_logprobs[top_at : top_at + n],
+                        strict=True,
+                    )
+                ]
+                chosen = generation_pb2.TokenLogprob(token_id=reply.token_ids[i], logprob=reply.logprobs[i])
+                found.setdefault(item.seq.seq_id, []).append(generation_pb2.Logprobs(chosen=chosen, top=top))
+            top_at += n
+        token_at += count
+    return found
+
+
+def load_report(
+    snap: SchedulerSnapshot | None, max_num_seqs: int, shards_ready: bool, recent_steps: Iterable[float]
+) -> scheduler_pb2.LoadReport:
+    """The replica's load, for the routers' choice among replicas (router/replicas.py)."""
+    report = scheduler_pb2.LoadReport(max_num_seqs=max_num_seqs, shards_ready=shards_ready)
+    if snap is not None:
+        report.waiting, report.swapped, report.running = snap.waiting, snap.swapped, snap.running
+        report.kv_blocks_total, report.kv_blocks_free = snap.kv_blocks_total, snap.kv_blocks_free
+        recent = list(recent_steps)
+        if snap.in_flight and recent:
+            report.step_seconds = sum(recent) / len(recent)
+    return report
+
+
+def stats(snap: SchedulerSnapshot | None, t: StepTotals) -> generation_pb2.Stats:
+    if snap is None:
+        return generation_pb2.Stats()
+    return generation_pb2.Stats(
+        kv_blocks_total=snap.kv_blocks_total,
+        kv_blocks_free=snap.kv_blocks_free,
+        num_running=snap.running,
+        num_waiting=snap.waiting,
+        num_swapped=snap.swapped,
+        num_preemptions_total=snap.num_preemptions,
+        num_steps_total=t.steps,
+        batched_seqs_total=t.batched_seqs,
+        batched_tokens_total=t.batched_tokens,
+        step_seconds_total=t.step_seconds,
+        forward_seconds_total=t.forward_seconds,
+        allreduce_seconds_total=t.allreduce_seconds,
+    )

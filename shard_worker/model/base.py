@@ -1,0 +1,122 @@
+"""What the model runner knows of a model, and the decoder every family here is an instance of.
+
+The runner builds `model_class(config.architecture)(config, tp)` under the target device and default
+dtype (every parameter left uninitialised for the loader), and then uses only:
+    num_kv_caches, kv_cache_shape(num_blocks, block_size)   to allocate the paged KV cache
+    num_local_kv_heads, head_dim                            this rank's KV heads and their size
+    forward(input_ids [T], positions [T], ctx, kv_caches) -> hidden [T, hidden]
+    compute_logits(hidden_rows [N, hidden]) -> [N, vocab] on rank 0, None on the other ranks
+and the loader reads `packed_modules_mapping`. `ctx` is the step's attention context, built once per
+step by the runner and passed untouched to every attention layer.
+
+A family is one file: its decoder layer, a CausalLM subclass naming that layer (and its norm), how its
+config.json is read (`config_from_hf`, with `window_rule` and what it refuses), and how its checkpoint's
+tensor names map onto merged parameters. Module names follow the Hugging Face checkpoints (`model.layers.N.
+self_attn...`), so the loader maps names one to one apart from that mapping.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from shard_worker.model.config import NO_WINDOW, ModelConfig, common_fields
+from shard_worker.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from shard_worker.model.layers.norm import RMSNorm
+from shard_worker.model.layers.rotary import RotaryEmbedding
+from shard_worker.parallel import TensorParallel
+
+# Checkpoint projection name -> (our merged module, part index): Llama's layout, which most families share.
+LLAMA_PACKED_MODULES = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class DecoderBody(nn.Module):
+    """Named like the checkpoints' `model.` prefix."""
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel, layer_class, norm_class):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(layer_class(config, i, tp) for i in range(config.num_layers))
+        self.norm = norm_class(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """This rank's shard of a decoder-only model. A decoder layer is called as
+    layer(hidden, (cos, sin), ctx, kv_cache) -> hidden."""
+
+    # Checkpoint name piece -> (our parameter's module name, part of it, or None for the whole). A piece
+    # left out maps to itself. Expert tensors (`experts.<e>.`) carry their expert index besides.
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, int | None]]] = LLAMA_PACKED_MODULES
+    config_class: ClassVar[type[ModelConfig]] = ModelConfig
+    window_rule: ClassVar[str] = NO_WINDOW  # see shard_worker/model/config.py
+    rope_by_layer_type: ClassVar[bool] = False  # rope_parameters has one rope per layer type (Gemma 3)
+    activations: ClassVar[tuple[str, ...]] = ("silu",)
+    layer_class: ClassVar[type[nn.Module]]
+    norm_class: ClassVar[type[nn.Module]] = RMSNorm
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel):
+        super().__init__()
+        self.config = config
+        self.tp = tp
+        self.model = DecoderBody(config, tp, self.layer_class, self.norm_class)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        # One rotary module per distinct spec, and which one each layer applies.
+        specs = list(dict.fromkeys(config.rotary))
+        self.rotary = nn.ModuleList(RotaryEmbedding(spec) for spec in specs)
+        self.rotary_of_layer = [specs.index(spec) for spec in config.rotary]
+        attn = self.model.layers[0].self_attn.attn
+        self.num_local_kv_heads = attn.num_kv_heads
+        self.head_dim = config.head_dim
+        self.num_kv_caches = config.num_layers
+
+    @classmethod
+    def config_from_hf(cls, hf, architecture: str, eos_ids: tuple[int, ...] = ()) -> ModelConfig:
+        """This family's ModelConfig from transformers' parse of config.json; ValueError naming a field
+        that is not served."""
+        common = common_fields(hf, architecture, eos_ids, cls.window_rule, cls.rope_by_layer_type)
+        fields = common | cls.family_fields(hf)
+        if fields["hidden_act"] not in cls.activations:
+            raise ValueError(
+                f"hidden_act {fields['hidden_act']!r} is not supported; supported: {cls.activations}"
+            )
+        return cls.config_class(**fields)
+
+    @classmethod
+    def family_fields(cls, hf) -> dict:
+        """Fields this family reads its own way, or adds (its ModelConfig subclass's); and its refusals."""
+        return {}
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """The shape of each of the num_kv_caches caches on this rank."""
+        return (2, num_blocks, block_size, self.num_local_kv_heads, self.head_dim)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        ctx,
+        kv_caches: list[torch.Tensor],  # num_kv_caches of them, one per layer
+    ) -> torch.Tensor:  # [T, hidden]
+        h = self.embed(input_ids)
+        ropes = [rotary(positions, h.dtype) for rotary in self.rotary]
+        for layer, rope, kv_cache in zip(self.model.layers, self.rotary_of_layer, kv_caches, strict=True):
+            h = layer(h, ropes[rope], ctx, kv_cache)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor | None:
+        """Full-vocab logits [N, vocab] on rank 0; None on the other ranks (which must still call this,
+        since it gathers)."""
+        return self.lm_head(hidden_rows)

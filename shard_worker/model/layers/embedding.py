@@ -1,0 +1,53 @@
+"""The vocab-parallel embedding and LM head: the vocabulary split across ranks in contiguous ranges."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shard_worker.model.layers.linear import copy_checked, new_param
+from shard_worker.parallel import TensorParallel
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows split across ranks in contiguous ranges; a rank embeds the ids in its range, zeros
+    the rest, and the all-reduce assembles full embeddings. The vocab is padded up to a multiple of the
+    world size (padding rows are zero and never looked up)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel):
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.rows_per_rank = -(-vocab_size // tp.world_size)
+        self.vocab_start = tp.rank * self.rows_per_rank
+        self.vocab_end = min(self.vocab_start + self.rows_per_rank, vocab_size)
+        self.weight = new_param(self.rows_per_rank, hidden_size)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, source, part: int | None = None) -> None:
+        rows = self.vocab_end - self.vocab_start
+        param.data[rows:].zero_()
+        copy_checked(param.data[:rows], source, slice(self.vocab_start, self.vocab_end), type(self).__name__)
+
+    def forward_partial(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size == 1:
+            return F.embedding(input_ids, self.weight)
+        outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
+        local_ids = (input_ids - self.vocab_start).masked_fill_(outside, 0)
+        return F.embedding(local_ids, self.weight).masked_fill_(outside.unsqueeze(-1), 0.0)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(self.forward_partial(input_ids))
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection with the vocab split like VocabParallelEmbedding (so tied weights can be shared
+    as is); each rank computes its logit columns and rank 0 gathers the full row."""
+
+    def forward_partial(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.weight)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = self.tp.gather_to_rank0(self.forward_partial(hidden), dim=-1)
+        return None if logits is None else logits[..., : self.vocab_size]

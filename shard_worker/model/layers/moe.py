@@ -1,0 +1,150 @@
+"""Mixture of experts: a replicated router, top-k routing, and every expert's gated MLP in one batched
+computation per layer.
+
+Sharding: each rank holds a slice of every expert's intermediate features (gate/up rows, down columns),
+not whole experts. Every rank then does the same work whatever the routing (with whole experts per rank,
+the rank holding the popular experts sets the pace and the others wait in the all-reduce), the layer ends
+with the one all-reduce a dense MLP has, and any number of experts works with any tensor-parallel size.
+The cost is smaller matmuls per rank for fine-grained experts at large TP (Qwen3-30B-A3B: 768 / 8 = 96
+features), where expert parallelism would be the better split.
+
+The expert computation: the step's (token, slot) pairs are sorted by expert once, so each expert's rows
+are contiguous; then one grouped matmul for gate/up and one for down over all experts at once
+(F.grouped_mm, which takes the group boundaries as offsets: float32 and half types), or, where it is not
+available (float64, which the end-to-end tests run in), a loop over the experts that received
+rows. Either way the work is the tokens' own: an expert no token chose costs nothing beyond holding its
+weights, so at fixed top-k the time does not grow with the number of experts except through the weights
+it reads.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shard_worker.model.layers.linear import ReplicatedLinear, copy_checked, divide, new_param
+from shard_worker.model.layers.mlp import ACTIVATIONS
+from shard_worker.parallel import TensorParallel
+
+
+def route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, weights_dtype: torch.dtype | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k], expert ids [T, k]) as transformers routes: a float32 softmax over all experts,
+    the top k, renormalised to sum to one when asked (Mixtral always, which equals a softmax over the top
+    k logits; Qwen3-MoE when norm_topk_prob), then cast to weights_dtype (None: kept in float32)."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return (weights if weights_dtype is None else weights.to(weights_dtype)), ids
+
+
+def grouped_mm_supported(x: torch.Tensor, *row_sizes: int) -> bool:
+    """Whether F.grouped_mm takes these operands: CPU float32 and half types, CUDA bfloat16 on Ampere and
+    later (as transformers uses it; not verified on a device here yet); and every row (hidden,
+    intermediate) a multiple of 16 bytes."""
+    if any(n * x.element_size() % 16 for n in row_sizes):
+        return False
+    if x.device.type == "cpu":
+        return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    if x.device.type == "cuda":
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 0)
+    return False
+
+
+class FusedMoE(nn.Module):
+    """num_experts gated MLPs, their weights stacked: gate_up_proj [E, 2 * I / tp, H] (each expert's
+    [gate shard; up shard]) and down_proj [E, H, I / tp]. Each parameter is named like transformers'
+    stacked experts; the loader fills it one checkpoint tensor at a time, part (expert, 0 gate | 1 up)
+    and (expert, None) for down."""
+
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str, tp: TensorParallel
+    ):
+        super().__init__()
+        self.tp = tp
+        self.num_experts = num_experts
+        self.local_intermediate = divide(intermediate_size, tp.world_size, "expert intermediate features")
+        self.act = ACTIVATIONS[activation]
+        self.gate_up_proj = new_param(num_experts, 2 * self.local_intermediate, hidden_size)
+        self.down_proj = new_param(num_experts, hidden_size, self.local_intermediate)
+        self.gate_up_proj.weight_loader = self._load_gate_up
+        self.down_proj.weight_loader = self._load_down
+        self.gate_up_proj.checkpoint_parts = tuple((e, s) for e in range(num_experts) for s in (0, 1))
+        self.down_proj.checkpoint_parts = tuple((e, None) for e in range(num_experts))
+
+    def _load_gate_up(self, param: nn.Parameter, source, part: tuple[int, int]) -> None:
+        expert, shard = part
+        n = self.local_intermediate
+        start = self.tp.rank * n
+        copy_checked(
+            param.data[expert, shard * n : (shard + 1) * n], source, slice(start, start + n), "expert"
+        )
+
+    def _load_down(self, param: nn.Parameter, source, part: tuple[int, None]) -> None:
+        start = self.tp.rank * self.local_intermediate
+        index = (slice(None), slice(start, start + self.local_intermediate))
+        copy_checked(param.data[part[0]], source, index, "expert down_proj")
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum (before the all-reduce) of sum_j weight_j * expert_j(x), per token.
+        x [T, H]; topk_ids and topk_weights [T, k]."""
+        k = topk_ids.shape[1]
+        flat = topk_ids.flatten()
+        order = flat.argsort(stable=True)  # (token, slot) pairs, grouped by expert
+        rows = order // k  # the token of each
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        xs = x.index_select(0, rows)
+        if grouped_mm_supported(x, x.shape[1], self.local_intermediate):
+            offsets = counts.cumsum(0).to(torch.int32)
+            gate, up = F.grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+            ys = F.grouped_mm(self.act(gate) * up, self.down_proj.transpose(1, 2), offs=offsets)
+        else:
+            ys = self._each_active_expert(xs, counts)
+        # Weighted in the weights' dtype and then cast, as transformers does (Mixtral keeps float32).
+        weights = topk_weights.flatten().index_select(0, order)
+        ys = (ys * weights.unsqueeze(1)).to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, rows, ys)
+
+    def _each_active_expert(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        ys = torch.empty(xs.shape[0], self.down_proj.shape[1], dtype=xs.dtype, device=xs.device)
+        start = 0
+        for expert, n in enumerate(counts.tolist()):  # one host read per layer
+            if n:
+                gate, up = F.linear(xs[start : start + n], self.gate_up_proj[expert]).chunk(2, dim=-1)
+                ys[start : start + n] = F.linear(self.act(gate) * up, self.down_proj[expert])
+                start += n
+        return ys
+
+
+class SparseMoE(nn.Module):
+    """Router (`gate`, replicated) + experts; the output all-reduced once, like a row-parallel layer."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        activation: str,
+        tp: TensorParallel,
+        renormalize: bool,
+        weights_in_model_dtype: bool,
+    ):
+        super().__init__()
+        self.tp = tp
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.weights_in_model_dtype = weights_in_model_dtype
+        self.gate = ReplicatedLinear(hidden_size, num_experts)
+        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, activation, tp)
+
+    def forward_partial(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype if self.weights_in_model_dtype else None
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize, dtype)
+        return self.experts(x, ids, weights)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(self.forward_partial(x))

@@ -1,0 +1,30 @@
+"""config.json's architectures[0] -> the model class that serves it. The runner knows only this and the
+interface in shard_worker/model/base.py; adding a family is its file, its line here, and its test.
+
+Classes are named as "module:Class" and imported on first use, so a worker imports only its own family.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": "llama:Qwen2ForCausalLM",
+    "MistralForCausalLM": "mistral:MistralForCausalLM",
+    "Qwen3ForCausalLM": "qwen3:Qwen3ForCausalLM",
+    "Gemma3ForCausalLM": "gemma3:Gemma3ForCausalLM",
+    "Phi3ForCausalLM": "phi3:Phi3ForCausalLM",
+    "MixtralForCausalLM": "mixtral:MixtralForCausalLM",
+    "Qwen3MoeForCausalLM": "qwen3_moe:Qwen3MoeForCausalLM",
+}
+
+
+def model_class(architecture: str):
+    """The CausalLM subclass for an architecture; ValueError naming it (and what is served) otherwise."""
+    if architecture not in ARCHITECTURES:
+        raise ValueError(
+            f"architecture {architecture!r} is not supported; supported: {sorted(ARCHITECTURES)}"
+        )
+    module, name = ARCHITECTURES[architecture].split(":")
+    return getattr(importlib.import_module(f"shard_worker.model.{module}"), name)

@@ -1,0 +1,39 @@
+"""Every family served through the real processes (`tpserve launch`), against transformers' generate in
+float64: several prompts at once, chunked prefill (a token budget of 32 per step) and preemption (8 KV
+blocks for sequences needing 15) both forced, prompts longer than the sliding windows. One stack per
+family; tensor parallelism where it adds something: Gemma 3 (windows and two ropes, KV heads split) and
+Mixtral (experts sharded). Llama is tests/e2e/test_serving.py's and test_tp_serving.py's, and Qwen2's
+layers are Llama's with Qwen3's windows (tests/unit/test_model_families.py decodes both)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from common.pb.tpserve.v1 import generation_pb2 as pb
+from common.pb.tpserve.v1 import generation_pb2_grpc
+from tests.conftest import launch
+from tests.model_families import build_checkpoint, hf_greedy
+from tests.reference import GREEDY, run_concurrently
+
+NEW_TOKENS = 16
+FLAGS = ("--dtype", "float64", "--max-num-batched-tokens", "32", "--num-kv-blocks", "8")
+SERVED = [("mistral", 1), ("qwen3", 1), ("phi3", 1), ("qwen3_moe", 1), ("gemma3", 2), ("mixtral", 2)]
+
+
+@pytest.mark.parametrize("family, tp", SERVED, ids=[f"{f}-tp{tp}" for f, tp in SERVED])
+def test_family_serves_transformers_tokens(tmp_path, family, tp):
+    model = build_checkpoint(family, tmp_path / family)
+    reference = hf_greedy(model, NEW_TOKENS)
+    with launch(model, *FLAGS, "--tp", str(tp)) as (target, _), grpc.insecure_channel(target) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        requests = [
+            dict(token_ids=list(ids), max_new_tokens=NEW_TOKENS, ignore_eos=True, sampling=GREEDY)
+            for ids in reference
+        ]
+        results = run_concurrently(stub, requests)
+        for ids, (tokens, *_) in zip(reference, results, strict=True):
+            assert tokens == reference[ids], f"{family}: prompt of {len(ids)} tokens"
+        stats = stub.GetStats(pb.StatsRequest())
+        assert stats.num_preemptions_total > 0
+        assert stats.kv_blocks_free == stats.kv_blocks_total

@@ -1,0 +1,136 @@
+"""Small random checkpoints of every family tpserve serves, built with transformers' own config and model
+classes and saved with save_pretrained, so they are laid out exactly as real checkpoints of the family.
+
+Each has a few layers, grouped-query attention, a sliding window (where the family has one) shorter than
+the prompts below, and, for the MoE families, more experts than top-k. Weights are drawn with a larger
+std than usual (and norms are randomised too, so a (1 + w) norm read as w would show): next-token
+distributions are then peaked, and greedy decoding is not decided by near-ties. Embeddings are not tied
+(tied ones are tested with Llama in tests/unit/test_checkpoints.py, and the real Gemma 3 ties them):
+Gemma's scaled embedding would then dominate the logits and every model would repeat its last token.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+VOCAB = 256
+LOGIT_STD = 4.0
+WINDOW = 20  # not a multiple of block_size 16: a window edge falls inside a block
+# Lengths past the window, one of them past two blocks of the window, and short ones.
+PROMPT_LENS = (3, 17, 41, 70)
+SMALL = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    initializer_range=0.25,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+
+def _configs():
+    import transformers as t
+
+    moe = dict(num_experts_per_tok=2, router_jitter_noise=0.0)
+    return {
+        "llama": lambda: t.LlamaConfig(**SMALL, num_hidden_layers=2),
+        "qwen2": lambda: t.Qwen2Config(
+            **SMALL, num_hidden_layers=3, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1
+        ),
+        "mistral": lambda: t.MistralConfig(**SMALL, num_hidden_layers=2, sliding_window=WINDOW),
+        "qwen3": lambda: t.Qwen3Config(
+            **SMALL, num_hidden_layers=3, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1
+        ),
+        "gemma3": lambda: t.Gemma3TextConfig(
+            **SMALL,
+            num_hidden_layers=3,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            # Not head_dim: the scale must follow it. Global layers with the larger models' linear scaling.
+            query_pre_attn_scalar=24,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+            },
+        ),
+        "phi3": lambda: t.Phi3Config(**SMALL, num_hidden_layers=2, sliding_window=WINDOW),
+        "mixtral": lambda: t.MixtralConfig(
+            **SMALL, num_hidden_layers=2, sliding_window=WINDOW, num_local_experts=8, **moe
+        ),
+        "qwen3_moe": lambda: t.Qwen3MoeConfig(
+            **SMALL,
+            num_hidden_layers=3,
+            use_sliding_window=True,
+            sliding_window=WINDOW,
+            num_experts=8,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],  # one dense layer among the sparse ones
+            **moe,
+        ),
+    }
+
+
+FAMILIES = tuple(_configs())
+
+
+def hf_config(family: str):
+    return _configs()[family]()
+
+
+def build_checkpoint(family: str, out_dir: str | Path, seed: int = 0) -> Path:
+    """Writes a random `family` checkpoint (config.json, generation_config.json, safetensors) to out_dir."""
+    from transformers import AutoModelForCausalLM
+
+    out = Path(out_dir)
+    config = hf_config(family)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.add_(torch.randn_like(param) * 0.2)
+            # Logits of std LOGIT_STD whatever the hidden size (see shard_worker/model/builder.py).
+            model.lm_head.weight.normal_(0.0, LOGIT_STD / config.hidden_size**0.5)
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.save_pretrained(out)
+    return out
+
+
+def prompts(seed: int = 1234) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in PROMPT_LENS]
+
+
+def hf_greedy(model_dir: str | Path, new_tokens: int) -> dict[tuple[int, ...], list[int]]:
+    """transformers' generate in float64, one prompt at a time (no padding), EOS ignored."""
+    from transformers import AutoModelForCausalLM
+
+    # The experts as transformers writes them out (a loop over the experts hit): its default grouped
+    # matmul has no float64 kernel.
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float64, experts_implementation="eager"
+    )
+    model.generation_config.eos_token_id = None
+    out = {}
+    for ids in prompts():
+        with torch.no_grad():
+            gen = model.generate(
+                torch.tensor([ids]),
+                do_sample=False,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                pad_token_id=0,
+            )
+        out[tuple(ids)] = gen[0, len(ids) :].tolist()
+    return out
