@@ -110,7 +110,11 @@ def reference_check(a: argparse.Namespace, work: Path, result: dict, out: Path) 
         "new_tokens": new_tokens,
     }
     for variant, flags in variants(a).items():
-        ours = served_greedy(a, model_dir, prompts, new_tokens, flags)
+        try:
+            ours = served_greedy(a, model_dir, prompts, new_tokens, flags)
+        except Exception as e:  # the other variant still runs
+            part[variant] = {"error": f"{type(e).__name__}: {e}"}
+            continue
         verdicts = [check_logprobs_close(mine, theirs) for mine, theirs in zip(ours, ref, strict=True)]
         part[variant] = {
             "close": sum(ok for ok, _ in verdicts),
@@ -206,7 +210,10 @@ def benchmark(a: argparse.Namespace, work: Path, result: dict, out: Path) -> Non
             if remaining(a) < 60:
                 runs[batching] = {"skipped": f"under a minute of --budget-s {a.budget_s} left"}
                 continue
-            runs.update(bench_stack(a, model_dir, (*base, *flags, "--batching", batching), batching))
+            try:  # one stack's failure (graphs on, say) must not cost the others their figures
+                runs.update(bench_stack(a, model_dir, (*base, *flags, "--batching", batching), batching))
+            except Exception as e:
+                runs[batching] = {"error": f"{type(e).__name__}: {e}"}
             out.write_text(json.dumps(result, indent=2, default=str))
         if "decode" in runs:
             p99 = runs["decode"]["tpot_ms"]["p99"]
