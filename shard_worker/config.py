@@ -36,7 +36,9 @@ class WorkerConfig:
         "cpu", help="cpu, or cuda (rank r takes cuda:<r % devices>)", choices=DEVICES, launch=True
     )
     dtype: str = setting("float32", help="weights, activations and KV cache", choices=DTYPES, launch=True)
-    num_threads: int = setting(0, help="torch CPU threads (0: cores / world size)", rule=at_least(0))
+    num_threads: int = setting(
+        0, help="torch CPU threads (0: cores / world size)", rule=at_least(0), launch=True
+    )
     load_format: str = setting(
         "auto",
         help="auto: the checkpoint's weights; dummy: random weights from config.json alone (benchmarks at "
