@@ -8,6 +8,7 @@ their KV goes, come from the scheduler (the step's lengths and the block tables 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 from collections.abc import Iterator
@@ -16,15 +17,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shard_worker.attention import StepBatch, select_backend
+from shard_worker.attention import Attention, StepBatch, select_backend
 from shard_worker.attention.flex import PREFILL_MIN_QUERY
+from shard_worker.cuda_graphs import CudaGraphRunner, capture_bytes, graphs_unsupported
 from shard_worker.model.config import ModelConfig
 from shard_worker.model.loader import load_weights
 from shard_worker.model.registry import model_class
 from shard_worker.parallel import TensorParallel
 from shard_worker.sampling import Sampler, SequenceState
 from shard_worker.sampling.grammar import GrammarCompiler
+from shard_worker.sampling.rows import prompt_logprobs, sampled_rows, step_proposals
 from shard_worker.step import StepInputs, StepOutputs
+
+log = logging.getLogger("tpserve.shard_worker")
 
 
 @contextlib.contextmanager
@@ -48,10 +53,13 @@ class ModelRunner:
         tp: TensorParallel,
         load_format: str = "auto",
         attention_backend: str = "auto",
+        cuda_graphs: bool = False,
     ):
         """load_format "auto" reads the checkpoint's weights; "dummy" fills them with small random values
         on the device from config.json alone (vLLM's name), for benchmarks at real shapes.
-        attention_backend: see shard_worker/attention (ValueError when it cannot run here)."""
+        attention_backend: see shard_worker/attention (ValueError when it cannot run here).
+        cuda_graphs: replay decode steps from graphs (shard_worker/cuda_graphs.py), captured by
+        capture_cuda_graphs once the cache exists; on CPU the same path runs without capture (tests)."""
         self.model_dir = Path(model_dir)
         self.dtype = dtype
         self.device = torch.device(device)
@@ -63,6 +71,18 @@ class ModelRunner:
         self.attention = select_backend(attention_backend, self.device, dtype)
         with torch.device(self.device), _default_dtype(dtype):
             self.model = model_class(self.config.architecture)(self.config, tp)
+        for name, layer in self.model.named_modules():
+            reason = self.attention.unsupported_layer(layer) if isinstance(layer, Attention) else None
+            if reason is not None:
+                raise ValueError(f"--attention-backend {self.attention.name}: {name}: {reason}")
+        self.graphs: CudaGraphRunner | None = None
+        reason = graphs_unsupported(self.attention, tp.world_size, _nccl_version()) if cuda_graphs else None
+        if reason is not None:
+            log.warning("rank %d: no CUDA graphs: %s", tp.rank, reason)
+        self.cuda_graphs = cuda_graphs and reason is None
+        # The padding rows of graph buckets write their keys to a block of their own: the cache's last,
+        # one more than the scheduler is told of (profile_num_blocks, allocate_kv_cache).
+        self.reserved_blocks = 1 if self.cuda_graphs else 0
         if load_format == "dummy":
             init_dummy_weights(self.model)
         else:
@@ -111,6 +131,7 @@ class ModelRunner:
         # memory would count against the new ones (InitCache always follows and allocates afresh).
         self.kv_caches = []
         self.host_kv_caches = []
+        self.graphs = None
         per_block = self.kv_block_bytes(block_size)
         max_model_len = min(
             max_model_len or self.config.max_position_embeddings, self.config.max_position_embeddings
@@ -127,8 +148,10 @@ class ModelRunner:
             weights = memory.allocated()
             peak = self._dummy_step(block_size, max_num_batched_tokens, max_num_seqs, max_model_len, memory)
             memory.empty_cache()
-            budget = kv_budget(total, gpu_memory_utilization, outside_torch, weights, peak)
-        num_blocks = budget // per_block
+            graphs = self._graph_bytes(block_size, max_num_seqs, max_model_len) if self.cuda_graphs else 0
+            budget = kv_budget(total, gpu_memory_utilization, outside_torch, weights, peak) - graphs
+            log.info("rank %d: CUDA graphs take %.1f MiB", self.tp.rank, graphs / 2**20)
+        num_blocks = budget // per_block - self.reserved_blocks
         if num_blocks < 1:
             raise RuntimeError(
                 f"no memory left for the KV cache: budget {budget / 2**20:.1f} MiB, one block needs "
@@ -137,8 +160,11 @@ class ModelRunner:
         return num_blocks
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> int:
-        """Allocates every layer's [2, blocks, block_size, local_kv_heads, head_dim] cache; returns bytes."""
-        shape = self.model.kv_cache_shape(num_blocks, block_size)
+        """Allocates every layer's [2, blocks, block_size, local_kv_heads, head_dim] cache; returns bytes.
+        With CUDA graphs, one block more: block num_blocks is the padding rows' (see cuda_graphs.py)."""
+        self.graphs = None  # they write to the old cache: recaptured by capture_cuda_graphs
+        total = num_blocks + self.reserved_blocks
+        shape = self.model.kv_cache_shape(total, block_size)
         self.kv_caches = []  # frees an old cache first, so reallocating never needs room for both
         # Zeros, not empty: padding slots are masked out of attention, but a NaN left in memory there
         # would still poison the weighted sum (0 * NaN).
@@ -146,7 +172,34 @@ class ModelRunner:
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.model.num_kv_caches)
         ]
         self.block_size = block_size
-        return num_blocks * self.kv_block_bytes(block_size)
+        return total * self.kv_block_bytes(block_size)
+
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> float:
+        """Captures the decode graphs over the allocated cache (every rank at once: they all-reduce);
+        returns the seconds it took. Nothing to do without cuda_graphs or without max_num_seqs."""
+        if not self.cuda_graphs or not max_num_seqs:
+            return 0.0
+        start = time.perf_counter()
+        self.graphs = self._graph_runner(max_num_seqs, max_model_len)
+        self.graphs.capture_all()
+        return time.perf_counter() - start
+
+    def _graph_runner(self, max_num_seqs: int, max_model_len: int) -> CudaGraphRunner:
+        limit = self.config.max_position_embeddings
+        return CudaGraphRunner(
+            self.model,
+            self.attention,
+            self.kv_caches,
+            self.config.hidden_size,
+            max_num_seqs,
+            min(max_model_len or limit, limit),
+        )
+
+    def _graph_bytes(self, block_size: int, max_num_seqs: int, max_model_len: int) -> int:
+        """What capturing will take, by capturing over a cache of just the reserved block (the
+        warm-ups and captures read only padding rows)."""
+        with self._scratch_cache(0, block_size), torch.inference_mode():
+            return capture_bytes(lambda: self._graph_runner(max_num_seqs, max_model_len))
 
     def allocate_host_kv_cache(self, num_blocks: int, block_size: int) -> int:
         """Allocates the swap space: num_blocks host blocks laid out like the device cache; returns bytes."""
@@ -202,7 +255,10 @@ class ModelRunner:
         )
         if states:
             self.sampler.prepare(states)  # host work for the sampler, overlapping the forward
-        hidden = self.model(batch.input_ids, batch.positions, self.attention.context(batch), self.kv_caches)
+        hidden = self.graphs.replay(batch) if self.graphs is not None else None
+        if hidden is None:  # not a decode step that fits a bucket, or no graphs
+            ctx = self.attention.context(batch)
+            hidden = self.model(batch.input_ids, batch.positions, ctx, self.kv_caches)
 
         out = StepOutputs()
         if inputs.prompt_rows is not None and len(inputs.prompt_rows):
@@ -294,6 +350,13 @@ class ModelRunner:
             self.kv_caches, self.block_size = saved_caches, saved_block_size
 
 
+def _nccl_version() -> tuple[int, ...]:
+    try:
+        return tuple(torch.cuda.nccl.version())
+    except (AttributeError, RuntimeError):  # a build without NCCL (CPU)
+        return (0,)
+
+
 @torch.no_grad()
 def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
     """Small random weights where they are (on the device), norms at one: a forward of the right shape
@@ -342,51 +405,6 @@ def synthetic_step(lens: list[tuple[int, int]], block_size: int) -> tuple[StepIn
         block_table=StepInputs.pad_tables(tables),
     )
     return step, next_block
-
-
-# Prompt logprob rows per pass: [rows, vocab] float32 logits at a time, so a long prompt never needs
-# prompt_len x vocab of them at once.
-PROMPT_LOGPROB_CHUNK = 256
-
-
-def prompt_logprobs(model, hidden: torch.Tensor, inputs: StepInputs, out: StepOutputs) -> None:
-    """Rank 0: each prompt row's log-softmax (the raw distribution, as the output's logprobs): the
-    logprob and rank of the prompt token that follows, and its alternatives. Every rank computes the
-    logits (the LM head gathers); only rank 0 gets them."""
-    rows = torch.from_numpy(inputs.prompt_rows).to(hidden.device)
-    for at in range(0, len(rows), PROMPT_LOGPROB_CHUNK):
-        chunk = slice(at, at + PROMPT_LOGPROB_CHUNK)
-        logits = model.compute_logits(hidden.index_select(0, rows[chunk]))
-        if logits is None:
-            continue
-        lp = torch.log_softmax(logits.float(), dim=-1)
-        targets = torch.from_numpy(inputs.prompt_targets[chunk]).to(lp.device)
-        chosen = lp.gather(1, targets.unsqueeze(1))
-        out.prompt_logprobs += chosen.squeeze(1).tolist()
-        out.prompt_ranks += ((lp > chosen).sum(dim=-1) + 1).tolist()
-        tops = inputs.prompt_tops[chunk]
-        if tops.max() > 0:
-            values, ids = lp.topk(int(tops.max()), dim=-1)
-            for k, v_row, i_row in zip(tops.tolist(), values.tolist(), ids.tolist(), strict=True):
-                out.prompt_top_token_ids += i_row[:k]
-                out.prompt_top_logprobs += v_row[:k]
-
-
-def sampled_rows(ends: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """The step rows sampled: each sampled sequence's last counts[i] rows, ending (exclusive) at ends[i]."""
-    if bool((counts == 1).all()):
-        return ends - 1
-    firsts = np.repeat(ends - counts, counts)
-    offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-    return firsts + offsets
-
-
-def step_proposals(input_ids: np.ndarray, rows: np.ndarray, counts: np.ndarray) -> list[list[int]]:
-    """Each sampled sequence's proposals: the inputs after its first sampled row (none for most)."""
-    if bool((counts == 1).all()):
-        return [[]] * len(counts)
-    firsts = rows[np.cumsum(counts) - counts]
-    return [input_ids[r + 1 : r + c].tolist() for r, c in zip(firsts, counts, strict=True)]
 
 
 def kv_budget(total: int, utilization: float, outside_torch: int, allocated: int, step_peak: int) -> int:

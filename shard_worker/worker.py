@@ -39,14 +39,23 @@ class Worker:
         self.sequences: dict[int, WorkerSequence] = {}
         self._grammar_pending: dict[int, SequenceState] = {}  # rank 0: grammars not yet reported ready
 
-    def init_cache(self, num_blocks: int, block_size: int, num_host_blocks: int, max_model_len: int):
+    def init_cache(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_host_blocks: int,
+        max_model_len: int,
+        max_num_seqs: int = 0,
+    ):
         """Allocates the KV cache (and the swap space) for a new scheduler session, which introduces
-        every sequence again: what this worker knew of the last one is dropped. Returns the bytes each
-        takes."""
+        every sequence again: what this worker knew of the last one is dropped; then captures the decode
+        graphs for up to max_num_seqs sequences over it (CUDA; they bake in its addresses). Returns the
+        bytes the cache and the swap space take."""
         self.forget(list(self.sequences))
         self.tables = BlockTables(-(-max_model_len // block_size))
         nbytes = self.runner.allocate_kv_cache(num_blocks, block_size)
         host_bytes = self.runner.allocate_host_kv_cache(num_host_blocks, block_size)
+        self.runner.capture_cuda_graphs(max_num_seqs, max_model_len)
         return nbytes, host_bytes
 
     def forget(self, seq_ids) -> None:
