@@ -61,8 +61,8 @@ def llguidance_grammar(spec: GrammarSpec) -> str:
     import llguidance
     from llguidance import LLMatcher
 
-    # The compact separators are what models trained on JSON write; flexible whitespace lets a small
-    # model wander into endless newlines, so it is only on request (vLLM's guidance backend likewise).
+    # Compact JSON (no whitespace) unless asked: flexible whitespace lets a small model wander into endless
+    # newlines (vLLM's disable_any_whitespace).
     options = {"whitespace_flexible": spec.whitespace_flexible}
     try:
         if spec.kind == "json_schema":

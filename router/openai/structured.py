@@ -4,8 +4,8 @@
 the output is. Whether the grammar compiles is the Frontend's check (router/sampling_checks.py), whose
 error names the field the client used (`param`).
 
-JSON comes in the compact form (one space after ':' and ','; vLLM's disable_any_whitespace): with any
-whitespace allowed, small models wander into endless newlines inside the object.
+JSON comes in the compact form (vLLM's disable_any_whitespace) unless structured_outputs says
+disable_any_whitespace: false: with any whitespace allowed, small models wander into endless newlines.
 """
 
 from __future__ import annotations
@@ -79,9 +79,21 @@ def _structured_outputs(value) -> tuple[pb.StructuredOutput, str]:
     name = f"structured_outputs.{given[0]}"
     if given[0] == "structural_tag":
         raise bad_request(name, f"{name} is not supported by tpserve (use json, regex, choice or grammar)")
-    if given[0] == "json_object":
-        return pb.StructuredOutput(json_object=True), name
-    return _one(given[0], value[given[0]], name), name
+    if value.get("disable_additional_properties"):
+        raise bad_request(
+            "structured_outputs.disable_additional_properties",
+            "structured_outputs.disable_additional_properties is not supported: give the schema "
+            '"additionalProperties": false',
+        )
+    out = (
+        pb.StructuredOutput(json_object=True)
+        if given[0] == "json_object"
+        else _one(given[0], value[given[0]], name)
+    )
+    # vLLM's disable_any_whitespace false (said explicitly): any whitespace between JSON tokens. Unset or
+    # true: the compact form. disable_fallback has nothing to do: there is one backend.
+    out.whitespace_flexible = value.get("disable_any_whitespace") is False
+    return out, name
 
 
 def _one(what: str, value, name: str) -> pb.StructuredOutput:

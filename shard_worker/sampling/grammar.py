@@ -190,14 +190,22 @@ class GrammarProcessor(LogitsProcessor):
         # Bit j of word w allows token 32w + j (little-endian words): unpacked to one bool per token.
         allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, : logits.shape[1]]
         banned = torch.from_numpy(allowed.view(np.bool_)).logical_not_().to(self.device)
-        sub = logits.index_select(0, rows).masked_fill_(banned, float("-inf"))
+        whole = len(states) == logits.shape[0]  # every row, in order (rows are ascending): in place
+        sub = logits if whole else logits.index_select(0, rows)
+        sub.masked_fill_(banned, float("-inf"))
         # Where earlier processors banned every token the grammar allows (bad_words, or min_tokens holding
-        # back the EOS of a complete grammar), the grammar wins: its tokens, equally likely.
-        dead = torch.isneginf(sub).all(dim=-1)
-        if bool(dead.any()):
-            fallback = torch.zeros_like(sub).masked_fill_(banned, float("-inf"))
-            sub = torch.where(dead.unsqueeze(1), fallback, sub)
-        logits.index_copy_(0, rows, sub)
+        # back the EOS of a complete grammar), the grammar wins: its tokens, equally likely. Only rows with
+        # another processor can be so.
+        others = [i for i, s in enumerate(states) if len(s.processors) > 1]
+        if others:
+            index = torch.tensor(others, device=self.device)
+            dead = torch.isneginf(sub.index_select(0, index)).all(dim=-1)
+            if bool(dead.any()):
+                fallback = torch.zeros_like(banned, dtype=sub.dtype).masked_fill_(banned, float("-inf"))
+                revive = index[dead]
+                sub.index_copy_(0, revive, fallback.index_select(0, revive))
+        if not whole:
+            logits.index_copy_(0, rows, sub)
         self.mask_seconds += time.perf_counter() - start
 
     def accept(self, states, tokens):

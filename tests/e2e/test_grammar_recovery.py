@@ -72,3 +72,17 @@ def test_a_killed_worker_and_scheduler_resume_grammar_state(stack):
     assert tracked.errors == []
     assert resumed(info) >= 1, lost_lines(info)
     assert disturbed == alone
+
+
+def test_a_grammar_that_does_not_compile_is_invalid_argument_naming_the_field(stack):
+    stub, *_ = stack
+    bad = pb.SamplingParams(structured_output=pb.StructuredOutput(regex="a(b"))
+    with pytest.raises(grpc.RpcError) as e:
+        generate(stub, token_ids=[5, 6], max_new_tokens=4, sampling=bad)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sampling.structured_output.regex does not compile" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        generate(
+            stub, token_ids=[5, 6], max_new_tokens=4, ignore_eos=True, sampling=requests()[0]["sampling"]
+        )
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "ignore_eos" in e.value.details()
