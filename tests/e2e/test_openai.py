@@ -151,7 +151,7 @@ def test_greedy_chat_equals_grpc_whole_and_streamed(smollm2):
     "kw, param",
     [
         (dict(temperature=-1), "temperature"),
-        (dict(n=2), "n"),
+        (dict(n=17), "n"),
         (dict(max_tokens=5000), "max_tokens"),  # tiny's max_model_len is 1024
         (dict(top_p=0), "top_p"),
         (dict(logprobs=50), "logprobs"),

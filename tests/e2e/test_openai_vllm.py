@@ -175,7 +175,8 @@ def test_tool_calls_with_the_official_client_whole_streamed_and_replayed(stack):
         (dict(max_tokens=4, extra_body={"min_tokens": 5}), "min_tokens", "above max_tokens 4"),
         (dict(extra_body={"echo_back": True}), "echo_back", "unrecognized request field"),
         (dict(extra_body={"use_beam_search": True}), "use_beam_search", "not supported"),
-        (dict(extra_body={"tool_choice": "required", "tools": [WEATHER]}), "tool_choice", "grammar masks"),
+        (dict(extra_body={"guided_regex": "a(b"}), "guided_regex", "does not compile"),
+        (dict(extra_body={"guided_choice": ["a"], "ignore_eos": True}), "ignore_eos", "cannot be used with"),
     ],
 )
 def test_refusals_name_the_field(stack, extra, param, words):
