@@ -70,12 +70,13 @@ def step_outputs(result: StepResult) -> list[scheduler_pb2.RequestOutput]:
         output = scheduler_pb2.RequestOutput(request_id=seq.request_id, token_ids=u.new_tokens)
         if seq.seq_id in logprobs:
             output.logprobs.extend(logprobs[seq.seq_id][: len(u.new_tokens)])
-        output.prompt_logprobs.extend(prompt.pop(seq.seq_id, ()))
+        if prompt:
+            output.prompt_logprobs.extend(prompt.pop(seq.seq_id, ()))
         if u.finished:
             output.finish_reason = seq.finish_reason
             output.cached_tokens = seq.num_cached_tokens
         outputs.append(output)
-    for item in result.out.scheduled:
+    for item in result.out.scheduled if prompt else ():
         if item.seq.seq_id in prompt and not item.seq.is_finished:
             outputs.append(
                 scheduler_pb2.RequestOutput(

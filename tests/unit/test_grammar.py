@@ -165,3 +165,19 @@ def test_min_tokens_cannot_hold_a_complete_grammar_open(compiler, tokenizer):
     state = new(sampler, GrammarSpec("regex", "a"), min_tokens=5)
     [tokens] = run(sampler, [state], 6)
     assert tokenizer.decode(tokens[:-1]) == "a" and tokens[-1] == EOS
+
+
+@pytest.mark.parametrize(
+    "spec, allowed",
+    [
+        (GrammarSpec("grammar", 'start: "yes" | "no"'), {"yes", "no"}),  # Lark
+        (GrammarSpec("grammar", 'root ::= "yes" | "no"'), {"yes", "no"}),  # llama.cpp's GBNF
+        (GrammarSpec("choice", json.dumps(['say "hi"', "a|b"])), {'say "hi"', "a|b"}),  # escaped exactly
+    ],
+)
+def test_lark_gbnf_and_choices_with_quotes(compiler, tokenizer, spec, allowed):
+    validate(spec)
+    sampler = Sampler(VOCAB, "cpu", [EOS], compiler)
+    states = [new(sampler, spec, i, temperature=1.0, seed=i) for i in range(4)]
+    for tokens in run(sampler, states, 20):
+        assert tokens[-1] == EOS and tokenizer.decode(tokens[:-1]) in allowed
