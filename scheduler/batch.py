@@ -16,7 +16,7 @@ import sys
 from array import array
 
 from common.pb.tpserve.internal.v1 import worker_pb2
-from scheduler.plan import SchedulerOutput
+from scheduler.plan import DRAFTED, SchedulerOutput
 from scheduler.sequence import Sequence
 
 
@@ -70,6 +70,7 @@ class StepBuilder:
         # Sequences holding a table of fresh blocks this step.
         fresh = {s.seq_id for s in out.admitted} | {s.seq_id for s in out.swapped_in}
         seq_ids, query_lens, context_lens, sample_counts = array("q"), array("q"), array("q"), array("q")
+        draft_counts = array("q")
         input_ids, table_reset, new_block_counts, new_block_ids = (
             array("q"),
             array("q"),
@@ -87,9 +88,14 @@ class StepBuilder:
             query_lens.append(item.num_new_tokens)
             context_lens.append(end)
             sample_counts.append(item.num_samples)
-            # Proposals sit after the sequence's own tokens, which end at its last one.
-            input_ids.extend(seq.token_ids[start : end - len(item.draft_token_ids)])
-            input_ids.extend(item.draft_token_ids)
+            # Proposals sit after the sequence's own tokens, which end at its last one. The draft model's
+            # are made on the workers: only their count travels.
+            drafts = item.draft_token_ids
+            input_ids.extend(seq.token_ids[start : end - len(drafts)])
+            drafted = len(drafts) if drafts and drafts[0] == DRAFTED else 0
+            draft_counts.append(drafted)
+            if not drafted:
+                input_ids.extend(drafts)
             # A table that shrank (blocks of rejected proposals returned) is sent whole too.
             sent = self._blocks_sent.get(seq.seq_id)
             reset = seq.seq_id in fresh or sent is None or seq.table_shrunk
@@ -104,6 +110,8 @@ class StepBuilder:
         req.context_lens = pack(context_lens)
         req.sample_counts = pack(sample_counts)
         req.input_ids = pack(input_ids)
+        if any(draft_counts):  # most steps have none: the field stays empty
+            req.draft_counts = pack(draft_counts)
         req.table_reset = pack(table_reset)
         req.new_block_counts = pack(new_block_counts)
         req.new_block_ids = pack(new_block_ids)

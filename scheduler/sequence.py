@@ -49,6 +49,9 @@ class Sequence:
     # Its block table lost blocks at the end (rejected proposals' slots) since the workers last heard of
     # it: the next step sends the table whole, since the blocks that replace them may differ.
     table_shrunk: bool = False
+    # The proposer's own state for this sequence (speculative decoding: its n-gram index, its recent
+    # acceptance), kept here so that it goes with the sequence.
+    proposer_state: Any = None
 
     @property
     def num_tokens(self) -> int:
