@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from common import metrics, security, settings, tracing
 from common.security import TlsFiles
@@ -51,12 +52,20 @@ class WorkerConfig:
         choices=ATTENTION_BACKENDS,
         launch=True,
     )
+    speculative_model: str | None = setting(
+        None,
+        help="speculative decoding's draft model: a smaller checkpoint with the model's vocabulary, run on "
+        "the same ranks (with the scheduler's --speculative-method draft)",
+        launch=True,
+    )
     metrics_port: int | None = None
     tracing: TracingConfig = TracingConfig()
     internal_tls: TlsFiles | None = None  # mutual TLS: only a scheduler with a certificate gets in
 
     def __post_init__(self):
         settings.validate(self)
+        if self.speculative_model and not (Path(self.speculative_model) / "config.json").is_file():
+            raise ValueError(f"--speculative-model {self.speculative_model}: no config.json there")
         if not self.rank < self.world_size:
             raise ValueError(f"--rank {self.rank} must be in [0, --world-size {self.world_size})")
         if self.world_size > 1 and ":" not in self.dist_init:

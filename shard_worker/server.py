@@ -48,6 +48,7 @@ def worker_step(req: worker_pb2.StepRequest) -> WorkerStep:
         table_reset=_array(req.table_reset),
         new_block_counts=_array(req.new_block_counts),
         new_block_ids=_array(req.new_block_ids),
+        draft_counts=_array(req.draft_counts) if req.draft_counts else None,
     )
 
 
@@ -109,6 +110,7 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
             weight_bytes=info["weight_bytes"],
             device=f"{self.runner.device} {str(self.runner.dtype).removeprefix('torch.')}",
             kv_block_bytes=self.runner.kv_block_bytes(request.block_size),
+            draft_model_name=info["draft_model_name"],
         )
 
     def InitCache(self, request, context):
@@ -216,7 +218,13 @@ def serve(config: WorkerConfig) -> None:
     device = select_device(config)
     tp = init_tensor_parallel(config.rank, config.world_size, config.dist_init, device)
     runner = ModelRunner(
-        config.model, getattr(torch, config.dtype), device, tp, config.load_format, config.attention_backend
+        config.model,
+        getattr(torch, config.dtype),
+        device,
+        tp,
+        config.load_format,
+        config.attention_backend,
+        config.speculative_model,
     )
 
     stop = threading.Event()

@@ -41,11 +41,17 @@ class StepInputs:
     # [S, B]: row i holds sequence i's block ids (at least ceil(context_len / block_size) of them),
     # padded with 0.
     block_table: np.ndarray
+    # [S] tokens the draft model proposes for each sequence before the forward (speculative decoding):
+    # the last draft_counts[i] of its query_lens[i], not in input_ids until then. None: zeros.
+    draft_counts: np.ndarray | None = None
 
     def __post_init__(self):
         for name in ("seq_ids", "query_lens", "context_lens", "sample_counts", "input_ids"):
             setattr(self, name, np.asarray(getattr(self, name), dtype=np.int64))
         self.block_table = np.asarray(self.block_table, dtype=np.int64).reshape(len(self.seq_ids), -1)
+        if self.draft_counts is None or not len(self.draft_counts):
+            self.draft_counts = np.zeros(len(self.seq_ids), dtype=np.int64)
+        self.draft_counts = np.asarray(self.draft_counts, dtype=np.int64)
 
     @staticmethod
     def pad_tables(tables: list[list[int]]) -> np.ndarray:
@@ -87,3 +93,4 @@ class WorkerStep:
     table_reset: np.ndarray
     new_block_counts: np.ndarray
     new_block_ids: np.ndarray
+    draft_counts: np.ndarray | None = None  # per sequence; None: the draft model proposes nothing

@@ -43,6 +43,7 @@ class Worker:
             seq = self.sequences.pop(int(seq_id), None)
             if seq is not None and seq.sampling is not None:
                 self.runner.sampler.release(seq.sampling)
+        self.runner.forget(seq_ids)
         if self.tables is not None:
             self.tables.forget(seq_ids)
 
@@ -70,6 +71,7 @@ class Worker:
             sample_counts=step.sample_counts,
             input_ids=step.input_ids,
             block_table=block_table,
+            draft_counts=step.draft_counts,
         )
         states = None
         if sampler is not None:
