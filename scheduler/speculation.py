@@ -36,8 +36,9 @@ SPECULATIVE_METHODS = ("none", "ngram", "draft")
 
 # Break-even of a verification: it emits about 1 + a*k tokens for a step that costs about 1 + c*k
 # decodes, where a is the share of proposals accepted and c the extra cost of one more query token per
-# sequence relative to a whole decode step (measured at batch 1 on CPU for SmolLM2-135M: see
-# bench/speculative.py). Below a = c speculation loses.
+# sequence relative to a whole decode step. Measured for SmolLM2-135M on 2 CPU cores (bench/speculative.py's
+# step costs): c is about 0.1 at batch 1 and 0.2 at batch 8, so below a = c speculation loses; 0.3 keeps a
+# margin for the noise of one sequence's average.
 MIN_ACCEPTANCE = 0.3
 ACCEPTANCE_WEIGHT = 0.3
 BACKOFF_STEPS = 4
@@ -64,8 +65,12 @@ class SpeculativePolicy:
     prompt_lookup_min: int = setting(
         2, help="ngram: the shortest suffix looked up", rule=at_least(1), launch=True
     )
+    # Measured for SmolLM2-135M on 2 CPU cores (bench/speculative.py's step costs): a step of 16
+    # sequences verifying 4 proposals each costs 2.7 decode steps, more than the 2 to 3 tokens a
+    # verification yields outside quoting workloads; at 8 it costs 1.9. A GPU stays bound by reading the
+    # weights to far larger batches: measure there and raise it.
     speculative_disable_by_batch_size: int = setting(
-        8,
+        16,
         help="speculation: no proposals in a step with at least this many running sequences (0: always)",
         rule=at_least(0),
         launch=True,
