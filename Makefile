@@ -69,7 +69,7 @@ model-gemma3: $(MODEL_DIR)/gemma3/config.json
 run: install model
 	$(VENV)/bin/tpserve launch --model $(MODEL_DIR)/$(PRESET) --port 50051 --http-port 8000
 
-test: install model-tiny model-smollm2
+test: install model-tiny model-smollm2 model-gemma3
 	$(PY) -m pytest -q tests
 
 lint: install

@@ -39,9 +39,10 @@ def make_batch(lens: list[tuple[int, int]], rng: random.Random, num_blocks: int,
 
 
 def time_step(backend, layer, batch: StepBatch, cache: torch.Tensor, rounds: int) -> float:
-    t = batch.num_tokens
-    q = torch.randn(t, HEADS, HEAD_DIM, device=cache.device)
-    k, v = (torch.randn(t, KV_HEADS, HEAD_DIM, device=cache.device) for _ in range(2))
+    """Best seconds of one layer's attention (the KV write and the metadata included) over rounds."""
+    t, like = batch.num_tokens, {"device": cache.device, "dtype": cache.dtype}
+    q = torch.randn(t, layer.num_heads, layer.head_dim, **like)
+    k, v = (torch.randn(t, layer.num_kv_heads, layer.head_dim, **like) for _ in range(2))
     best = float("inf")
     with torch.inference_mode():
         for i in range(rounds + 1):

@@ -79,6 +79,9 @@ class Engine:
         self._next_seq_id = 0
         self._status_listeners: set = set()
         self._lost_at: float | None = None  # when the ranks were lost, until a step succeeds again
+        # Wakes the expiry (ranks lost, or a request arrived while they are): its own event, since the
+        # step loop's _wakeup stays set through a step and would make the expiry spin.
+        self._expiry_wakeup = asyncio.Event()
 
     # ---- the loop ----
 
@@ -254,7 +257,7 @@ class Engine:
             self.scheduler.requeue_all()
         if self.fallback is not None:
             self.fallback.interrupt()  # recompute after a loss is not a throughput regression
-        self._wakeup.set()  # the expiry looks again
+        self._expiry_wakeup.set()
 
     async def _expire_while_lost(self) -> None:
         """While the ranks are lost, fails each request that has waited worker_recovery_timeout_s since
@@ -280,9 +283,9 @@ class Engine:
                         due, ERROR_CODE_UNAVAILABLE, "a shard worker was lost and did not return in time"
                     )
             wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self._expiry_wakeup.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wakeup.wait(), wait)
-            await asyncio.sleep(0)  # let the step loop clear the event first
+                await asyncio.wait_for(self._expiry_wakeup.wait(), wait)
 
     def _set_ready(self, ready: bool) -> None:
         if ready:
@@ -331,6 +334,8 @@ class Engine:
         self.routers.bind(msg.request_id, stream)
         self.spans.start(seq, msg.trace_context)
         self._wakeup.set()
+        if self._lost_at is not None:
+            self._expiry_wakeup.set()  # its own recovery clock starts now
 
     def refuse(self, stream: RouterStream, request_id: str, code: int, message: str) -> None:
         """The error, and the credit the refused add used given back, in one message."""

@@ -103,6 +103,7 @@ class WorkerGroup:
                 block_size=cfg.block_size,
                 num_host_blocks=capacity.num_host_blocks,
                 max_model_len=capacity.max_model_len,
+                max_num_seqs=policy.max_num_seqs,
             )
             await asyncio.gather(*(s.InitCache(init) for s in stubs))
         except (grpc.RpcError, TimeoutError) as e:

@@ -37,7 +37,9 @@ class WorkerConfig:
         "cpu", help="cpu, or cuda (rank r takes cuda:<r % devices>)", choices=DEVICES, launch=True
     )
     dtype: str = setting("float32", help="weights, activations and KV cache", choices=DTYPES, launch=True)
-    num_threads: int = setting(0, help="torch CPU threads (0: cores / world size)", rule=at_least(0))
+    num_threads: int = setting(
+        0, help="torch CPU threads (0: cores / world size)", rule=at_least(0), launch=True
+    )
     load_format: str = setting(
         "auto",
         help="auto: the checkpoint's weights; dummy: random weights from config.json alone (benchmarks at "
@@ -58,6 +60,14 @@ class WorkerConfig:
         "the same ranks (with the scheduler's --speculative-method draft)",
         launch=True,
     )
+    # Both flags, as in vLLM: --enforce-eager is the name people know; --no-cuda-graphs says what it does.
+    cuda_graphs: bool = setting(
+        True,
+        help="replay decode steps from CUDA graphs captured at start-up per batch-size bucket (CUDA only: "
+        "ignored on CPU, which has no graphs)",
+        launch=True,
+    )
+    enforce_eager: bool = setting(False, help="run every step eagerly: no CUDA graphs", launch=True)
     metrics_port: int | None = None
     tracing: TracingConfig = TracingConfig()
     internal_tls: TlsFiles | None = None  # mutual TLS: only a scheduler with a certificate gets in
@@ -70,6 +80,10 @@ class WorkerConfig:
             raise ValueError(f"--rank {self.rank} must be in [0, --world-size {self.world_size})")
         if self.world_size > 1 and ":" not in self.dist_init:
             raise ValueError("--dist-init HOST:PORT is required when --world-size > 1")
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        return self.cuda_graphs and not self.enforce_eager and self.device == "cuda"
 
     @property
     def threads(self) -> int:

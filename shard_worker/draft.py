@@ -49,10 +49,11 @@ class _DraftSequence:
 
 
 class DraftModel:
-    def __init__(self, model_dir, dtype: torch.dtype, device: torch.device, tp, attention, target_config):
+    def __init__(self, model_dir, dtype, device, tp, attention, target_config, check=None):
+        """check(model): as load_model's, before the weights load."""
         self.name = Path(model_dir).resolve().name
         self.dtype, self.device, self.tp, self.attention = dtype, device, tp, attention
-        self.config, self.model = load_model(model_dir, dtype, device, tp)
+        self.config, self.model = load_model(model_dir, dtype, device, tp, check=check)
         if self.config.vocab_size != target_config.vocab_size:
             raise ValueError(
                 f"--speculative-model {model_dir}: vocab_size {self.config.vocab_size}, the model's is "

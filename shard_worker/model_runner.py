@@ -8,6 +8,7 @@ their KV goes, come from the scheduler (the step's lengths and the block tables 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 from collections.abc import Iterator
@@ -16,13 +17,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shard_worker.attention import StepBatch, select_backend
+from shard_worker.attention import Attention, StepBatch, select_backend
 from shard_worker.attention.flex import PREFILL_MIN_QUERY
+from shard_worker.cuda_graphs import CudaGraphRunner, capture_bytes, graphs_unsupported
 from shard_worker.draft import DraftModel
 from shard_worker.model.loader import load_model
 from shard_worker.parallel import TensorParallel
 from shard_worker.sampling import Sampler, SequenceState
 from shard_worker.step import StepInputs, StepOutputs
+
+log = logging.getLogger("tpserve.shard_worker")
 
 
 class ModelRunner:
@@ -34,11 +38,14 @@ class ModelRunner:
         tp: TensorParallel,
         load_format: str = "auto",
         attention_backend: str = "auto",
+        cuda_graphs: bool = False,
         speculative_model: str | Path | None = None,
     ):
         """load_format "auto" reads the checkpoint's weights; "dummy" fills them with small random values
         on the device from config.json alone (vLLM's name), for benchmarks at real shapes.
         attention_backend: see shard_worker/attention (ValueError when it cannot run here).
+        cuda_graphs: replay decode steps from graphs (shard_worker/cuda_graphs.py), captured by
+        capture_cuda_graphs once the cache exists; on CPU the same path runs without capture (tests).
         speculative_model: a draft model's checkpoint (shard_worker/draft.py), or None."""
         self.model_dir = Path(model_dir)
         self.dtype = dtype
@@ -48,10 +55,22 @@ class ModelRunner:
             # Denormal floats make CPU matmuls many times slower, and random or tiny weights produce them.
             torch.set_flush_denormal(True)
         self.attention = select_backend(attention_backend, self.device, dtype)
-        self.config, self.model = load_model(self.model_dir, dtype, self.device, tp, load_format)
+        self.config, self.model = load_model(
+            self.model_dir, dtype, self.device, tp, load_format, check=self._check_layers
+        )
+        self.graphs: CudaGraphRunner | None = None
+        reason = graphs_unsupported(self.attention, tp.world_size, _nccl_version()) if cuda_graphs else None
+        if reason is not None:
+            log.warning("rank %d: no CUDA graphs: %s", tp.rank, reason)
+        self.cuda_graphs = cuda_graphs and reason is None
+        # The padding rows of graph buckets write their keys to a block of their own: the cache's last,
+        # one more than the scheduler is told of (profile_num_blocks, allocate_kv_cache).
+        self.reserved_blocks = 1 if self.cuda_graphs else 0
         self.draft = None
         if speculative_model:
-            self.draft = DraftModel(speculative_model, dtype, self.device, tp, self.attention, self.config)
+            self.draft = DraftModel(
+                speculative_model, dtype, self.device, tp, self.attention, self.config, self._check_layers
+            )
         self.kv_caches: list[torch.Tensor] = []
         # Swap space: the same layout as kv_caches, in host memory (pinned on CUDA, for fast copies).
         self.host_kv_caches: list[torch.Tensor] = []
@@ -96,6 +115,7 @@ class ModelRunner:
         # memory would count against the new ones (InitCache always follows and allocates afresh).
         self.kv_caches = []
         self.host_kv_caches = []
+        self.graphs = None
         if self.draft is not None:
             self.draft.kv_caches, self.draft.host_kv_caches = [], []
         per_block = self.kv_block_bytes(block_size)
@@ -114,8 +134,10 @@ class ModelRunner:
             weights = memory.allocated()
             peak = self._dummy_step(block_size, max_num_batched_tokens, max_num_seqs, max_model_len, memory)
             memory.empty_cache()
-            budget = kv_budget(total, gpu_memory_utilization, outside_torch, weights, peak)
-        num_blocks = budget // per_block
+            graphs = self._graph_bytes(block_size, max_num_seqs, max_model_len) if self.cuda_graphs else 0
+            budget = kv_budget(total, gpu_memory_utilization, outside_torch, weights, peak) - graphs
+            log.info("rank %d: CUDA graphs take %.1f MiB", self.tp.rank, graphs / 2**20)
+        num_blocks = budget // per_block - self.reserved_blocks
         if num_blocks < 1:
             raise RuntimeError(
                 f"no memory left for the KV cache: budget {budget / 2**20:.1f} MiB, one block needs "
@@ -124,8 +146,11 @@ class ModelRunner:
         return num_blocks
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> int:
-        """Allocates every layer's [2, blocks, block_size, local_kv_heads, head_dim] cache; returns bytes."""
-        shape = self.model.kv_cache_shape(num_blocks, block_size)
+        """Allocates every layer's [2, blocks, block_size, local_kv_heads, head_dim] cache; returns bytes.
+        With CUDA graphs, one block more: block num_blocks is the padding rows' (see cuda_graphs.py)."""
+        self.graphs = None  # they write to the old cache: recaptured by capture_cuda_graphs
+        total = num_blocks + self.reserved_blocks
+        shape = self.model.kv_cache_shape(total, block_size)
         self.kv_caches = []  # frees an old cache first, so reallocating never needs room for both
         # Zeros, not empty: padding slots are masked out of attention, but a NaN left in memory there
         # would still poison the weighted sum (0 * NaN).
@@ -134,8 +159,35 @@ class ModelRunner:
         ]
         self.block_size = block_size
         if self.draft is not None:
-            self.draft.allocate(num_blocks, block_size)
-        return num_blocks * self.kv_block_bytes(block_size)
+            self.draft.allocate(total, block_size)
+        return total * self.kv_block_bytes(block_size)
+
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> float:
+        """Captures the decode graphs over the allocated cache (every rank at once: they all-reduce);
+        returns the seconds it took. Nothing to do without cuda_graphs or without max_num_seqs."""
+        if not self.cuda_graphs or not max_num_seqs:
+            return 0.0
+        start = time.perf_counter()
+        self.graphs = self._graph_runner(max_num_seqs, max_model_len)
+        self.graphs.capture_all()
+        return time.perf_counter() - start
+
+    def _graph_runner(self, max_num_seqs: int, max_model_len: int) -> CudaGraphRunner:
+        limit = self.config.max_position_embeddings
+        return CudaGraphRunner(
+            self.model,
+            self.attention,
+            self.kv_caches,
+            self.config.hidden_size,
+            max_num_seqs,
+            min(max_model_len or limit, limit),
+        )
+
+    def _graph_bytes(self, block_size: int, max_num_seqs: int, max_model_len: int) -> int:
+        """What capturing will take, by capturing over a cache of just the reserved block (the
+        warm-ups and captures read only padding rows)."""
+        with self._scratch_cache(0, block_size), torch.inference_mode():
+            return capture_bytes(lambda: self._graph_runner(max_num_seqs, max_model_len))
 
     def allocate_host_kv_cache(self, num_blocks: int, block_size: int) -> int:
         """Allocates the swap space: num_blocks host blocks laid out like the device cache; returns bytes."""
@@ -161,16 +213,9 @@ class ModelRunner:
         self._copy_blocks(self._caches(host=True), host_blocks, self._caches(), device_blocks)
 
     def _caches(self, host: bool = False) -> list[torch.Tensor]:
-        """Every layer's cache, the draft model's after the target's."""
-        caches = self.host_kv_caches if host else self.kv_caches
-        if self.draft is not None:
-            caches = caches + (self.draft.host_kv_caches if host else self.draft.kv_caches)
-        return caches
-
-    def forget(self, seq_ids) -> None:
-        """The draft model's state of these sequences (they finished, or start over)."""
-        if self.draft is not None:
-            self.draft.forget(seq_ids)
+        """Every layer's cache (or swap space), the draft model's after the target's."""
+        draft = [] if self.draft is None else self.draft.host_kv_caches if host else self.draft.kv_caches
+        return (self.host_kv_caches if host else self.kv_caches) + draft
 
     def _copy_blocks(self, src: list[torch.Tensor], src_blocks, dst: list[torch.Tensor], dst_blocks) -> None:
         if len(src_blocks) != len(dst_blocks):
@@ -208,7 +253,10 @@ class ModelRunner:
             self.block_size,
             self.device,
         )
-        hidden = self.model(batch.input_ids, batch.positions, self.attention.context(batch), self.kv_caches)
+        hidden = self.graphs.replay(batch) if self.graphs is not None else None
+        if hidden is None:  # not a decode step that fits a bucket, or no graphs
+            ctx = self.attention.context(batch)
+            hidden = self.model(batch.input_ids, batch.positions, ctx, self.kv_caches)
 
         out = StepOutputs()
         sampled = np.flatnonzero(inputs.sample_counts)
@@ -299,6 +347,20 @@ class ModelRunner:
             self.kv_caches, self.block_size = saved_caches, saved_block_size
             if self.draft is not None:
                 self.draft.kv_caches, self.draft.block_size = saved_draft, saved_block_size
+
+    def _check_layers(self, model: torch.nn.Module) -> None:
+        """Refuses a model whose attention layers the backend cannot run (before its weights load)."""
+        for name, layer in model.named_modules():
+            reason = self.attention.unsupported_layer(layer) if isinstance(layer, Attention) else None
+            if reason is not None:
+                raise ValueError(f"--attention-backend {self.attention.name}: {name}: {reason}")
+
+
+def _nccl_version() -> tuple[int, ...]:
+    try:
+        return tuple(torch.cuda.nccl.version())
+    except (AttributeError, RuntimeError):  # a build without NCCL (CPU)
+        return (0,)
 
 
 def worst_step(

@@ -75,7 +75,11 @@ class TensorParallel:
         return seconds
 
     def _run(self, collective, device: torch.device) -> None:
-        if device.type == "cuda":
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # Into a CUDA graph (shard_worker/cuda_graphs.py): an event recorded in a capture never
+            # completes outside a replay, so a replayed step's collectives go untimed.
+            collective()
+        elif device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             collective()

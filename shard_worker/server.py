@@ -7,6 +7,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -118,8 +119,13 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
             return self._init_cache(request)
 
     def _init_cache(self, request) -> worker_pb2.InitCacheResponse:
+        start = time.perf_counter()
         nbytes, host_bytes = self.worker.init_cache(
-            request.num_blocks, request.block_size, request.num_host_blocks, request.max_model_len
+            request.num_blocks,
+            request.block_size,
+            request.num_host_blocks,
+            request.max_model_len,
+            request.max_num_seqs,
         )
         log.info(
             "rank %d: KV cache of %d blocks, %.1f MiB; swap space of %d blocks, %.1f MiB",
@@ -129,6 +135,13 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
             request.num_host_blocks,
             host_bytes / 2**20,
         )
+        if self.runner.graphs is not None:
+            log.info(
+                "rank %d: decode CUDA graphs for batch sizes %s; InitCache took %.1fs",
+                self.config.rank,
+                ",".join(map(str, self.runner.graphs.sizes)),
+                time.perf_counter() - start,
+            )
         return worker_pb2.InitCacheResponse(kv_cache_bytes=nbytes, host_kv_cache_bytes=host_bytes)
 
     def Step(self, request_iterator, context):
@@ -224,7 +237,8 @@ def serve(config: WorkerConfig) -> None:
         tp,
         config.load_format,
         config.attention_backend,
-        config.speculative_model,
+        cuda_graphs=config.use_cuda_graphs,
+        speculative_model=config.speculative_model,
     )
 
     stop = threading.Event()

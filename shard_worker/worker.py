@@ -28,14 +28,23 @@ class Worker:
         self.tables: BlockTables | None = None
         self.sequences: dict[int, WorkerSequence] = {}
 
-    def init_cache(self, num_blocks: int, block_size: int, num_host_blocks: int, max_model_len: int):
+    def init_cache(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_host_blocks: int,
+        max_model_len: int,
+        max_num_seqs: int = 0,
+    ):
         """Allocates the KV cache (and the swap space) for a new scheduler session, which introduces
-        every sequence again: what this worker knew of the last one is dropped. Returns the bytes each
-        takes."""
+        every sequence again: what this worker knew of the last one is dropped; then captures the decode
+        graphs for up to max_num_seqs sequences over it (CUDA; they bake in its addresses). Returns the
+        bytes the cache and the swap space take."""
         self.forget(list(self.sequences))
         self.tables = BlockTables(-(-max_model_len // block_size))
         nbytes = self.runner.allocate_kv_cache(num_blocks, block_size)
         host_bytes = self.runner.allocate_host_kv_cache(num_host_blocks, block_size)
+        self.runner.capture_cuda_graphs(max_num_seqs, max_model_len)
         return nbytes, host_bytes
 
     def forget(self, seq_ids) -> None:
@@ -43,7 +52,8 @@ class Worker:
             seq = self.sequences.pop(int(seq_id), None)
             if seq is not None and seq.sampling is not None:
                 self.runner.sampler.release(seq.sampling)
-        self.runner.forget(seq_ids)
+        if self.runner.draft is not None:  # its per-sequence state (shard_worker/draft.py)
+            self.runner.draft.forget(seq_ids)
         if self.tables is not None:
             self.tables.forget(seq_ids)
 

@@ -141,6 +141,10 @@ class AttentionBackend(ABC):
     positions j with p - w < j <= p."""
 
     name: ClassVar[str]
+    # Whether a CUDA graph captured over one step's metadata stays right when replayed with other
+    # lengths in the same tensors: true only of metadata made of device tensors and host bounds (not of
+    # host-planned tilings or per-sequence loops). shard_worker/cuda_graphs.py captures only such backends.
+    graph_capturable: ClassVar[bool] = False
 
     def __init__(self, device: torch.device, dtype: torch.dtype):
         self.device = device
@@ -149,6 +153,11 @@ class AttentionBackend(ABC):
     @classmethod
     def unsupported(cls, device: torch.device, dtype: torch.dtype) -> str | None:
         """Why this backend cannot run on this device and dtype, in one line; None when it can."""
+        return None
+
+    def unsupported_layer(self, layer: Attention) -> str | None:
+        """Why this backend cannot run this layer (its heads, head_dim), in one line; None when it can.
+        Checked once at start-up, so a model the kernels cannot serve is refused before its weights load."""
         return None
 
     def prepare(self, batch: StepBatch) -> Any:

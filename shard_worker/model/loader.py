@@ -25,16 +25,19 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 def load_model(
-    model_dir: str | Path, dtype: torch.dtype, device: torch.device, tp, load_format: str = "auto"
+    model_dir: str | Path, dtype: torch.dtype, device: torch.device, tp, load_format: str = "auto", check=None
 ):
     """(ModelConfig, this rank's shard of the model) for a checkpoint directory, built on the device in
     the dtype, in eval mode. load_format "auto" reads the checkpoint's weights; "dummy" fills them with
-    small random values from config.json alone (vLLM's name), for benchmarks at real shapes."""
+    small random values from config.json alone (vLLM's name), for benchmarks at real shapes. check(model)
+    runs before the weights load, so that a refusal does not wait for them."""
     from shard_worker.model.registry import model_class
 
     config = ModelConfig.from_pretrained(model_dir)
     with torch.device(device), _default_dtype(dtype):
         model = model_class(config.architecture)(config, tp)
+    if check is not None:
+        check(model)
     if load_format == "dummy":
         init_dummy_weights(model)
     else:

@@ -6,6 +6,8 @@ of shard_worker/devices.py, tested in tests/unit/test_devices.py.
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import subprocess
 import sys
@@ -20,9 +22,11 @@ CONFIG_ERROR = 2  # common/cli.py main: what every misconfiguration exits with
 no_gpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
 
 
-def tpserve(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
+def tpserve(
+    *args: str, timeout: float = 60.0, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "common.cli", *args]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def error_line(proc: subprocess.CompletedProcess, process: str) -> str:
@@ -169,3 +173,21 @@ def test_a_signal_while_starting_stops_every_child_at_once(tiny_model, tmp_path,
                 break
             assert time.monotonic() < deadline, f"child {pid} still running"
             time.sleep(0.05)
+
+
+def test_worker_with_triton_on_cpu_without_the_interpreter(tiny_model):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = tpserve("shard-worker", "--model", str(tiny_model), "--attention-backend", "triton", env=env)
+    line = only_line(proc, "shard-worker")
+    assert line.startswith("tpserve shard-worker: --attention-backend triton: on CPU the Triton kernels run")
+    assert "set TRITON_INTERPRET=1" in line
+
+
+def test_worker_refuses_a_head_dim_the_triton_kernels_cannot_hold(tiny_model, tmp_path):
+    # A GPU limit (registers) the interpreter would not enforce: refused before the weights load.
+    config = json.loads((tiny_model / "config.json").read_text()) | {"head_dim": 512}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    args = ("--model", str(tmp_path), "--attention-backend", "triton", "--load-format", "dummy")
+    proc = tpserve("shard-worker", *args, env={**os.environ, "TRITON_INTERPRET": "1"})
+    line = only_line(proc, "shard-worker")
+    assert line.endswith("model.layers.0.self_attn.attn: head_dim 512 exceeds the kernels' 256 (registers)")

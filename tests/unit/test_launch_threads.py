@@ -1,0 +1,20 @@
+"""`tpserve launch --num-threads N` reaches the shard workers (their torch intra-op threads)."""
+
+from common import cli, launcher
+
+
+def launched_worker_args(monkeypatch, tiny_model, *flags: str) -> tuple[str, ...]:
+    seen = []
+    monkeypatch.setattr(launcher, "launch", lambda config: seen.append(config) or 0)
+    assert cli.main(["launch", "--model", str(tiny_model), *flags]) == 0
+    return seen[0].worker_args
+
+
+def test_threads_given_to_launch_reach_the_workers(monkeypatch, tiny_model):
+    args = launched_worker_args(monkeypatch, tiny_model, "--num-threads", "1")
+    assert args[args.index("--num-threads") + 1] == "1"
+
+
+def test_without_the_flag_the_workers_keep_their_own_default(monkeypatch, tiny_model):
+    args = launched_worker_args(monkeypatch, tiny_model)
+    assert args[args.index("--num-threads") + 1] == "0"  # 0: cores / world size, decided by the worker
