@@ -88,7 +88,7 @@ def main(a: argparse.Namespace) -> int:
     import grpc
 
     from bench.client_run import bench_server
-    from bench.report import format_table, write_json
+    from bench.report import format_speculation, format_table, write_json
 
     try:
         spec = workload_from_args(a)
@@ -124,6 +124,8 @@ def main(a: argparse.Namespace) -> int:
         print(f"tpserve bench: {a.target}: {detail}", file=sys.stderr)
         return 1
     print(format_table([run], {run["name"]: extra}))
+    if extra.get("speculation"):
+        print(format_speculation(run["name"], extra["speculation"]))
     if extra["failed"]:
         print(
             f"{extra['failed']} of {extra['num_requests']} requests failed: {extra['errors']}",

@@ -135,6 +135,32 @@ def step_figures(before: generation_pb2.Stats, after: generation_pb2.Stats) -> d
     }
 
 
+def speculation_figures(before: generation_pb2.Stats, after: generation_pb2.Stats) -> dict | None:
+    """What speculative decoding did between two GetStats snapshots (None when it made no proposals):
+    verifications, proposed and accepted tokens, the acceptance rate, the mean accepted length (tokens
+    per verification, the target's own one included, as vLLM reports it) and the acceptance rate at
+    each proposal position."""
+    drafts = after.spec_num_drafts_total - before.spec_num_drafts_total
+    if drafts <= 0:
+        return None
+    proposed = after.spec_num_draft_tokens_total - before.spec_num_draft_tokens_total
+    accepted = after.spec_num_accepted_tokens_total - before.spec_num_accepted_tokens_total
+    emitted = after.spec_num_emitted_tokens_total - before.spec_num_emitted_tokens_total
+    old = list(before.spec_accepted_per_position_total)
+    per_position = [
+        (n - (old[i] if i < len(old) else 0)) / drafts
+        for i, n in enumerate(after.spec_accepted_per_position_total)
+    ]
+    return {
+        "num_drafts": drafts,
+        "num_draft_tokens": proposed,
+        "num_accepted_tokens": accepted,
+        "acceptance_rate": accepted / proposed if proposed else 0.0,
+        "mean_accepted_length": emitted / drafts,
+        "acceptance_per_position": per_position,
+    }
+
+
 async def get_stats(target: str, auth: ClientAuth = PLAINTEXT) -> generation_pb2.Stats | None:
     try:
         async with auth.aio_channel(target, CHANNEL_OPTIONS) as channel:
@@ -192,6 +218,7 @@ async def bench_server(
     after = await get_stats(target, auth)
     engine = step_figures(before, after) if before and after else {"mean_batch_size": None}
     engine.setdefault("engine_overhead_pct", None)
+    speculation = speculation_figures(before, after) if before and after else None
     run = summarize(
         name,
         spec.name,
@@ -205,4 +232,5 @@ async def bench_server(
     extra["samples_ms"] = latency_samples_ms(results)
     extra["engine"] = engine
     extra["engine_overhead_pct"] = engine["engine_overhead_pct"]
+    extra["speculation"] = speculation
     return run, extra, results

@@ -83,6 +83,19 @@ def format_table(
     return "\n".join(lines)
 
 
+def format_speculation(name: str, figures: dict | None) -> str:
+    """One line on what speculative decoding did in a run (empty when it proposed nothing)."""
+    if not figures:
+        return ""
+    per_position = " ".join(f"{a:.2f}" for a in figures["acceptance_per_position"])
+    return (
+        f"{name}: speculative decoding: {figures['num_drafts']:,} verifications of "
+        f"{figures['num_draft_tokens']:,} proposed tokens, acceptance rate {figures['acceptance_rate']:.1%}, "
+        f"mean accepted length {figures['mean_accepted_length']:.2f} tokens, acceptance by position "
+        f"{per_position}"
+    )
+
+
 def write_json(path: str | Path, runs: list[dict], details: dict[str, dict], meta: dict) -> None:
     doc = {
         "schema": SCHEMA,

@@ -131,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
         if a.command == "launch":
             from common.launcher import LaunchConfig, launch
 
+            if (a.speculative_method == "draft") != bool(a.speculative_model):
+                raise ValueError("--speculative-method draft and --speculative-model DIR go together")
+
             return launch(
                 settings.from_args(
                     LaunchConfig,

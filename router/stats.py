@@ -32,12 +32,22 @@ def _summable(field: FieldDescriptor) -> bool:
 
 
 SUMMED = tuple(f.name for f in generation_pb2.Stats.DESCRIPTOR.fields if _summable(f))
+# Repeated counters (per position), summed element by element.
+SUMMED_LISTS = tuple(
+    f.name for f in generation_pb2.Stats.DESCRIPTOR.fields if f.is_repeated and f.type != f.TYPE_MESSAGE
+)
 
 
 def add_into(total: generation_pb2.Stats, part: generation_pb2.Stats) -> None:
-    """total += part, field by field, for every scalar field of Stats."""
+    """total += part, field by field, for every scalar field of Stats (and repeated counters, element by
+    element)."""
     for name in SUMMED:
         setattr(total, name, getattr(total, name) + getattr(part, name))
+    for name in SUMMED_LISTS:
+        into, more = getattr(total, name), getattr(part, name)
+        into.extend([0] * (len(more) - len(into)))
+        for i, value in enumerate(more):
+            into[i] += value
 
 
 async def gather_stats(

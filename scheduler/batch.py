@@ -16,7 +16,7 @@ import sys
 from array import array
 
 from common.pb.tpserve.internal.v1 import worker_pb2
-from scheduler.plan import SchedulerOutput
+from scheduler.plan import DRAFTED, SchedulerOutput
 from scheduler.sequence import Sequence
 
 # How long rank 0 may wait for a compiling grammar in a step that has nothing else to do: short enough
@@ -84,6 +84,7 @@ class StepBuilder:
         fresh = {s.seq_id for s in out.admitted} | {s.seq_id for s in out.swapped_in}
         seq_ids, query_lens, context_lens, sample_counts = array("q"), array("q"), array("q"), array("q")
         prompt_logprob_counts = array("q")
+        draft_counts = array("q")
         input_ids, table_reset, new_block_counts, new_block_ids = (
             array("q"),
             array("q"),
@@ -102,9 +103,14 @@ class StepBuilder:
             context_lens.append(end)
             sample_counts.append(item.num_samples)
             prompt_logprob_counts.append(item.num_prompt_logprobs)
-            # Proposals sit after the sequence's own tokens, which end at its last one.
-            input_ids.extend(seq.token_ids[start : end - len(item.draft_token_ids)])
-            input_ids.extend(item.draft_token_ids)
+            # Proposals sit after the sequence's own tokens, which end at its last one. The draft model's
+            # are made on the workers: only their count travels.
+            drafts = item.draft_token_ids
+            input_ids.extend(seq.token_ids[start : end - len(drafts)])
+            drafted = len(drafts) if drafts and drafts[0] == DRAFTED else 0
+            draft_counts.append(drafted)
+            if not drafted:
+                input_ids.extend(drafts)
             # A table that shrank (blocks of rejected proposals returned) is sent whole too.
             sent = self._blocks_sent.get(seq.seq_id)
             reset = seq.seq_id in fresh or sent is None or seq.table_shrunk
@@ -121,6 +127,8 @@ class StepBuilder:
         if any(prompt_logprob_counts):  # nearly never: no bytes for it otherwise
             req.prompt_logprob_counts = pack(prompt_logprob_counts)
         req.input_ids = pack(input_ids)
+        if any(draft_counts):  # most steps have none: the field stays empty
+            req.draft_counts = pack(draft_counts)
         req.table_reset = pack(table_reset)
         req.new_block_counts = pack(new_block_counts)
         req.new_block_ids = pack(new_block_ids)

@@ -2,7 +2,8 @@
 
 Each field declared with `setting` is also the flag of the same name (common/settings.py); those marked
 launch=True are taken by `tpserve launch` too and passed through. The batching knobs are the nested
-SchedulingPolicy's (scheduler/scheduler.py), declared there.
+SchedulingPolicy's (scheduler/scheduler.py), speculative decoding's the nested SpeculativePolicy's
+(scheduler/speculation.py), each declared there.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from common.security import TlsFiles
 from common.settings import POWER_OF_TWO, above, at_least, between, nested, setting
 from common.tracing import TracingConfig
 from scheduler.scheduler import SchedulingPolicy
+from scheduler.speculation import SpeculativePolicy
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,7 @@ class SchedulerConfig:
         rule=above(0),
     )
     policy: SchedulingPolicy = nested(SchedulingPolicy)
+    speculative: SpeculativePolicy = nested(SpeculativePolicy)
     metrics_port: int | None = None
     tracing: TracingConfig = TracingConfig()
     # Mutual TLS on the port the router dials and on the channels to the workers.

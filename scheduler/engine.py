@@ -44,6 +44,7 @@ from scheduler.router_streams import LOAD_REPORT_INTERVAL_S, RouterStream, Route
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import FinishReason, Sequence
 from scheduler.spans import RequestSpans
+from scheduler.speculation import Speculator
 from scheduler.swap import HostBlockPool
 from scheduler.workers import WorkerGroup, WorkersLost
 
@@ -70,6 +71,8 @@ class Engine:
         self.totals = StepTotals()
         self.metrics = SchedulerMetrics(self)
         self.fallback = ThroughputFallback(FallbackPolicy()) if config.fallback_static else None
+        # Speculative decoding's proposer, and its count of what the verifications accepted.
+        self.speculator = Speculator(config.speculative) if config.speculative.enabled else None
         self._builder = StepBuilder()
         self._recent_steps: deque[float] = deque(maxlen=8)  # seconds per step, for the load reports
         self._wakeup = asyncio.Event()
@@ -106,8 +109,11 @@ class Engine:
             out = await self._next_batch()
             start = time.perf_counter()
             replies = await self._execute(out)
-            updates = self.scheduler.update(out, sampled_tokens(out, replies[0]))
+            tokens = sampled_tokens(out, replies[0])
+            updates = self.scheduler.update(out, tokens)
             self._grammars(replies[0])
+            if self.speculator is not None:
+                self.speculator.observe(out.sampled, tokens)
             self._publish(StepResult(out, updates, replies, time.perf_counter() - start))
 
     async def _next_batch(self) -> SchedulerOutput:
@@ -210,13 +216,17 @@ class Engine:
     async def _connect(self) -> None:
         info = await self.workers.connect(self._wakeup.set)
         cfg, cap, first = self.config, info.capacity, info.describe[0]
+        if cfg.speculative.speculative_method == "draft" and not all(
+            i.draft_model_name for i in info.describe
+        ):
+            raise ValueError("--speculative-method draft: the shard workers hold no --speculative-model")
         blocks = BlockManager(cap.num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)
         host_blocks = HostBlockPool(cap.num_host_blocks) if cap.num_host_blocks else None
         if cfg.swap_space:
             log.info("swap space: %d host blocks per rank (%.2f GiB)", cap.num_host_blocks, cfg.swap_space)
         if self.scheduler is None:
             policy = cfg.resolved_policy(cap.max_model_len)
-            self.scheduler = Scheduler(policy, blocks, first.eos_token_ids, host_blocks)
+            self.scheduler = Scheduler(policy, blocks, first.eos_token_ids, host_blocks, self.speculator)
         else:  # the ranks came back: same requests, fresh caches (and maybe another capacity)
             too_long = self.scheduler.replace_blocks(blocks, host_blocks, cap.max_model_len)
             self._fail(
@@ -421,7 +431,7 @@ class Engine:
         )
 
     def stats(self) -> generation_pb2.Stats:
-        return stats(self.snapshot(), self.totals)
+        return stats(self.snapshot(), self.totals, self.speculator and self.speculator.totals)
 
 
 def sampled_tokens(out: SchedulerOutput, reply: worker_pb2.StepResponse) -> list[list[int]]:

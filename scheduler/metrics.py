@@ -52,6 +52,41 @@ class _StateCollector:
             "Share of KV-cache blocks in use (0..1).",
             value=used / total if total else 0.0,
         )
+        if self.engine.speculator is not None:
+            yield from _speculation(self.engine.speculator.totals)
+
+
+def _speculation(t):
+    """Speculative decoding, with vLLM's names (spec_decode_*); only when it is configured."""
+    for name, help_text, value in (
+        ("num_drafts", "Verifications: sequence-steps that verified proposed tokens.", t.num_drafts),
+        ("num_draft_tokens", "Proposed tokens verified.", t.num_draft_tokens),
+        ("num_accepted_tokens", "Proposed tokens accepted.", t.num_accepted_tokens),
+        (
+            "num_emitted_tokens",
+            "Tokens verifications produced: accepted ones and one more each.",
+            t.num_emitted_tokens,
+        ),
+    ):
+        yield CounterMetricFamily(f"tpserve_spec_decode_{name}", help_text, value=value)
+    per_pos = CounterMetricFamily(
+        "tpserve_spec_decode_num_accepted_tokens_per_pos",
+        "Verifications that accepted the proposal at this position (0-based).",
+        labels=["position"],
+    )
+    for i, value in enumerate(t.accepted_per_position):
+        per_pos.add_metric([str(i)], value)
+    yield per_pos
+    yield GaugeMetricFamily(
+        "tpserve_spec_decode_draft_acceptance_rate",
+        "Share of proposed tokens accepted since start.",
+        value=t.acceptance_rate,
+    )
+    yield GaugeMetricFamily(
+        "tpserve_spec_decode_mean_accepted_length",
+        "Tokens per verification since start, the target model's own one included.",
+        value=t.mean_accepted_length,
+    )
 
 
 class SchedulerMetrics:

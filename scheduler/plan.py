@@ -16,7 +16,8 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens computed this step: a decode's 1 (plus proposals), or a prompt chunk
     num_samples: int  # positions sampled: 0 mid-prompt, else 1 + len(draft_token_ids)
-    # Proposed continuations verified this step (speculative decoding): the last tokens of the query.
+    # Proposed continuations verified this step (speculative decoding): the last tokens of the query, or
+    # DRAFTED placeholders for tokens the workers' draft model proposes in the step itself.
     draft_token_ids: list[int] = field(default_factory=list)
     # Query positions that return prompt logprobs: the last ones before min(end, num_prompt_tokens - 1).
     num_prompt_logprobs: int = 0
@@ -91,9 +92,18 @@ class SequenceUpdate:
     finished: bool
 
 
+# A proposal the scheduler reserves the position (and the budget) of, and the shard workers' draft model
+# fills in when it runs, in the step (StepRequest.draft_counts).
+DRAFTED = -1
+
+
 class Proposer(Protocol):
     """Proposes tokens likely to follow a sequence, for the step to verify (speculative decoding)."""
 
+    def enabled(self, batch_size: int) -> bool:
+        """Whether a step that starts with this many running sequences makes proposals at all."""
+        ...
+
     def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
-        """At most max_tokens ids; empty when there is nothing worth proposing."""
+        """At most max_tokens ids (or DRAFTED placeholders); empty when there is nothing worth proposing."""
         ...

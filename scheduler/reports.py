@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from common.pb.tpserve.internal.v1 import scheduler_pb2, worker_pb2
 from common.pb.tpserve.v1 import generation_pb2
 from scheduler.plan import SchedulerOutput, SchedulerSnapshot, SequenceUpdate
+from scheduler.speculation import SpeculationTotals
 
 
 @dataclass(frozen=True)
@@ -166,10 +167,12 @@ def load_report(
     return report
 
 
-def stats(snap: SchedulerSnapshot | None, t: StepTotals) -> generation_pb2.Stats:
+def stats(
+    snap: SchedulerSnapshot | None, t: StepTotals, spec: SpeculationTotals | None
+) -> generation_pb2.Stats:
     if snap is None:
         return generation_pb2.Stats()
-    return generation_pb2.Stats(
+    out = generation_pb2.Stats(
         kv_blocks_total=snap.kv_blocks_total,
         kv_blocks_free=snap.kv_blocks_free,
         num_running=snap.running,
@@ -183,3 +186,10 @@ def stats(snap: SchedulerSnapshot | None, t: StepTotals) -> generation_pb2.Stats
         forward_seconds_total=t.forward_seconds,
         allreduce_seconds_total=t.allreduce_seconds,
     )
+    if spec is not None:
+        out.spec_num_drafts_total = spec.num_drafts
+        out.spec_num_draft_tokens_total = spec.num_draft_tokens
+        out.spec_num_accepted_tokens_total = spec.num_accepted_tokens
+        out.spec_num_emitted_tokens_total = spec.num_emitted_tokens
+        out.spec_accepted_per_position_total.extend(spec.accepted_per_position)
+    return out

@@ -115,6 +115,7 @@ class Scheduler:
     def schedule(self, now: float = 0.0) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.policy.max_num_batched_tokens
+        self._speculating = self.proposer is not None and self.proposer.enabled(len(self.running))
 
         # Running sequences first, oldest first: each needs its next token (or its next prompt chunk).
         i = 0
@@ -156,7 +157,7 @@ class Scheduler:
         """Proposed tokens for a decoding sequence, within the step's budget and the sequence's limits
         (the KV of every proposal must fit in max_model_len; tokens past max_new_tokens would be
         dropped)."""
-        if self.proposer is None or seq.num_computed_tokens != seq.num_tokens - 1:
+        if not self._speculating or seq.num_computed_tokens != seq.num_tokens - 1:
             return []
         room = min(
             budget,

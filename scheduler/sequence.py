@@ -60,6 +60,9 @@ class Sequence:
     prompt_logprobs: int | None = None
     # Prompt positions whose logprobs were computed and sent (a recompute does not send them again).
     prompt_logprobs_done: int = 0
+    # The proposer's own state for this sequence (speculative decoding: its n-gram index, its recent
+    # acceptance), kept here so that it goes with the sequence.
+    proposer_state: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from common import metrics, security, settings, tracing
 from common.security import TlsFiles
@@ -53,6 +54,12 @@ class WorkerConfig:
         choices=ATTENTION_BACKENDS,
         launch=True,
     )
+    speculative_model: str | None = setting(
+        None,
+        help="speculative decoding's draft model: a smaller checkpoint with the model's vocabulary, run on "
+        "the same ranks (with the scheduler's --speculative-method draft)",
+        launch=True,
+    )
     # Both flags, as in vLLM: --enforce-eager is the name people know; --no-cuda-graphs says what it does.
     cuda_graphs: bool = setting(
         True,
@@ -67,6 +74,8 @@ class WorkerConfig:
 
     def __post_init__(self):
         settings.validate(self)
+        if self.speculative_model and not (Path(self.speculative_model) / "config.json").is_file():
+            raise ValueError(f"--speculative-model {self.speculative_model}: no config.json there")
         if not self.rank < self.world_size:
             raise ValueError(f"--rank {self.rank} must be in [0, --world-size {self.world_size})")
         if self.world_size > 1 and ":" not in self.dist_init:

@@ -20,9 +20,8 @@ import torch
 from shard_worker.attention import Attention, StepBatch, select_backend
 from shard_worker.attention.flex import PREFILL_MIN_QUERY
 from shard_worker.cuda_graphs import CudaGraphRunner, capture_bytes, graphs_unsupported
-from shard_worker.model.config import ModelConfig
-from shard_worker.model.loader import load_weights
-from shard_worker.model.registry import model_class
+from shard_worker.draft import DraftModel
+from shard_worker.model.loader import load_model
 from shard_worker.parallel import TensorParallel
 from shard_worker.sampling import Sampler, SequenceState
 from shard_worker.sampling.grammar import GrammarCompiler
@@ -30,18 +29,6 @@ from shard_worker.sampling.rows import prompt_logprobs, sampled_rows, step_propo
 from shard_worker.step import StepInputs, StepOutputs
 
 log = logging.getLogger("tpserve.shard_worker")
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    # Parameters are created with the target dtype directly, so a large model is never materialised in
-    # float32 first; scoped to construction.
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
 
 
 class ModelRunner:
@@ -54,12 +41,14 @@ class ModelRunner:
         load_format: str = "auto",
         attention_backend: str = "auto",
         cuda_graphs: bool = False,
+        speculative_model: str | Path | None = None,
     ):
         """load_format "auto" reads the checkpoint's weights; "dummy" fills them with small random values
         on the device from config.json alone (vLLM's name), for benchmarks at real shapes.
         attention_backend: see shard_worker/attention (ValueError when it cannot run here).
         cuda_graphs: replay decode steps from graphs (shard_worker/cuda_graphs.py), captured by
-        capture_cuda_graphs once the cache exists; on CPU the same path runs without capture (tests)."""
+        capture_cuda_graphs once the cache exists; on CPU the same path runs without capture (tests).
+        speculative_model: a draft model's checkpoint (shard_worker/draft.py), or None."""
         self.model_dir = Path(model_dir)
         self.dtype = dtype
         self.device = torch.device(device)
@@ -67,14 +56,10 @@ class ModelRunner:
         if self.device.type == "cpu":
             # Denormal floats make CPU matmuls many times slower, and random or tiny weights produce them.
             torch.set_flush_denormal(True)
-        self.config = ModelConfig.from_pretrained(self.model_dir)
         self.attention = select_backend(attention_backend, self.device, dtype)
-        with torch.device(self.device), _default_dtype(dtype):
-            self.model = model_class(self.config.architecture)(self.config, tp)
-        for name, layer in self.model.named_modules():
-            reason = self.attention.unsupported_layer(layer) if isinstance(layer, Attention) else None
-            if reason is not None:
-                raise ValueError(f"--attention-backend {self.attention.name}: {name}: {reason}")
+        self.config, self.model = load_model(
+            self.model_dir, dtype, self.device, tp, load_format, check=self._check_layers
+        )
         self.graphs: CudaGraphRunner | None = None
         reason = graphs_unsupported(self.attention, tp.world_size, _nccl_version()) if cuda_graphs else None
         if reason is not None:
@@ -83,11 +68,11 @@ class ModelRunner:
         # The padding rows of graph buckets write their keys to a block of their own: the cache's last,
         # one more than the scheduler is told of (profile_num_blocks, allocate_kv_cache).
         self.reserved_blocks = 1 if self.cuda_graphs else 0
-        if load_format == "dummy":
-            init_dummy_weights(self.model)
-        else:
-            load_weights(self.model, self.model_dir, self.config.tie_word_embeddings)
-        self.model.eval()
+        self.draft = None
+        if speculative_model:
+            self.draft = DraftModel(
+                speculative_model, dtype, self.device, tp, self.attention, self.config, self._check_layers
+            )
         self.kv_caches: list[torch.Tensor] = []
         # Swap space: the same layout as kv_caches, in host memory (pinned on CUDA, for fast copies).
         self.host_kv_caches: list[torch.Tensor] = []
@@ -106,12 +91,15 @@ class ModelRunner:
             "max_position_embeddings": self.config.max_position_embeddings,
             "eos_token_ids": list(self.config.eos_token_ids),
             "weight_bytes": sum(p.numel() * p.element_size() for p in params),
+            "draft_model_name": self.draft.name if self.draft is not None else "",
         }
 
     def kv_block_bytes(self, block_size: int) -> int:
-        """Bytes one KV block takes on this rank, over all layers."""
+        """Bytes one KV block takes on this rank, over all layers (the draft model's block of the same id
+        included: the two caches are allocated, swapped and freed together)."""
         per_cache = math.prod(self.model.kv_cache_shape(1, block_size)) * self.dtype.itemsize
-        return self.model.num_kv_caches * per_cache
+        draft = self.draft.kv_block_bytes(block_size) if self.draft is not None else 0
+        return self.model.num_kv_caches * per_cache + draft
 
     def profile_num_blocks(
         self,
@@ -132,6 +120,8 @@ class ModelRunner:
         self.kv_caches = []
         self.host_kv_caches = []
         self.graphs = None
+        if self.draft is not None:
+            self.draft.kv_caches, self.draft.host_kv_caches = [], []
         per_block = self.kv_block_bytes(block_size)
         max_model_len = min(
             max_model_len or self.config.max_position_embeddings, self.config.max_position_embeddings
@@ -172,6 +162,8 @@ class ModelRunner:
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.model.num_kv_caches)
         ]
         self.block_size = block_size
+        if self.draft is not None:
+            self.draft.allocate(total, block_size)
         return total * self.kv_block_bytes(block_size)
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> float:
@@ -210,17 +202,24 @@ class ModelRunner:
             self.host_kv_caches = [
                 torch.empty(shape, dtype=self.dtype, pin_memory=pin) for _ in range(self.model.num_kv_caches)
             ]
+        if self.draft is not None:
+            self.draft.allocate_host(num_blocks, block_size)
         return num_blocks * self.kv_block_bytes(block_size)
 
     @torch.inference_mode()
     def swap_out(self, device_blocks: list[int], host_blocks: list[int]) -> None:
         """Copies device block device_blocks[i] to host block host_blocks[i], in every layer."""
-        self._copy_blocks(self.kv_caches, device_blocks, self.host_kv_caches, host_blocks)
+        self._copy_blocks(self._caches(), device_blocks, self._caches(host=True), host_blocks)
 
     @torch.inference_mode()
     def swap_in(self, host_blocks: list[int], device_blocks: list[int]) -> None:
         """Copies host block host_blocks[i] to device block device_blocks[i], in every layer."""
-        self._copy_blocks(self.host_kv_caches, host_blocks, self.kv_caches, device_blocks)
+        self._copy_blocks(self._caches(host=True), host_blocks, self._caches(), device_blocks)
+
+    def _caches(self, host: bool = False) -> list[torch.Tensor]:
+        """Every layer's cache (or swap space), the draft model's after the target's."""
+        draft = [] if self.draft is None else self.draft.host_kv_caches if host else self.draft.kv_caches
+        return (self.host_kv_caches if host else self.kv_caches) + draft
 
     def _copy_blocks(self, src: list[torch.Tensor], src_blocks, dst: list[torch.Tensor], dst_blocks) -> None:
         if len(src_blocks) != len(dst_blocks):
@@ -245,6 +244,11 @@ class ModelRunner:
         start = time.perf_counter()
         self.tp.take_comm_seconds()  # count only this step's communication
         self._check(inputs)
+        draft_probs = None
+        if self.draft is not None:  # the draft's proposals join the step's tokens (draft_counts)
+            inputs, draft_probs = self.draft.propose(inputs, states)
+        elif inputs.draft_counts.any():
+            raise ValueError("the step asks for draft tokens, and this worker has no --speculative-model")
         batch = StepBatch.build(
             inputs.input_ids,
             inputs.query_lens,
@@ -274,7 +278,7 @@ class ModelRunner:
                         f"{len(sampled)} sequences sample, {len(states or ())} sampling states given"
                     )
                 proposals = step_proposals(inputs.input_ids, rows, counts)
-                result = self.sampler.sample(states, counts.tolist(), proposals, logits)
+                result = self.sampler.sample(states, counts.tolist(), proposals, logits, draft_probs)
                 out.token_counts, out.token_ids = result.token_counts, result.token_ids
                 out.logprobs, out.top_token_ids, out.top_logprobs = (
                     result.logprobs,
@@ -343,11 +347,21 @@ class ModelRunner:
     @contextlib.contextmanager
     def _scratch_cache(self, num_blocks: int, block_size: int) -> Iterator[None]:
         saved_caches, saved_block_size = self.kv_caches, self.block_size
+        saved_draft = self.draft.kv_caches if self.draft is not None else None
         self.allocate_kv_cache(num_blocks, block_size)
         try:
             yield
         finally:
             self.kv_caches, self.block_size = saved_caches, saved_block_size
+            if self.draft is not None:
+                self.draft.kv_caches, self.draft.block_size = saved_draft, saved_block_size
+
+    def _check_layers(self, model: torch.nn.Module) -> None:
+        """Refuses a model whose attention layers the backend cannot run (before its weights load)."""
+        for name, layer in model.named_modules():
+            reason = self.attention.unsupported_layer(layer) if isinstance(layer, Attention) else None
+            if reason is not None:
+                raise ValueError(f"--attention-backend {self.attention.name}: {name}: {reason}")
 
 
 def _nccl_version() -> tuple[int, ...]:
@@ -355,18 +369,6 @@ def _nccl_version() -> tuple[int, ...]:
         return tuple(torch.cuda.nccl.version())
     except (AttributeError, RuntimeError):  # a build without NCCL (CPU)
         return (0,)
-
-
-@torch.no_grad()
-def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
-    """Small random weights where they are (on the device), norms at one: a forward of the right shape
-    and cost, producing finite logits, with no checkpoint read."""
-    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
-            param.fill_(1.0)
-        else:
-            param.uniform_(-0.05, 0.05, generator=generator)
 
 
 def worst_step(

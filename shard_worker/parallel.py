@@ -1,8 +1,9 @@
 """The tensor-parallel group one shard worker belongs to, passed explicitly to the layers that talk.
 
 Only two collectives exist in the forward pass: the sum all-reduce after row-parallel layers (and the
-vocab-parallel embedding), and the gather of LM-head logit shards onto rank 0, which samples. Both are
-timed here so the runner can report how much of a step was communication.
+vocab-parallel embedding), and the gather of LM-head logit shards onto rank 0, which samples; with a
+draft model, a third sends the proposals rank 0 drew to the other ranks. All are timed here so the
+runner can report how much of a step was communication.
 """
 
 from __future__ import annotations
@@ -52,6 +53,16 @@ class TensorParallel:
         dst = dist.get_global_rank(group, 0)
         self._run(lambda: dist.gather(tensor, parts, dst=dst, group=group), tensor.device)
         return torch.cat(parts, dim=dim) if parts is not None else None
+
+    def broadcast_from_rank0(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank gets rank 0's tensor, in place (same shape and dtype on every rank): what only rank
+        0 decides, such as a draft model's proposals, which every rank then computes with."""
+        if self.world_size == 1:
+            return tensor
+        group = self._require_group()
+        src = dist.get_global_rank(group, 0)
+        self._run(lambda: dist.broadcast(tensor, src=src, group=group), tensor.device)
+        return tensor
 
     def take_comm_seconds(self) -> float:
         """Seconds spent in collectives since the last call, then resets the count (once per step)."""

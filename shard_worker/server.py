@@ -51,6 +51,7 @@ def worker_step(req: worker_pb2.StepRequest) -> WorkerStep:
         new_block_ids=_array(req.new_block_ids),
         grammar_wait_ms=req.grammar_wait_ms,
         prompt_logprob_counts=_array(req.prompt_logprob_counts) if req.prompt_logprob_counts else None,
+        draft_counts=_array(req.draft_counts) if req.draft_counts else None,
     )
 
 
@@ -114,6 +115,7 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
             weight_bytes=info["weight_bytes"],
             device=f"{self.runner.device} {str(self.runner.dtype).removeprefix('torch.')}",
             kv_block_bytes=self.runner.kv_block_bytes(request.block_size),
+            draft_model_name=info["draft_model_name"],
         )
 
     def InitCache(self, request, context):
@@ -249,6 +251,7 @@ def serve(config: WorkerConfig) -> None:
         config.load_format,
         config.attention_backend,
         cuda_graphs=config.use_cuda_graphs,
+        speculative_model=config.speculative_model,
     )
 
     stop = threading.Event()

@@ -48,11 +48,17 @@ class StepInputs:
     prompt_rows: np.ndarray | None = None
     prompt_targets: np.ndarray | None = None
     prompt_tops: np.ndarray | None = None
+    # [S] tokens the draft model proposes for each sequence before the forward (speculative decoding):
+    # the last draft_counts[i] of its query_lens[i], not in input_ids until then. None: zeros.
+    draft_counts: np.ndarray | None = None
 
     def __post_init__(self):
         for name in ("seq_ids", "query_lens", "context_lens", "sample_counts", "input_ids"):
             setattr(self, name, np.asarray(getattr(self, name), dtype=np.int64))
         self.block_table = np.asarray(self.block_table, dtype=np.int64).reshape(len(self.seq_ids), -1)
+        if self.draft_counts is None or not len(self.draft_counts):
+            self.draft_counts = np.zeros(len(self.seq_ids), dtype=np.int64)
+        self.draft_counts = np.asarray(self.draft_counts, dtype=np.int64)
 
     @staticmethod
     def pad_tables(tables: list[list[int]]) -> np.ndarray:
@@ -106,3 +112,4 @@ class WorkerStep:
     new_block_ids: np.ndarray
     grammar_wait_ms: int = 0  # rank 0 may wait this long for a grammar still compiling
     prompt_logprob_counts: np.ndarray | None = None  # per sequence; None: no sequence wants any
+    draft_counts: np.ndarray | None = None  # per sequence; None: the draft model proposes nothing

@@ -64,6 +64,8 @@ class Worker:
             self._grammar_pending.pop(int(seq_id), None)
             if seq is not None and seq.sampling is not None:
                 self.runner.sampler.release(seq.sampling)
+        if self.runner.draft is not None:  # its per-sequence state (shard_worker/draft.py)
+            self.runner.draft.forget(seq_ids)
         if self.tables is not None:
             self.tables.forget(seq_ids)
 
@@ -97,6 +99,7 @@ class Worker:
             sample_counts=step.sample_counts,
             input_ids=step.input_ids,
             block_table=block_table,
+            draft_counts=step.draft_counts,
         )
         if step.prompt_logprob_counts is not None:
             self._prompt_rows(step, inputs)

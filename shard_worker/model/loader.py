@@ -8,18 +8,65 @@ exactly once and every checkpoint tensor must fill one: either failure is a Valu
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from shard_worker.model.config import read_json
+from shard_worker.model.config import ModelConfig, read_json
 
 # Checkpoint tensors with no parameter behind them (old checkpoints saved rotary buffers).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # A sharded checkpoint's map from tensor name to the file that holds it.
 INDEX_FILE = "model.safetensors.index.json"
+
+
+def load_model(
+    model_dir: str | Path, dtype: torch.dtype, device: torch.device, tp, load_format: str = "auto", check=None
+):
+    """(ModelConfig, this rank's shard of the model) for a checkpoint directory, built on the device in
+    the dtype, in eval mode. load_format "auto" reads the checkpoint's weights; "dummy" fills them with
+    small random values from config.json alone (vLLM's name), for benchmarks at real shapes. check(model)
+    runs before the weights load, so that a refusal does not wait for them."""
+    from shard_worker.model.registry import model_class
+
+    config = ModelConfig.from_pretrained(model_dir)
+    with torch.device(device), _default_dtype(dtype):
+        model = model_class(config.architecture)(config, tp)
+    if check is not None:
+        check(model)
+    if load_format == "dummy":
+        init_dummy_weights(model)
+    else:
+        load_weights(model, model_dir, config.tie_word_embeddings)
+    return config, model.eval()
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    # Parameters are created with the target dtype directly, so a large model is never materialised in
+    # float32 first; scoped to construction.
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+@torch.no_grad()
+def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
+    """Small random weights where they are (on the device), norms at one: a forward of the right shape
+    and cost, producing finite logits, with no checkpoint read."""
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        else:
+            param.uniform_(-0.05, 0.05, generator=generator)
 
 
 def load_weights(model: nn.Module, model_dir: str | Path, tie_word_embeddings: bool) -> None:

@@ -46,9 +46,14 @@ def greedy_or_draw(states, logits: torch.Tensor, generator: torch.Generator) -> 
 
 
 def draw(states, logits: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    probs = probabilities([s.config for s in states], logits)
+    return inverse_cdf(probs, uniforms(states, generator))
+
+
+def probabilities(cfgs, logits: torch.Tensor) -> torch.Tensor:
+    """What each row draws from: its logits at its temperature, then top-k, top-p and min-p, as
+    probabilities (greedy rows get temperature 1 and no filters: their draw is discarded)."""
     device, vocab_size = logits.device, logits.shape[1]
-    cfgs = [s.config for s in states]
-    # Greedy rows get temperature 1 and no filters: their draw is discarded.
     temperature = _column([1.0 if c.greedy else c.temperature for c in cfgs], device)
     scaled = logits / temperature
     top_k = [c.top_k if not c.greedy and 0 < c.top_k < vocab_size else 0 for c in cfgs]
@@ -62,23 +67,35 @@ def draw(states, logits: torch.Tensor, generator: torch.Generator) -> torch.Tens
         # top-k/top-p does not change which tokens survive.
         floor = _column(min_p, device) * probs.amax(dim=-1, keepdim=True)
         probs = probs.masked_fill(probs < floor, 0.0)
+    return probs
 
-    # Inverse CDF: one uniform per row. searchsorted with right=True never lands on a token of
-    # probability zero, since the CDF does not rise there.
-    cdf = probs.cumsum(dim=-1)
+
+def uniforms(states, generator: torch.Generator, ahead: int = 0) -> torch.Tensor:
+    """One uniform per row: a seeded row's from (seed, its output position num_sampled + ahead), the
+    others' from the shared generator. `ahead` is for a draft model proposing a later position."""
+    cfgs = [s.config for s in states]
+    device = generator.device
     u = torch.rand(len(states), device=device, generator=generator)
     seeded = [i for i, c in enumerate(cfgs) if c.seed is not None and not c.greedy]
     if seeded:
         # The one loop per row: a seeded sequence's uniform comes from its own (seed, position).
-        values = [seeded_uniform(cfgs[i].seed, states[i].num_sampled) for i in seeded]
+        values = [seeded_uniform(cfgs[i].seed, states[i].num_sampled + ahead) for i in seeded]
         u.index_copy_(
             0, torch.tensor(seeded, device=device), torch.tensor(values, dtype=u.dtype, device=device)
         )
+    return u
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the token where the row's cumulative mass (over the vocab in id order) passes u times the
+    row's total (which need not be 1). searchsorted with right=True never lands on a token of probability
+    zero, since the CDF does not rise there."""
+    cdf = probs.cumsum(dim=-1)
     target = (u * cdf[:, -1]).unsqueeze(1)
     sampled = torch.searchsorted(cdf, target, right=True).squeeze(1)
     # A draw that rounds up to the whole mass (u of 1 - 2^-53 is 1.0 in float32) lands past every
     # token: it belongs to the last token that has any probability, never to one outside the kept set.
-    last_kept = vocab_size - 1 - (probs.flip(-1) > 0).to(torch.int8).argmax(dim=-1)
+    last_kept = probs.shape[1] - 1 - (probs.flip(-1) > 0).to(torch.int8).argmax(dim=-1)
     return torch.minimum(sampled, last_kept)
 
 

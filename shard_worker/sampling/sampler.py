@@ -6,7 +6,9 @@ it goes on to the next one only while the token chosen equals the proposal there
 are the accepted proposals and one more. Each depth is one batched pass over the sequences still going,
 so every processor sees the state after the tokens accepted so far, exactly as one token per step would.
 
-Per pass: the logits processors (processors.py) in order, then argmax for greedy rows, or a draw.
+Per pass: the logits processors (processors.py) in order, then argmax for greedy rows, or a draw. A
+draft model's proposal for an unseeded sampled sequence is judged by the rejection rule instead, which
+needs the draft's distribution (speculative.py says which rule applies when, and why each is exact).
 Randomness: a token is drawn by inverse CDF from one uniform number per row (the CDF runs over the vocab
 in id order, row by row, so a row's result does not depend on the others). Unseeded sequences take their
 uniforms from one shared generator. A seeded sequence's uniform for output position i is a hash of
@@ -21,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from shard_worker.sampling.draw import greedy_or_draw
+from shard_worker.sampling.draw import greedy_or_draw, probabilities
 from shard_worker.sampling.grammar import GrammarCompiler, GrammarProcessor
 from shard_worker.sampling.processors import (
     BadWords,
@@ -30,6 +32,7 @@ from shard_worker.sampling.processors import (
     Penalties,
     SequenceState,
 )
+from shard_worker.sampling.speculative import rejection_sample
 from shard_worker.step import SequenceInit
 
 
@@ -107,9 +110,12 @@ class Sampler:
         counts: list[int],
         proposals: list[list[int]],
         logits: torch.Tensor,
+        draft_probs: list[torch.Tensor | None] | None = None,
     ) -> SampleResult:
         """logits: [sum(counts), vocab], counts[i] consecutive rows for states[i] (its last positions in
-        order); proposals[i]: the counts[i] - 1 tokens being verified after its first position."""
+        order); proposals[i]: the counts[i] - 1 tokens being verified after its first position;
+        draft_probs[i]: None, or the [counts[i] - 1, vocab] distributions a draft model drew them from
+        (then judged by the rejection rule)."""
         if logits.shape != (sum(counts), self.vocab_size):
             raise ValueError(
                 f"logits shape {tuple(logits.shape)}, expected ({sum(counts)}, {self.vocab_size})"
@@ -128,7 +134,12 @@ class Sampler:
                 sub = logits  # the one-token step: every row, in order
             else:
                 sub = logits.index_select(0, torch.tensor(rows, device=self.device))
-            tokens = self._sample_rows([states[i] for i in active], sub, want_logprobs)
+            verify = [
+                (k, draft_probs[i][depth], proposals[i][depth])
+                for k, i in enumerate(active)
+                if draft_probs is not None and draft_probs[i] is not None and depth < counts[i] - 1
+            ]
+            tokens = self._sample_rows([states[i] for i in active], sub, want_logprobs, verify)
             token_list = tokens.ids.tolist()
             for k, i in enumerate(active):
                 chosen[i].append(token_list[k])
@@ -142,8 +153,9 @@ class Sampler:
             ]
         return self._result(states, chosen, lp, want_logprobs)
 
-    def _sample_rows(self, states: list[SequenceState], logits: torch.Tensor, want_logprobs: bool):
-        """One token per row (row i for states[i]); records it in the states."""
+    def _sample_rows(self, states: list[SequenceState], logits: torch.Tensor, want_logprobs: bool, verify=()):
+        """One token per row (row i for states[i]); records it in the states. verify: (row, q, proposal)
+        for the rows whose token is a draft model's proposal judged by the rejection rule."""
         raw = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         edited = None
         for p in self.processors:
@@ -157,6 +169,12 @@ class Sampler:
             tokens = edited.argmax(dim=-1)  # the draw is the only work this skips
         else:
             tokens = greedy_or_draw(states, edited, self._generator)
+        if verify:
+            at = torch.tensor([k for k, _, _ in verify], device=self.device)
+            p = probabilities([states[k].config for k, _, _ in verify], edited.index_select(0, at))
+            q = torch.stack([q for _, q, _ in verify]).to(p)
+            d = torch.tensor([d for _, _, d in verify], device=self.device)
+            tokens = tokens.index_copy(0, at, rejection_sample(p, q, d, self._generator))
         for p in self.processors:
             members = [i for i, s in enumerate(states) if p in s.processors]
             if members:

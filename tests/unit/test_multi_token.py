@@ -27,7 +27,14 @@ def continuation(tokens: list[int], n: int) -> list[int]:
     return out
 
 
-class FakeProposer:
+class AnyBatch:
+    """A proposer that proposes whatever the batch size."""
+
+    def enabled(self, batch_size: int) -> bool:
+        return True
+
+
+class FakeProposer(AnyBatch):
     """Proposes k tokens: the true continuation for even seq ids, a wrong second token for seq ids that
     are 1 mod 4, and nothing for the others."""
 
@@ -135,7 +142,7 @@ def test_a_rejected_proposal_past_a_block_boundary_returns_the_block():
     """All proposals rejected: the block that held only their slots goes back to the pool, and the next
     step sends the sequence's shrunk table whole (the workers held a longer one)."""
 
-    class Wrong:
+    class Wrong(AnyBatch):
         def propose(self, seq, max_tokens):
             return [(t + 1) % 90 + 10 for t in continuation(seq.token_ids, 2)][:max_tokens]
 
@@ -163,7 +170,7 @@ def test_eos_inside_a_step_ends_the_sequence_there():
     tokens = [11] * 10
     truth = continuation(tokens, 2)
 
-    class EosProposer:
+    class EosProposer(AnyBatch):
         def propose(self, seq, max_tokens):
             return [truth[1], EOS][:max_tokens]
 
