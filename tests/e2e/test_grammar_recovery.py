@@ -86,3 +86,14 @@ def test_a_grammar_that_does_not_compile_is_invalid_argument_naming_the_field(st
             stub, token_ids=[5, 6], max_new_tokens=4, ignore_eos=True, sampling=requests()[0]["sampling"]
         )
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "ignore_eos" in e.value.details()
+
+
+def test_with_ngram_speculation_grammar_outputs_are_unchanged(stack, tiny_model):
+    """Proposals verified under the mask: greedy and seeded answers equal the undisturbed ones."""
+    _, _, alone = stack
+    spec = ("--speculative-method", "ngram", "--prompt-lookup-min", "1", "--num-speculative-tokens", "3")
+    spec += ("--speculative-disable-by-batch-size", "0")
+    with launch(tiny_model, *FLAGS, *spec) as (target, _):
+        with grpc.insecure_channel(target) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            assert [r[0] for r in run_concurrently(stub, requests())] == alone
