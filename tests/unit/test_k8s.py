@@ -634,7 +634,12 @@ def metric_names_by_process() -> dict[str, frozenset[str]]:
     from scheduler.metrics import SchedulerMetrics
     from shard_worker import metrics as worker_metrics
 
-    no_engine = types.SimpleNamespace(snapshot=lambda: None)  # what the scheduler's gauges read before start
+    from scheduler.speculation import SpeculativePolicy, Speculator
+
+    # What the scheduler's gauges read before start; with speculation on, so its series count too.
+    no_engine = types.SimpleNamespace(
+        snapshot=lambda: None, speculator=Speculator(SpeculativePolicy(speculative_method="ngram"))
+    )
     families = {
         "router": list(RouterMetrics().registry.collect()),
         "scheduler": list(SchedulerMetrics(no_engine).registry.collect()),
