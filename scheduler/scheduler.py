@@ -144,7 +144,7 @@ class Scheduler:
     def schedule(self, now: float = 0.0) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.policy.max_num_batched_tokens
-        self._speculating = self.proposer is not None and self.proposer.enabled(len(self.running))
+        self._speculating = self.proposer is not None and self.proposer.enabled(len(self._by_request))
 
         # Running sequences first, oldest first: each needs its next token (or its next prompt chunk).
         i = 0

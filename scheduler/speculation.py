@@ -10,16 +10,19 @@ it, after each step, how many of them the worker accepted. Proposals come from o
 - draft: a draft model on the shard workers, which proposes in the step itself: the scheduler only
   reserves the positions (DRAFTED placeholders, scheduler/plan.py) and the budget they take.
 
-When not to speculate (each rule skips the proposals, never a token):
-- per step, when the batch is large: at speculative_disable_by_batch_size running sequences a step is
-  bound by compute, proposals cost what they would save, and none are made (bench/speculative.py
-  measures where this lies);
-- per sequence, while its proposals are mostly rejected: each sequence keeps an exponential average of
-  the share of its proposals accepted (starting at 1; each verification weighs ACCEPTANCE_WEIGHT).
-  When it falls below MIN_ACCEPTANCE, the sequence makes no proposals for its next `backoff` decode
-  steps (BACKOFF_STEPS at first, doubled each time it falls below again, up to MAX_BACKOFF_STEPS), and
-  resumes with its average at MIN_ACCEPTANCE, so the first verification after the pause decides:
-  below MIN_ACCEPTANCE pauses it again, for twice as long; at or above it resets the backoff.
+When not to speculate (each rule skips proposals, never a token):
+- per step, when the load is high: while the scheduler holds speculative_disable_by_batch_size sequences
+  or more (running, waiting or swapped out), a step is bound by compute, proposals cost what they would
+  save, and none are made (bench/speculative.py measures where this lies);
+- per sequence, by its recent acceptance: each sequence keeps an exponential average `a` of its chance
+  of accepting a proposal it reaches (per verification, accepted / (accepted + 1 if one was rejected);
+  starting at 1, each verification weighing ACCEPTANCE_WEIGHT). The i-th proposal of a step is reached
+  and accepted with a chance of about a^i, and costs one more query token, worth MIN_ACCEPTANCE of a
+  token: so a sequence proposes only as many tokens as have a^i >= MIN_ACCEPTANCE (4 at a = 0.8, 2 at
+  0.6, 1 at 0.4). Below a = MIN_ACCEPTANCE it makes no proposals for its next `backoff` decode steps
+  (BACKOFF_STEPS at first, doubled each time it falls below again, up to MAX_BACKOFF_STEPS), and
+  resumes with `a` at MIN_ACCEPTANCE, so the first verification after the pause decides: below, it
+  pauses again, twice as long; at or above, its backoff starts over.
 Plain Python: no torch, no gRPC.
 """
 
@@ -34,11 +37,10 @@ from scheduler.sequence import Sequence
 
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
 
-# Break-even of a verification: it emits about 1 + a*k tokens for a step that costs about 1 + c*k
-# decodes, where a is the share of proposals accepted and c the extra cost of one more query token per
-# sequence relative to a whole decode step. Measured for SmolLM2-135M on 2 CPU cores (bench/speculative.py's
-# step costs): c is about 0.1 at batch 1 and 0.2 at batch 8, so below a = c speculation loses; 0.3 keeps a
-# margin for the noise of one sequence's average.
+# What one more proposal must be worth: the extra cost of a query token per sequence, relative to a
+# whole decode step. Measured for SmolLM2-135M on 2 CPU cores (bench/speculative.py's step costs) it is
+# about 0.1 at batch 1, 0.2 at batch 8 and more over long contexts (every query token attends over them);
+# a proposal that is accepted less often than that loses time.
 MIN_ACCEPTANCE = 0.3
 ACCEPTANCE_WEIGHT = 0.3
 BACKOFF_STEPS = 4
@@ -71,7 +73,7 @@ class SpeculativePolicy:
     # weights to far larger batches: measure there and raise it.
     speculative_disable_by_batch_size: int = setting(
         16,
-        help="speculation: no proposals in a step with at least this many running sequences (0: always)",
+        help="speculation: no proposals while the scheduler holds at least this many sequences (0: always)",
         rule=at_least(0),
         launch=True,
     )
@@ -115,7 +117,7 @@ class _SequenceSpeculation:
     """A sequence's own state (Sequence.proposer_state): it goes with the sequence."""
 
     ngrams: NgramIndex | None
-    acceptance: float = 1.0  # exponential average of the share of its proposals accepted
+    acceptance: float = 1.0  # exponential average of its chance of accepting a proposal it reaches
     pause: int = 0  # decode steps left without proposals
     backoff: int = BACKOFF_STEPS  # the next pause's length
     resumed: bool = False  # the next verification is the first after a pause
@@ -137,7 +139,7 @@ class Speculator:
         if state.pause:
             state.pause -= 1
             return []
-        k = min(self.policy.num_speculative_tokens, max_tokens)
+        k = min(self.policy.num_speculative_tokens, max_tokens, _worth_proposing(state.acceptance))
         if state.ngrams is None:
             return [DRAFTED] * k
         return state.ngrams.propose(seq.token_ids, k)
@@ -157,7 +159,7 @@ class Speculator:
             t.num_emitted_tokens += len(got)
             for i in range(accepted):
                 t.accepted_per_position[i] += 1
-            self._judge(self._state(item.seq), accepted / proposed)
+            self._judge(self._state(item.seq), accepted / (accepted + (accepted < proposed)))
 
     @staticmethod
     def _judge(state: _SequenceSpeculation, share: float) -> None:
@@ -172,6 +174,7 @@ class Speculator:
         state.pause, state.acceptance, state.resumed = state.backoff, MIN_ACCEPTANCE, True
 
     def _state(self, seq: Sequence) -> _SequenceSpeculation:
+        """The sequence's own state, made at its first proposal."""
         if seq.proposer_state is None:
             p = self.policy
             ngrams = None
@@ -179,3 +182,12 @@ class Speculator:
                 ngrams = NgramIndex(p.prompt_lookup_min, p.prompt_lookup_max)
             seq.proposer_state = _SequenceSpeculation(ngrams)
         return seq.proposer_state
+
+
+def _worth_proposing(acceptance: float) -> int:
+    """How many proposals have a chance acceptance^i of being reached and accepted of at least
+    MIN_ACCEPTANCE (0 below it, so a sequence pausing never proposes; at most 16)."""
+    k = 0
+    while k < 16 and acceptance ** (k + 1) >= MIN_ACCEPTANCE:
+        k += 1
+    return k
