@@ -88,6 +88,7 @@ class Scheduler:
         self.host_blocks = host_blocks
         self.eos_token_ids = frozenset(eos_token_ids)
         self.proposer = proposer
+        self._speculating = False  # whether this step makes proposals (Proposer.enabled, per step)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last is the first to be preempted
         self.swapped: list[Sequence] = []  # oldest (lowest seq_id) first: the first to come back
