@@ -16,13 +16,15 @@ When not to speculate (each rule skips proposals, never a token):
   save, and none are made (bench/speculative.py measures where this lies);
 - per sequence, by its recent acceptance: each sequence keeps an exponential average `a` of its chance
   of accepting a proposal it reaches (per verification, accepted / (accepted + 1 if one was rejected);
-  starting at 1, each verification weighing ACCEPTANCE_WEIGHT). The i-th proposal of a step is reached
-  and accepted with a chance of about a^i, and costs one more query token, worth MIN_ACCEPTANCE of a
-  token: so a sequence proposes only as many tokens as have a^i >= MIN_ACCEPTANCE (4 at a = 0.8, 2 at
-  0.6, 1 at 0.4). Below a = MIN_ACCEPTANCE it makes no proposals for its next `backoff` decode steps
-  (BACKOFF_STEPS at first, doubled each time it falls below again, up to MAX_BACKOFF_STEPS), and
-  resumes with `a` at MIN_ACCEPTANCE, so the first verification after the pause decides: below, it
-  pauses again, twice as long; at or above, its backoff starts over.
+  starting at 1, each verification weighing ACCEPTANCE_WEIGHT). Its i-th proposal of a step is then
+  reached and accepted with a chance of about a^i. A verification costs a fixed part of a decode step
+  (VERIFY_COST) and each proposal a little more (PROPOSAL_COST): so a sequence proposes the tokens with
+  a^i >= PROPOSAL_COST (4 at a = 0.7, 2 at 0.5), and only if they are expected to bring VERIFY_COST
+  tokens (a + a^2 + ... >= VERIFY_COST, so not below a = 0.45). When they are not, it makes no proposals
+  for its next `backoff` decode steps (BACKOFF_STEPS at first, doubled each time it falls below again,
+  up to MAX_BACKOFF_STEPS), and resumes with `a` at RESUME_ACCEPTANCE, the least that proposes: the
+  first verification after the pause decides: a failure pauses it again, twice as long; a success
+  starts its backoff over.
 Plain Python: no torch, no gRPC.
 """
 
@@ -37,11 +39,14 @@ from scheduler.sequence import Sequence
 
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
 
-# What one more proposal must be worth: the extra cost of a query token per sequence, relative to a
-# whole decode step. Measured for SmolLM2-135M on 2 CPU cores (bench/speculative.py's step costs) it is
-# about 0.1 at batch 1, 0.2 at batch 8 and more over long contexts (every query token attends over them);
-# a proposal that is accepted less often than that loses time.
-MIN_ACCEPTANCE = 0.3
+# What a verification costs, in decode steps. Measured for SmolLM2-135M on 2 CPU cores (bench/speculative.py's
+# step costs): at batch 1, a second query row turns every matrix-vector product into a matrix-matrix one,
+# and a step of 2 to 5 query tokens takes 1.4 to 1.7 decode steps, whatever their number; from batch 8 on,
+# each further query token per sequence adds 0.1 to 0.25 of a step (more over long contexts, since every
+# query token attends over the context).
+VERIFY_COST = 0.6
+PROPOSAL_COST = 0.2
+RESUME_ACCEPTANCE = 0.45  # the least acceptance that still proposes (two tokens, 0.45 + 0.2 >= 0.6)
 ACCEPTANCE_WEIGHT = 0.3
 BACKOFF_STEPS = 4
 MAX_BACKOFF_STEPS = 64
@@ -164,14 +169,14 @@ class Speculator:
     @staticmethod
     def _judge(state: _SequenceSpeculation, share: float) -> None:
         state.acceptance += ACCEPTANCE_WEIGHT * (share - state.acceptance)
-        if state.acceptance >= MIN_ACCEPTANCE:
+        if _worth_proposing(state.acceptance):
             if state.resumed:
                 state.backoff = BACKOFF_STEPS
             state.resumed = False
             return
         if state.resumed:  # the first verification after a pause failed too: pause twice as long
             state.backoff = min(2 * state.backoff, MAX_BACKOFF_STEPS)
-        state.pause, state.acceptance, state.resumed = state.backoff, MIN_ACCEPTANCE, True
+        state.pause, state.acceptance, state.resumed = state.backoff, RESUME_ACCEPTANCE, True
 
     def _state(self, seq: Sequence) -> _SequenceSpeculation:
         """The sequence's own state, made at its first proposal."""
@@ -185,9 +190,10 @@ class Speculator:
 
 
 def _worth_proposing(acceptance: float) -> int:
-    """How many proposals have a chance acceptance^i of being reached and accepted of at least
-    MIN_ACCEPTANCE (0 below it, so a sequence pausing never proposes; at most 16)."""
-    k = 0
-    while k < 16 and acceptance ** (k + 1) >= MIN_ACCEPTANCE:
+    """How many proposals to make: those with a chance acceptance^i >= PROPOSAL_COST of being reached
+    and accepted (at most 16), or none when they would not bring VERIFY_COST tokens between them."""
+    k, expected = 0, 0.0
+    while k < 16 and acceptance ** (k + 1) >= PROPOSAL_COST:
         k += 1
-    return k
+        expected += acceptance**k
+    return k if expected >= VERIFY_COST else 0

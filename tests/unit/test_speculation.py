@@ -99,16 +99,16 @@ def test_a_sequence_proposes_as_far_as_its_acceptance_makes_worthwhile_then_paus
             spec.observe([item], [got])
         return len(proposal)
 
-    # Every first proposal rejected: acceptance 1 -> 0.7 -> 0.49 -> 0.34 -> 0.24, so 4 proposals, then
-    # 3 (0.7^3 >= 0.3), 1, 1, and a pause.
-    assert [step(False) for _ in range(4)] == [4, 3, 1, 1]
+    # Every first proposal rejected: acceptance 1 -> 0.7 -> 0.49 -> 0.34, so 4 proposals, 4 (0.7^4 >= 0.2),
+    # 2 (0.49 + 0.24 >= 0.6), and then a pause (0.34 alone would not pay for a verification).
+    assert [step(False) for _ in range(3)] == [4, 4, 2]
     assert [step(False) for _ in range(BACKOFF_STEPS)] == [0] * BACKOFF_STEPS
-    assert step(False) == 1  # the probe after the pause, rejected too: a pause twice as long
+    assert step(False) == 2  # the probe after the pause (at 0.45), rejected too: a pause twice as long
     assert [step(False) for _ in range(2 * BACKOFF_STEPS)] == [0] * (2 * BACKOFF_STEPS)
-    assert step(True) == 1  # this probe is accepted: the backoff starts over
+    assert step(True) == 2  # this probe is accepted: the backoff starts over
     assert s.proposer_state.backoff == BACKOFF_STEPS
-    # Accepted again and again (0.51, 0.66, 0.76, ...), it proposes further, up to num_speculative_tokens.
-    assert [step(True) for _ in range(5)] == [1, 2, 4, 4, 4]
+    # Accepted again and again (0.62, 0.73, ...), it proposes further, up to num_speculative_tokens.
+    assert [step(True) for _ in range(5)] == [3, 4, 4, 4, 4]
 
 
 def test_totals_count_drafts_tokens_and_positions():
