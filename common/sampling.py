@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.grammar import GrammarSpec
+
 # The optional fields of tpserve.v1.SamplingParams, in proto order: the client, the CLI and the
 # worker's config all iterate over these.
 SAMPLING_FIELDS = (
@@ -44,6 +46,8 @@ class SamplingConfig:
     min_tokens: int = 0
     # Token sequences never to complete (bad_words, tokenized by the router).
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    # The grammar the output must follow (structured outputs); None: free text.
+    structured: GrammarSpec | None = None
 
     @property
     def greedy(self) -> bool:
@@ -66,6 +70,7 @@ class SamplingConfig:
             logit_bias=dict(self.logit_bias),
             min_tokens=self.min_tokens,
             bad_words_token_ids=[generation_pb2.TokenIds(ids=ids) for ids in self.bad_words_token_ids],
+            structured_output=self.structured.to_proto() if self.structured is not None else None,
         )
 
     @classmethod
@@ -82,6 +87,8 @@ class SamplingConfig:
             values["min_tokens"] = msg.min_tokens
         if msg.bad_words_token_ids:
             values["bad_words_token_ids"] = tuple(tuple(t.ids) for t in msg.bad_words_token_ids)
+        if msg.HasField("structured_output"):
+            values["structured"] = GrammarSpec.from_proto(msg.structured_output)
         return dataclasses.replace(defaults, **values) if defaults is not None else cls(**values)
 
     @classmethod

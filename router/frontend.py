@@ -10,6 +10,7 @@ one place. A request whose caller goes away (the generator is closed) is aborted
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -23,6 +24,7 @@ from common.pb.tpserve.internal.v1 import scheduler_pb2
 from common.pb.tpserve.v1 import generation_pb2
 from common.sampling import SamplingConfig
 from router.chat import chat_prompt, check_chat
+from router.choices import choice_ids, choice_seed, merged
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from router.pool import SchedulerPool
@@ -174,11 +176,11 @@ class Frontend:
     async def _validate(self, request: generation_pb2.GenerateRequest) -> ValidatedRequest:
         limits = self._ready_limits()
         tok = self.tokenizer
-        if len(request.token_ids) and not request.sampling.bad_words:
-            # Nothing to tokenize: cheap enough for the event loop.
+        if len(request.token_ids) and not request.sampling.bad_words and not _has_grammar(request):
+            # Nothing to tokenize or compile: cheap enough for the event loop.
             return await self._checked(_done(validate_request, request, limits), request)
-        # The fields are checked first (they bound what the tokenizer is asked to do), then the prompt
-        # (and any bad_words) is tokenized and checked: all of it on the tokenizer's threads.
+        # The fields are checked first (they bound what the tokenizer is asked to do; a grammar is compiled),
+        # then the prompt (and any bad_words) is tokenized and checked: all of it on the tokenizer's threads.
         validating = tok.run(validate_request, request, limits, tok.encode, tok.render_chat, tok.encode_words)
         return await self._checked(validating, request)
 
@@ -199,22 +201,62 @@ class Frontend:
         span.set_attributes(
             {"tpserve.request_id": request_id, "tpserve.prompt_tokens": len(req.prompt_token_ids)}
         )
-        if self.pool.in_flight(request_id):
+        ids = choice_ids(request_id, req.n)
+        if any(self.pool.in_flight(i) for i in ids):
             raise RequestFailed(
                 grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already in flight"
             )
-        add = scheduler_pb2.AddRequest(
-            request_id=request_id,
+        submitted = []
+        try:
+            queues = [self._submit(self._add(req, i, rid, ids[0], span)) for i, rid in enumerate(ids)]
+            submitted = ids
+            # Built off the loop too: each decodes the prompt's tail.
+            streams = [
+                await self.tokenizer.decoding.run(
+                    TextStream,
+                    self.tokenizer,
+                    req.prompt_token_ids,
+                    stop=req.stop,
+                    min_tokens=req.sampling.min_tokens,
+                    include_stop_str_in_output=req.include_stop_str_in_output,
+                    skip_special_tokens=req.skip_special_tokens,
+                )
+                for _ in ids
+            ]
+        except BaseException:
+            for rid in submitted:
+                self.pool.abort(rid)
+            raise
+        choices = [
+            self._choice(req, request_id, i, rid, queues[i], streams[i], span, start)
+            for i, rid in enumerate(ids)
+        ]
+        async for resp in merged(choices, prompt_logprobs=req.prompt_logprobs is not None):
+            yield resp
+
+    def _add(self, req: ValidatedRequest, index: int, rid: str, first: str, span) -> scheduler_pb2.AddRequest:
+        """Choice index's AddRequest: its own seed; the first choice's prompt to share; prompt logprobs
+        computed by the first choice only (the others share its prompt, and get a copy)."""
+        sampling = req.sampling
+        if index and sampling.seed is not None:
+            sampling = dataclasses.replace(sampling, seed=choice_seed(sampling.seed, index))
+        return scheduler_pb2.AddRequest(
+            request_id=rid,
             prompt_token_ids=req.prompt_token_ids,
             max_new_tokens=req.max_new_tokens,
-            sampling=req.sampling.to_proto(),
+            sampling=sampling.to_proto(),
             stop_token_ids=req.stop_token_ids,
             ignore_eos=req.ignore_eos,
             top_logprobs=req.top_logprobs,
             trace_context=tracing.carrier(span),
+            fork_of=first if index else "",
+            want_prompt_logprobs=req.prompt_logprobs is not None and index == 0,
+            prompt_logprobs=req.prompt_logprobs or 0,
         )
+
+    def _submit(self, add: scheduler_pb2.AddRequest):
         try:
-            queue = self.pool.submit(add)
+            return self.pool.submit(add)
         except SchedulerUnavailable as e:
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, str(e)) from None
         except QueueFull as e:
@@ -223,24 +265,20 @@ class Frontend:
                 grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e} (the limit: --max-queued-requests {limit})"
             ) from None
 
+    async def _choice(self, req, request_id, index, rid, queue, text_stream, span, start):
+        """One choice's responses: its tokens as text, then its finish (with its own usage)."""
         decoding = self.tokenizer.decoding
-        try:
-            # Built off the loop too: it decodes the prompt's tail.
-            text_stream = await decoding.run(
-                TextStream,
-                self.tokenizer,
-                req.prompt_token_ids,
-                stop=req.stop,
-                min_tokens=req.sampling.min_tokens,
-                include_stop_str_in_output=req.include_stop_str_in_output,
-                skip_special_tokens=req.skip_special_tokens,
-            )
-        except BaseException:
-            self.pool.abort(request_id)
-            raise
         num_generated = 0
         first_token_at = last_token_at = None
         finished = False
+        prompt_logprobs = []  # they come with the prompt's steps, before the first token
+        if index == 0 and req.prompt_logprobs is not None:
+            # The prompt's first token, which nothing predicts: its id and text, no logprob.
+            first = generation_pb2.Logprobs(
+                chosen=generation_pb2.TokenLogprob(token_id=req.prompt_token_ids[0])
+            )
+            await decoding.run(text_stream.fill_logprob_texts, [first])
+            prompt_logprobs.append(first)
         try:
             while not finished:
                 out = await queue.get()
@@ -249,6 +287,11 @@ class Frontend:
                     raise RequestFailed(
                         STATUS_BY_CODE.get(out.error_code, grpc.StatusCode.INTERNAL), out.error
                     )
+                if out.prompt_logprobs:
+                    await decoding.run(text_stream.fill_logprob_texts, out.prompt_logprobs)
+                    prompt_logprobs.extend(out.prompt_logprobs)
+                if not out.token_ids and not out.finish_reason:
+                    continue
                 now = time.perf_counter()
                 if first_token_at is None:
                     first_token_at = now
@@ -264,9 +307,15 @@ class Frontend:
                 )
                 reason = FINISH_STOP if stopped else out.finish_reason
                 resp = generation_pb2.GenerateResponse(
-                    request_id=request_id, token_ids=out.token_ids, text=text, finish_reason=reason
+                    request_id=request_id,
+                    token_ids=out.token_ids,
+                    text=text,
+                    finish_reason=reason,
+                    index=index,
                 )
                 resp.logprobs.extend(out.logprobs)
+                resp.prompt_logprobs.extend(prompt_logprobs)
+                prompt_logprobs = []
                 if reason:
                     finished = True
                     resp.usage.CopyFrom(
@@ -277,17 +326,15 @@ class Frontend:
                         )
                     )
                     if stopped:
-                        self.pool.abort(request_id)
+                        self.pool.abort(rid)
                     else:
-                        self.pool.done(request_id)
-                    self._record_finish(
-                        span, request_id, req, reason, num_generated, start, first_token_at, now
-                    )
+                        self.pool.done(rid)
+                    self._record_finish(span, rid, req, reason, num_generated, start, first_token_at, now)
                 yield resp
         finally:
             if not finished:
                 # Cancelled, disconnected or past its deadline: free its KV blocks now.
-                self.pool.abort(request_id)
+                self.pool.abort(rid)
                 span.add_event("cancelled")
 
     def _record_finish(
@@ -317,6 +364,10 @@ class Frontend:
                 "e2e_s": round(e2e, 6),
             },
         )
+
+
+def _has_grammar(request: generation_pb2.GenerateRequest) -> bool:
+    return request.sampling.HasField("structured_output")
 
 
 async def _done(fn, *args):

@@ -73,6 +73,8 @@ class _Request:
         add.prompt_token_ids.extend(self.prompt)
         add.prompt_token_ids.extend(self.generated)
         add.num_output_tokens = len(self.generated)
+        if self.generated:  # the client has its prompt logprobs already (they come before any token)
+            add.want_prompt_logprobs = False
         return add
 
 

@@ -2,7 +2,9 @@
 
 The ranges are OpenAI's where it has one (temperature [0, 2], penalties [-2, 2], logit_bias [-100, 100]
 with at most 300 entries) and vLLM's for its extensions. bad_words are tokenized here, as vLLM does, into
-the bad_words_token_ids that travel to the worker: the router owns the tokenizer.
+the bad_words_token_ids that travel to the worker: the router owns the tokenizer. A structured output's
+grammar is compiled here once (check_structured), so that one that cannot be is refused before it is
+queued; rank 0 compiles it again for its own tokenizer.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 
+from common import grammar
 from common.pb.tpserve.v1 import generation_pb2
 from common.sampling import SamplingConfig
 from router.validation_error import ValidationError
@@ -28,6 +31,8 @@ MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit
 MAX_BAD_WORDS = 128
 MAX_BAD_WORD_CHARS = 256
 MAX_BAD_WORD_TOKENS = 64
+# A grammar's text: a JSON Schema of tools for an agent runs to tens of kilobytes, not megabytes.
+MAX_GRAMMAR_CHARS = 256 * 1024
 
 
 def check_sampling(params: generation_pb2.SamplingParams, defaults: SamplingConfig, vocab_size: int):
@@ -147,3 +152,30 @@ def _check_bad_words(params: generation_pb2.SamplingParams, vocab_size: int) -> 
             raise ValidationError(
                 field, f"{field} holds id {max(seq.ids)}, not below vocab_size {vocab_size}"
             )
+
+
+def check_structured(params: generation_pb2.SamplingParams, ignore_eos: bool) -> None:
+    """Compiles sampling.structured_output's grammar (llguidance's checker, no tokenizer: well under a
+    millisecond for a typical schema, but it runs on the tokenizer's threads like the rest). The field
+    named is the oneof member given, e.g. sampling.structured_output.json_schema."""
+    if not params.HasField("structured_output"):
+        return
+    msg = params.structured_output
+    kind = msg.WhichOneof("kind")
+    field = f"sampling.structured_output.{kind or 'kind'}"
+    if kind is None:
+        raise ValidationError(
+            "sampling.structured_output", "sampling.structured_output: set one of " + ", ".join(grammar.KINDS)
+        )
+    if ignore_eos:
+        # The grammar ends the output with EOS once complete; past it nothing can follow.
+        raise ValidationError("ignore_eos", "ignore_eos cannot be used with sampling.structured_output")
+    spec = grammar.GrammarSpec.from_proto(msg)
+    if len(spec.text) > MAX_GRAMMAR_CHARS:
+        raise ValidationError(
+            field, f"{field} is {len(spec.text)} characters; the limit is {MAX_GRAMMAR_CHARS}"
+        )
+    try:
+        grammar.validate(spec)
+    except grammar.GrammarError as e:
+        raise ValidationError(field, f"{field} does not compile: {e}") from None

@@ -64,10 +64,10 @@ class TextStream:
                 break
         if finish_reason and not stopped and self._stops is not None:
             text += self._stops.flush()
-        self._fill_logprob_texts(logprobs)
+        self.fill_logprob_texts(logprobs)
         return text, stopped
 
-    def _fill_logprob_texts(self, logprobs: Sequence[generation_pb2.Logprobs]) -> None:
+    def fill_logprob_texts(self, logprobs: Sequence[generation_pb2.Logprobs]) -> None:
         """Each alternative's text, its token decoded alone: one batched decode for the whole message."""
         if not logprobs:
             return

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from common.pb.tpserve.v1 import generation_pb2
 from common.sampling import SamplingConfig
 from router.chat import ChatPrompt, chat_prompt, check_chat
-from router.sampling_checks import check_min_tokens, check_sampling, with_bad_words
+from router.choices import MAX_N
+from router.sampling_checks import check_min_tokens, check_sampling, check_structured, with_bad_words
 from router.validation_error import ValidationError
 
 __all__ = ["Limits", "ValidatedRequest", "ValidationError", "check_request_fields", "validate_request"]
@@ -90,6 +91,8 @@ class ValidatedRequest:
     top_logprobs: int
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    n: int = 1  # choices
+    prompt_logprobs: int | None = None  # alternatives per prompt position; None: not wanted
 
 
 # The prompt's three forms; exactly one must be given.
@@ -146,6 +149,7 @@ def check_request_fields(req: generation_pb2.GenerateRequest, limits: Limits) ->
             )
 
     sampling = check_sampling(req.sampling, limits.sampling_defaults, limits.vocab_size)
+    check_structured(req.sampling, req.ignore_eos)
 
     if len(req.stop) > limits.max_stop_strings:
         raise ValidationError(
@@ -163,6 +167,13 @@ def check_request_fields(req: generation_pb2.GenerateRequest, limits: Limits) ->
             )
     _check_token_ids("stop_token_ids", req.stop_token_ids, limits.vocab_size)
 
+    if req.HasField("n") and not 1 <= req.n <= MAX_N:
+        raise ValidationError("n", f"n must be in [1, {MAX_N}], got {req.n}")
+    if req.HasField("prompt_logprobs") and req.prompt_logprobs > limits.max_top_logprobs:
+        raise ValidationError(
+            "prompt_logprobs",
+            f"prompt_logprobs {req.prompt_logprobs} is above the limit of {limits.max_top_logprobs}",
+        )
     if req.top_logprobs > limits.max_top_logprobs:
         raise ValidationError(
             "top_logprobs", f"top_logprobs {req.top_logprobs} is above the limit of {limits.max_top_logprobs}"
@@ -207,6 +218,8 @@ def check_prompt(
         top_logprobs=req.top_logprobs,
         include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens if req.HasField("skip_special_tokens") else True,
+        n=req.n if req.HasField("n") else 1,
+        prompt_logprobs=req.prompt_logprobs if req.HasField("prompt_logprobs") else None,
     )
 
 

@@ -19,6 +19,10 @@ from common.pb.tpserve.internal.v1 import worker_pb2
 from scheduler.plan import DRAFTED, SchedulerOutput
 from scheduler.sequence import Sequence
 
+# How long rank 0 may wait for a compiling grammar in a step that has nothing else to do: short enough
+# that a request arriving meanwhile waits no longer than that for its step.
+GRAMMAR_WAIT_MS = 20
+
 
 def pack(values: array) -> bytes:
     """Little-endian bytes of an int64 array (the wire format of StepRequest's array fields)."""
@@ -37,6 +41,8 @@ def sequence_init(seq: Sequence) -> worker_pb2.SequenceInit:
         num_prompt_tokens=seq.num_prompt_tokens,
         num_sampled=seq.num_output_tokens,
         stop_token_ids=sorted(seq.stop_token_ids),
+        want_prompt_logprobs=seq.prompt_logprobs is not None,
+        prompt_logprobs=seq.prompt_logprobs or 0,
     )
 
 
@@ -67,9 +73,17 @@ class StepBuilder:
         for seq_id in out.forgotten_seq_ids:
             self._known.discard(seq_id)
             self._blocks_sent.pop(seq_id, None)
+        # Sequences waiting for their grammar are introduced before they are scheduled: rank 0 compiles it.
+        for seq in out.grammar_waiting:
+            if seq.seq_id not in self._known:
+                self._known.add(seq.seq_id)
+                req.new_sequences.append(sequence_init(seq))
+        if out.only_grammars:
+            req.grammar_wait_ms = GRAMMAR_WAIT_MS
         # Sequences holding a table of fresh blocks this step.
         fresh = {s.seq_id for s in out.admitted} | {s.seq_id for s in out.swapped_in}
         seq_ids, query_lens, context_lens, sample_counts = array("q"), array("q"), array("q"), array("q")
+        prompt_logprob_counts = array("q")
         draft_counts = array("q")
         input_ids, table_reset, new_block_counts, new_block_ids = (
             array("q"),
@@ -88,6 +102,7 @@ class StepBuilder:
             query_lens.append(item.num_new_tokens)
             context_lens.append(end)
             sample_counts.append(item.num_samples)
+            prompt_logprob_counts.append(item.num_prompt_logprobs)
             # Proposals sit after the sequence's own tokens, which end at its last one. The draft model's
             # are made on the workers: only their count travels.
             drafts = item.draft_token_ids
@@ -109,6 +124,8 @@ class StepBuilder:
         req.query_lens = pack(query_lens)
         req.context_lens = pack(context_lens)
         req.sample_counts = pack(sample_counts)
+        if any(prompt_logprob_counts):  # nearly never: no bytes for it otherwise
+            req.prompt_logprob_counts = pack(prompt_logprob_counts)
         req.input_ids = pack(input_ids)
         if any(draft_counts):  # most steps have none: the field stays empty
             req.draft_counts = pack(draft_counts)

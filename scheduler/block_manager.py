@@ -197,6 +197,21 @@ class BlockManager:
             seq.block_table.append(self._take_fresh_block())
         return True
 
+    def share(self, seq: Sequence, source: Sequence, num_tokens: int) -> int:
+        """Gives seq (holding no blocks, with the same leading tokens) source's blocks of its first
+        num_tokens tokens, which source has computed (scheduler/forks.py): their reference counts go up.
+        Whole blocks only, so they never change again. Returns the tokens they hold."""
+        if seq.block_table:
+            raise ValueError(f"seq {seq.seq_id} already holds blocks")
+        num_blocks = min(num_tokens, source.num_computed_tokens) // self.block_size
+        shared = source.block_table[:num_blocks]
+        for block in shared:
+            self._ref_count[block] += 1
+        seq.block_table = list(shared)
+        if self.enable_prefix_caching:
+            self._seq_registered[seq.seq_id] = 0  # its registrations are source's: none to make again
+        return len(shared) * self.block_size
+
     def _take_fresh_block(self) -> int:
         if self._free:
             block = self._free.popleft()

@@ -111,6 +111,7 @@ class Engine:
             replies = await self._execute(out)
             tokens = sampled_tokens(out, replies[0])
             updates = self.scheduler.update(out, tokens)
+            self._grammars(replies[0])
             if self.speculator is not None:
                 self.speculator.observe(out.sampled, tokens)
             self._publish(StepResult(out, updates, replies, time.perf_counter() - start))
@@ -189,6 +190,16 @@ class Engine:
             scheduler_pb2.RequestOutput(request_id=r, error=message, error_code=code) for r in request_ids
         ]
         self._end([(r, reason) for r in request_ids], outputs)
+
+    def _grammars(self, reply: worker_pb2.StepResponse) -> None:
+        """Rank 0's news of the grammars it compiles: ready ones may be admitted, failed ones end."""
+        self.scheduler.grammars_ready(reply.grammar_ready_seq_ids)
+        if reply.grammar_errors:
+            by_id = {s.seq_id: s.request_id for s in self.scheduler.sequences()}
+            for e in reply.grammar_errors:
+                if e.seq_id in by_id:
+                    message = f"sampling.structured_output does not compile: {e.message}"
+                    self._fail([by_id[e.seq_id]], ERROR_CODE_INVALID_ARGUMENT, message)
 
     def _observe_fallback(self, output_tokens: int) -> None:
         # Every request in the system counts: queued in the router, waiting, swapped out or running.
@@ -358,6 +369,11 @@ class Engine:
                 f"num_output_tokens {msg.num_output_tokens} leaves no prompt in "
                 f"{len(msg.prompt_token_ids)} tokens",
             )
+        has_grammar = msg.sampling.HasField("structured_output")
+        # Another choice of the same request, with the same prompt, whose prompt blocks this one shares.
+        first = self.scheduler.get(msg.fork_of) if msg.fork_of else None
+        if first is not None and first.token_ids[: first.num_prompt_tokens] != list(msg.prompt_token_ids):
+            first = None
         return Sequence(
             seq_id=self._next_seq_id,
             request_id=msg.request_id,
@@ -370,6 +386,10 @@ class Engine:
             top_logprobs=msg.top_logprobs,
             sampling=msg.sampling,
             arrival_time=time.monotonic(),
+            has_grammar=has_grammar,
+            grammar_ready=not has_grammar,
+            fork_of=first,
+            prompt_logprobs=msg.prompt_logprobs if msg.want_prompt_logprobs else None,
         )
 
     def abort(self, request_id: str) -> None:

@@ -19,6 +19,8 @@ class ScheduledSeq:
     # Proposed continuations verified this step (speculative decoding): the last tokens of the query, or
     # DRAFTED placeholders for tokens the workers' draft model proposes in the step itself.
     draft_token_ids: list[int] = field(default_factory=list)
+    # Query positions that return prompt logprobs: the last ones before min(end, num_prompt_tokens - 1).
+    num_prompt_logprobs: int = 0
 
 
 @dataclass
@@ -42,6 +44,8 @@ class SchedulerOutput:
     forgotten_seq_ids: list[int] = field(default_factory=list)
     # Static mode: nothing to run now, but a batch may start at this time even if not full.
     wake_at: float | None = None
+    # Waiting sequences whose grammar rank 0 has not reported ready (introduced to it if new).
+    grammar_waiting: list[Sequence] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -54,8 +58,13 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        """Nothing for the workers to do: no sequence to compute and no block to copy."""
-        return not (self.scheduled or self.swap_out or self.swap_in)
+        """Nothing for the workers to do: no sequence to compute, no block to copy, no grammar to await."""
+        return not (self.scheduled or self.swap_out or self.swap_in or self.grammar_waiting)
+
+    @property
+    def only_grammars(self) -> bool:
+        """The step only introduces or awaits grammars: rank 0 may wait for one before answering."""
+        return bool(self.grammar_waiting) and not (self.scheduled or self.swap_out or self.swap_in)
 
 
 @dataclass(frozen=True)

@@ -61,19 +61,67 @@ class StepTotals:
 
 
 def step_outputs(result: StepResult) -> list[scheduler_pb2.RequestOutput]:
-    """A RequestOutput per sequence that got tokens, with their logprobs when it asked."""
+    """A RequestOutput per sequence that got tokens, with their logprobs when it asked, and per sequence
+    whose prompt logprobs this step computed (a chunk of a long prompt: those alone)."""
     logprobs = _logprobs(result.out, result.replies[0])
+    prompt = _prompt_logprobs(result.out, result.replies[0])
     outputs = []
     for u in result.updates:
         seq = u.seq
         output = scheduler_pb2.RequestOutput(request_id=seq.request_id, token_ids=u.new_tokens)
         if seq.seq_id in logprobs:
             output.logprobs.extend(logprobs[seq.seq_id][: len(u.new_tokens)])
+        output.prompt_logprobs.extend(prompt.pop(seq.seq_id, ()))
         if u.finished:
             output.finish_reason = seq.finish_reason
             output.cached_tokens = seq.num_cached_tokens
         outputs.append(output)
+    for item in result.out.scheduled:
+        if item.seq.seq_id in prompt and not item.seq.is_finished:
+            outputs.append(
+                scheduler_pb2.RequestOutput(
+                    request_id=item.seq.request_id, prompt_logprobs=prompt.pop(item.seq.seq_id)
+                )
+            )
     return outputs
+
+
+def _prompt_logprobs(
+    out: SchedulerOutput, reply: worker_pb2.StepResponse
+) -> dict[int, list[generation_pb2.Logprobs]]:
+    """Per sequence, the prompt logprobs of this step's rows: positions [done - n, done) after the update,
+    each for the prompt token after it."""
+    if not len(reply.prompt_logprobs):
+        return {}
+    found: dict[int, list[generation_pb2.Logprobs]] = {}
+    row = top_at = 0
+    for item in out.scheduled:
+        n, seq = item.num_prompt_logprobs, item.seq
+        if not n:
+            continue
+        k = seq.prompt_logprobs or 0
+        targets = seq.token_ids[seq.prompt_logprobs_done - n + 1 : seq.prompt_logprobs_done + 1]
+        # (An aborted sequence's rows are still stepped over; its router drops what it gets.)
+        targets = (targets + [0] * n)[:n]
+        entries = found.setdefault(seq.seq_id, [])
+        for target in targets:
+            chosen = generation_pb2.TokenLogprob(
+                token_id=target, logprob=reply.prompt_logprobs[row], rank=reply.prompt_ranks[row]
+            )
+            top = [
+                generation_pb2.TokenLogprob(token_id=t, logprob=lp, rank=r + 1)
+                for r, (t, lp) in enumerate(
+                    zip(
+                        reply.prompt_top_token_ids[top_at : top_at + k],
+                        reply.prompt_top_logprobs[top_at : top_at + k],
+                        strict=True,
+                    )
+                )
+            ]
+            entries.append(generation_pb2.Logprobs(chosen=chosen, top=top))
+            row += 1
+            top_at += k
+    return found
 
 
 def _logprobs(

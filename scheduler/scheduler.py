@@ -13,60 +13,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from dataclasses import dataclass
 
 from common.pb.tpserve.v1.generation_pb2 import FINISH_REASON_ABORTED, FINISH_REASON_EOS, FINISH_REASON_LENGTH
-from common.settings import at_least, setting, validate
+from scheduler import forks
 from scheduler.block_manager import BlockManager, blocks_for
 from scheduler.plan import Proposer, ScheduledSeq, SchedulerOutput, SchedulerSnapshot, SequenceUpdate
+from scheduler.policy import BATCHING_MODES, SchedulingPolicy
 from scheduler.sequence import Sequence, SequenceStatus
 from scheduler.swap import HostBlockPool
 
-BATCHING_MODES = ("continuous", "static")
-
-
-@dataclass(frozen=True)
-class SchedulingPolicy:
-    """The knobs of batch forming. Each is declared here once: `tpserve scheduler` and `tpserve launch`
-    take them as flags (see common/settings.py)."""
-
-    max_num_seqs: int = setting(128, help="most sequences in one step's batch", rule=at_least(1), launch=True)
-    max_num_batched_tokens: int = setting(
-        2048, help="token budget of one step (prefill chunks plus decodes)", rule=at_least(1), launch=True
-    )
-    max_model_len: int = setting(
-        0,
-        help="most tokens (prompt + output) per sequence (0: the model's context, capped by the KV pool)",
-        rule=at_least(0),
-        launch=True,
-    )
-    batching: str = setting(
-        "continuous", help="continuous, or static (the baseline)", choices=BATCHING_MODES, launch=True
-    )
-    static_batch_size: int = setting(
-        32, help="static batching: requests per batch", rule=at_least(1), launch=True
-    )
-    static_batch_timeout_ms: float = setting(
-        50.0,
-        help="static batching: longest wait for a batch to fill before a partial one starts",
-        rule=at_least(0),
-        launch=True,
-    )
-    min_batch_size: int = setting(
-        8,
-        help="with --batch-wait-timeout-ms: a smaller batch waits for requests on their way",
-        rule=at_least(1),
-        launch=True,
-    )
-    batch_wait_timeout_ms: float = setting(
-        0.0, help="longest wait for min_batch_size sequences (0: never wait)", rule=at_least(0), launch=True
-    )
-    # Share of blocks kept free when admitting new sequences, so that admitting one does not force
-    # the running ones into preemption at their next token.
-    admission_watermark: float = 0.01
-
-    def __post_init__(self):
-        validate(self)
+__all__ = ["BATCHING_MODES", "Scheduler", "SchedulingPolicy"]
 
 
 class Scheduler:
@@ -114,6 +70,11 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self._by_request[seq.request_id] = seq
         self.waiting.append(seq)
+        if seq.fork_of is not None:
+            if seq.fork_of.is_finished or forks.share_point(seq.fork_of, self.blocks.block_size) == 0:
+                seq.fork_of = None  # nothing to share
+            else:
+                seq.fork_of.forks_waiting += 1
 
     def abort(self, request_id: str) -> Sequence | None:
         """Drops a request wherever it is; its blocks are free at once. None if it is not in flight."""
@@ -129,9 +90,19 @@ class Scheduler:
         self._finish(seq, FINISH_REASON_ABORTED)
         return seq
 
+    def grammars_ready(self, seq_ids) -> None:
+        """Rank 0 reports these sequences' grammars compiled: they may be admitted."""
+        ready = set(seq_ids)
+        for seq in self.waiting:
+            if seq.seq_id in ready:
+                seq.grammar_ready = True
+
     def sequences(self) -> list[Sequence]:
         """Every sequence in flight (waiting, running or swapped out)."""
         return list(self._by_request.values())
+
+    def get(self, request_id: str) -> Sequence | None:
+        return self._by_request.get(request_id)
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._by_request
@@ -152,6 +123,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = forks.limit(seq, num_new, seq.num_computed_tokens, self.blocks.block_size)
             drafts = self._propose(seq, budget - num_new) if num_new == 1 else []
             if drafts and not self.blocks.can_allocate(seq, seq.num_tokens + len(drafts)):
                 drafts = []  # proposals never cost another sequence its blocks
@@ -174,6 +146,9 @@ class Scheduler:
             budget = self._swap_in(out, budget)
             if not self.swapped:  # swapped sequences come back before anyone new is admitted
                 self._admit(out, budget, now)
+        # Sequences waiting for their grammar are introduced to the workers, whose rank 0 compiles it; when
+        # that is all there is to do, rank 0 waits a little for one to finish before it answers.
+        out.grammar_waiting = [s for s in self.waiting if not s.grammar_ready]
         # The workers hear of finished sequences with the next step that goes out.
         if not out.is_empty:
             out.forgotten_seq_ids, self._forgotten = self._forgotten, []
@@ -222,25 +197,37 @@ class Scheduler:
                 return
             self._static_batch = {s.seq_id for s in list(self.waiting)[: self.policy.static_batch_size]}
 
-        while self.waiting and budget > 0 and len(self.running) < self.policy.max_num_seqs:
-            seq = self.waiting[0]
+        # Sequences whose grammar is still compiling, or choices waiting for their first choice's prompt
+        # blocks, are passed over (they hold nothing); everyone else is served first come, first served.
+        for seq in [
+            s for s in self.waiting if s.grammar_ready and not forks.waits(s, self.blocks.block_size)
+        ]:
+            if budget <= 0 or len(self.running) >= self.policy.max_num_seqs:
+                break
             if static and seq.seq_id not in self._static_batch:
                 break
-            # A waiting sequence holds no blocks and has computed nothing: its longest cached prefix
-            # (whole blocks, never its last token) is reused and only the rest is computed.
-            num_cached = self.blocks.match_prefix(seq)
+            # A waiting sequence holds no blocks and has computed nothing: a choice forked from another
+            # shares that one's computed prompt blocks; otherwise its longest cached prefix (whole blocks,
+            # never its last token) is reused; only the rest is computed.
+            shared = forks.share(seq, self.blocks)
+            num_cached = shared or (self.blocks.match_prefix(seq) if seq.prompt_logprobs is None else 0)
             num_new = min(seq.num_tokens - num_cached, budget)
+            num_new = forks.limit(seq, num_new, num_cached, self.blocks.block_size)
             reserve = self._watermark_blocks if self.running else 0
-            if not self.blocks.can_allocate(seq, num_cached + num_new, reserve, num_cached_tokens=num_cached):
+            from_cache = num_cached - shared
+            if not self.blocks.can_allocate(seq, num_cached + num_new, reserve, num_cached_tokens=from_cache):
+                if shared:
+                    self.blocks.free(seq)
                 break  # first come, first served: nobody jumps the queue
             first = not seq.admitted_before
-            self.blocks.allocate(seq, num_cached + num_new, num_cached_tokens=num_cached, count_query=first)
+            self.blocks.allocate(seq, num_cached + num_new, num_cached_tokens=from_cache, count_query=first)
             seq.num_computed_tokens = num_cached
             if first:  # Usage.cached_tokens: what the client's request found, not a recompute
-                seq.num_cached_tokens = num_cached
+                seq.num_cached_tokens = from_cache
                 out.first_admitted.append(seq)
             seq.admitted_before = True
-            self.waiting.popleft()
+            forks.unfork(seq)
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.admitted.append(seq)
@@ -248,9 +235,16 @@ class Scheduler:
             budget -= num_new
 
     def _scheduled(self, seq: Sequence, num_new: int, drafts: list[int] = ()) -> ScheduledSeq:
-        caught_up = seq.num_computed_tokens + num_new == seq.num_tokens
+        start = seq.num_computed_tokens
+        caught_up = start + num_new == seq.num_tokens
         drafts = list(drafts)
-        return ScheduledSeq(seq, num_new + len(drafts), 1 + len(drafts) if caught_up else 0, drafts)
+        item = ScheduledSeq(seq, num_new + len(drafts), 1 + len(drafts) if caught_up else 0, drafts)
+        if seq.prompt_logprobs is not None:
+            # Positions up to the prompt's last but one predict prompt tokens; those not sent yet (a
+            # recompute after a preemption computes them again) return their logprobs.
+            end = min(start + num_new, seq.num_prompt_tokens - 1)
+            item.num_prompt_logprobs = max(0, end - max(start, seq.prompt_logprobs_done))
+        return item
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Swap preemption when the host has room for seq's computed KV: it is copied out before this
@@ -285,6 +279,8 @@ class Scheduler:
             seq.num_computed_tokens = 0
             seq.status = SequenceStatus.WAITING
             self.waiting.appendleft(seq)
+        for seq in self.waiting:  # the new rank 0 compiles every grammar again
+            seq.grammar_ready = not seq.has_grammar
         self.running = []
         self.swapped = []
         self._forgotten = []  # the new workers know nothing to forget
@@ -332,6 +328,7 @@ class Scheduler:
                 )
             if seq.is_finished:
                 continue
+            seq.prompt_logprobs_done += item.num_prompt_logprobs
             # The KV of the proposals the worker rejected is not part of the sequence.
             rejected = item.num_samples - len(tokens) if item.num_samples else 0
             seq.num_computed_tokens += item.num_new_tokens - rejected
@@ -367,6 +364,7 @@ class Scheduler:
             self.host_blocks.free(seq.seq_id)
 
     def _finish(self, seq: Sequence, reason: int) -> None:
+        forks.unfork(seq)
         self._release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

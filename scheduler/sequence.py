@@ -49,6 +49,17 @@ class Sequence:
     # Its block table lost blocks at the end (rejected proposals' slots) since the workers last heard of
     # it: the next step sends the table whole, since the blocks that replace them may differ.
     table_shrunk: bool = False
+    # Structured outputs: False while rank 0 compiles its grammar (it waits in the queue, holding nothing,
+    # and is admitted once the worker reports the grammar ready). True for a sequence without a grammar.
+    grammar_ready: bool = True
+    has_grammar: bool = False
+    # Several choices of one request (n): the choice whose prompt blocks this one shares once computed.
+    fork_of: Sequence | None = None
+    forks_waiting: int = 0  # choices waiting to share this one's prompt blocks
+    # Prompt logprobs wanted (vLLM's prompt_logprobs, with this many alternatives); None: not wanted.
+    prompt_logprobs: int | None = None
+    # Prompt positions whose logprobs were computed and sent (a recompute does not send them again).
+    prompt_logprobs_done: int = 0
     # The proposer's own state for this sequence (speculative decoding: its n-gram index, its recent
     # acceptance), kept here so that it goes with the sequence.
     proposer_state: Any = None

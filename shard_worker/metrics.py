@@ -66,4 +66,17 @@ class WorkerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.grammar_mask = Histogram(
+            "tpserve_worker_grammar_mask_seconds",
+            "Rank 0's host time per step on grammar masks (waiting for the fill that overlaps the forward, "
+            "unpacking, applying), in steps that sample a sequence with a grammar.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.grammar_fill = Histogram(
+            "tpserve_worker_grammar_fill_seconds",
+            "Rank 0's time per step filling grammar masks (llguidance), most of it while the forward runs.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         r.register(_DeviceCollector(device, rank))

@@ -24,6 +24,8 @@ from shard_worker.draft import DraftModel
 from shard_worker.model.loader import load_model
 from shard_worker.parallel import TensorParallel
 from shard_worker.sampling import Sampler, SequenceState
+from shard_worker.sampling.grammar import GrammarCompiler
+from shard_worker.sampling.rows import prompt_logprobs, sampled_rows, step_proposals
 from shard_worker.step import StepInputs, StepOutputs
 
 log = logging.getLogger("tpserve.shard_worker")
@@ -75,9 +77,11 @@ class ModelRunner:
         # Swap space: the same layout as kv_caches, in host memory (pinned on CUDA, for fast copies).
         self.host_kv_caches: list[torch.Tensor] = []
         self.block_size = 0
-        self.sampler = (
-            Sampler(self.config.vocab_size, self.device, self.config.eos_token_ids) if tp.rank == 0 else None
-        )
+        self.sampler = None
+        if tp.rank == 0:
+            grammars = GrammarCompiler(self.model_dir, self.config.vocab_size, self.config.eos_token_ids)
+            grammars.start()
+            self.sampler = Sampler(self.config.vocab_size, self.device, self.config.eos_token_ids, grammars)
 
     def describe(self) -> dict:
         params = {p.data_ptr(): p for p in self.model.parameters()}.values()  # tied weights once
@@ -253,12 +257,16 @@ class ModelRunner:
             self.block_size,
             self.device,
         )
+        if states:
+            self.sampler.prepare(states)  # host work for the sampler, overlapping the forward
         hidden = self.graphs.replay(batch) if self.graphs is not None else None
         if hidden is None:  # not a decode step that fits a bucket, or no graphs
             ctx = self.attention.context(batch)
             hidden = self.model(batch.input_ids, batch.positions, ctx, self.kv_caches)
 
         out = StepOutputs()
+        if inputs.prompt_rows is not None and len(inputs.prompt_rows):
+            prompt_logprobs(self.model, hidden, inputs, out)
         sampled = np.flatnonzero(inputs.sample_counts)
         if len(sampled):
             counts = inputs.sample_counts[sampled]
@@ -399,23 +407,6 @@ def synthetic_step(lens: list[tuple[int, int]], block_size: int) -> tuple[StepIn
         block_table=StepInputs.pad_tables(tables),
     )
     return step, next_block
-
-
-def sampled_rows(ends: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """The step rows sampled: each sampled sequence's last counts[i] rows, ending (exclusive) at ends[i]."""
-    if bool((counts == 1).all()):
-        return ends - 1
-    firsts = np.repeat(ends - counts, counts)
-    offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-    return firsts + offsets
-
-
-def step_proposals(input_ids: np.ndarray, rows: np.ndarray, counts: np.ndarray) -> list[list[int]]:
-    """Each sampled sequence's proposals: the inputs after its first sampled row (none for most)."""
-    if bool((counts == 1).all()):
-        return [[]] * len(counts)
-    firsts = rows[np.cumsum(counts) - counts]
-    return [input_ids[r + 1 : r + c].tolist() for r, c in zip(firsts, counts, strict=True)]
 
 
 def kv_budget(total: int, utilization: float, outside_torch: int, allocated: int, step_peak: int) -> int:

@@ -49,6 +49,8 @@ def worker_step(req: worker_pb2.StepRequest) -> WorkerStep:
         table_reset=_array(req.table_reset),
         new_block_counts=_array(req.new_block_counts),
         new_block_ids=_array(req.new_block_ids),
+        grammar_wait_ms=req.grammar_wait_ms,
+        prompt_logprob_counts=_array(req.prompt_logprob_counts) if req.prompt_logprob_counts else None,
         draft_counts=_array(req.draft_counts) if req.draft_counts else None,
     )
 
@@ -62,6 +64,8 @@ def sequence_init(msg: worker_pb2.SequenceInit) -> SequenceInit:
         num_prompt_tokens=msg.num_prompt_tokens,
         num_sampled=msg.num_sampled,
         stop_token_ids=tuple(msg.stop_token_ids),
+        want_prompt_logprobs=msg.want_prompt_logprobs,
+        prompt_logprobs=msg.prompt_logprobs,
     )
 
 
@@ -190,6 +194,9 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
                 )
         self.metrics.forward.observe(out.forward_seconds)
         self.metrics.allreduce.observe(out.allreduce_seconds)
+        if out.grammar_mask_seconds:
+            self.metrics.grammar_mask.observe(out.grammar_mask_seconds)
+            self.metrics.grammar_fill.observe(out.grammar_fill_seconds)
         return worker_pb2.StepResponse(
             step_id=req.step_id,
             token_counts=out.token_counts,
@@ -199,6 +206,12 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
             top_logprobs=out.top_logprobs,
             forward_seconds=out.forward_seconds,
             allreduce_seconds=out.allreduce_seconds,
+            grammar_ready_seq_ids=out.grammar_ready_seq_ids,
+            grammar_errors=[worker_pb2.GrammarError(seq_id=i, message=m) for i, m in out.grammar_errors],
+            prompt_logprobs=out.prompt_logprobs,
+            prompt_ranks=out.prompt_ranks,
+            prompt_top_token_ids=out.prompt_top_token_ids,
+            prompt_top_logprobs=out.prompt_top_logprobs,
         )
 
 

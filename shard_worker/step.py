@@ -24,6 +24,8 @@ class SequenceInit:
     num_prompt_tokens: int
     num_sampled: int = 0  # tokens already sampled: a seeded stream is advanced this many times
     stop_token_ids: tuple[int, ...] = ()  # held back by min_tokens, with the model's EOS ids
+    want_prompt_logprobs: bool = False
+    prompt_logprobs: int = 0  # alternatives per prompt position, when wanted
 
 
 @dataclass
@@ -41,6 +43,11 @@ class StepInputs:
     # [S, B]: row i holds sequence i's block ids (at least ceil(context_len / block_size) of them),
     # padded with 0.
     block_table: np.ndarray
+    # Prompt logprobs (rare): the step rows whose logits give them, the prompt token each row predicts,
+    # and each row's number of alternatives.
+    prompt_rows: np.ndarray | None = None
+    prompt_targets: np.ndarray | None = None
+    prompt_tops: np.ndarray | None = None
     # [S] tokens the draft model proposes for each sequence before the forward (speculative decoding):
     # the last draft_counts[i] of its query_lens[i], not in input_ids until then. None: zeros.
     draft_counts: np.ndarray | None = None
@@ -73,6 +80,16 @@ class StepOutputs:
     top_logprobs: list[float] = field(default_factory=list)
     forward_seconds: float = 0.0
     allreduce_seconds: float = 0.0
+    # Rank 0: sequences whose grammar became ready since the last step, and those whose failed.
+    grammar_ready_seq_ids: list[int] = field(default_factory=list)
+    grammar_errors: list[tuple[int, str]] = field(default_factory=list)
+    grammar_mask_seconds: float = 0.0  # host time on grammar masks this step, on the critical path
+    grammar_fill_seconds: float = 0.0  # llguidance's mask filling, overlapping the forward
+    # Rank 0, per prompt-logprob row: the next prompt token's logprob and rank, then its alternatives.
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_ranks: list[int] = field(default_factory=list)
+    prompt_top_token_ids: list[int] = field(default_factory=list)
+    prompt_top_logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -93,4 +110,6 @@ class WorkerStep:
     table_reset: np.ndarray
     new_block_counts: np.ndarray
     new_block_ids: np.ndarray
+    grammar_wait_ms: int = 0  # rank 0 may wait this long for a grammar still compiling
+    prompt_logprob_counts: np.ndarray | None = None  # per sequence; None: no sequence wants any
     draft_counts: np.ndarray | None = None  # per sequence; None: the draft model proposes nothing

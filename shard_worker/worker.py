@@ -4,12 +4,18 @@ Each sequence the worker knows is one WorkerSequence: its block table (a row of 
 step's batch table is one fancy-indexed copy) and, on rank 0, its sampling state. The scheduler owns the
 truth; a worker only applies what each step says changed, in this order: forget finished sequences,
 introduce new ones, swap blocks out then in, bring the block tables up to date, run the forward.
-No gRPC here: shard_worker/server.py decodes the StepRequest, calls step(), encodes the answer.
+A sequence with a grammar (structured outputs) is introduced while it still waits in the scheduler's
+queue; its grammar compiles on a thread, and each step's answer names the sequences whose grammar became
+ready, which the scheduler then admits. No gRPC here: shard_worker/server.py decodes the StepRequest,
+calls step(), encodes the answer.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+
+import numpy as np
 
 from shard_worker.block_tables import BlockTables
 from shard_worker.sampling import SequenceState
@@ -20,6 +26,10 @@ from shard_worker.step import StepInputs, StepOutputs, WorkerStep
 class WorkerSequence:
     seq_id: int
     sampling: SequenceState | None  # rank 0 only
+    # Prompt logprobs wanted: the prompt (every rank: they all compute the rows' logits, a collective)
+    # and the alternatives per position.
+    prompt: list[int] | None = None
+    prompt_top: int = 0
 
 
 class Worker:
@@ -27,6 +37,7 @@ class Worker:
         self.runner = runner
         self.tables: BlockTables | None = None
         self.sequences: dict[int, WorkerSequence] = {}
+        self._grammar_pending: dict[int, SequenceState] = {}  # rank 0: grammars not yet reported ready
 
     def init_cache(
         self,
@@ -50,6 +61,7 @@ class Worker:
     def forget(self, seq_ids) -> None:
         for seq_id in seq_ids:
             seq = self.sequences.pop(int(seq_id), None)
+            self._grammar_pending.pop(int(seq_id), None)
             if seq is not None and seq.sampling is not None:
                 self.runner.sampler.release(seq.sampling)
         if self.runner.draft is not None:  # its per-sequence state (shard_worker/draft.py)
@@ -65,12 +77,18 @@ class Worker:
         for init in step.new_sequences:
             self.forget([init.seq_id])  # a sequence introduced again is rebuilt from its tokens
             state = sampler.new_state(init) if sampler is not None else None
-            self.sequences[init.seq_id] = WorkerSequence(init.seq_id, state)
+            prompt = init.token_ids[: init.num_prompt_tokens] if init.want_prompt_logprobs else None
+            self.sequences[init.seq_id] = WorkerSequence(init.seq_id, state, prompt, init.prompt_logprobs)
+            if state is not None and init.sampling.structured is not None:
+                self._grammar_pending[init.seq_id] = state
+        ready, errors = self._grammars(step.grammar_wait_ms / 1000)
         # Swap out first: its device blocks may be handed to this step's tokens or swap ins.
         if step.swap_out[0]:
             self.runner.swap_out(*step.swap_out)
         if step.swap_in[0]:
             self.runner.swap_in(*step.swap_in)
+        if not len(step.seq_ids):  # only grammars to wait for (every rank answers at once)
+            return StepOutputs(grammar_ready_seq_ids=ready, grammar_errors=errors)
         block_table = self.tables.apply(
             step.seq_ids, step.table_reset, step.new_block_counts, step.new_block_ids
         )
@@ -83,6 +101,8 @@ class Worker:
             block_table=block_table,
             draft_counts=step.draft_counts,
         )
+        if step.prompt_logprob_counts is not None:
+            self._prompt_rows(step, inputs)
         states = None
         if sampler is not None:
             try:
@@ -93,4 +113,52 @@ class Worker:
                 ]
             except KeyError as e:
                 raise KeyError(f"sequence {e.args[0]} was never introduced to this worker") from None
-        return self.runner.execute(inputs, states)
+        grammar = sampler.grammar if sampler is not None else None
+        before = (grammar.mask_seconds, grammar.fill_seconds) if grammar is not None else None
+        out = self.runner.execute(inputs, states)
+        out.grammar_ready_seq_ids, out.grammar_errors = ready, errors
+        if grammar is not None:
+            out.grammar_mask_seconds = grammar.mask_seconds - before[0]
+            out.grammar_fill_seconds = grammar.fill_seconds - before[1]
+        return out
+
+    def _prompt_rows(self, step: WorkerStep, inputs: StepInputs) -> None:
+        """The rows giving prompt logprobs: for a sequence counting n, its last n query positions before
+        e = min(context_len, len(prompt) - 1); position p predicts prompt token p + 1."""
+        rows, targets, tops = [], [], []
+        q_starts = np.cumsum(step.query_lens) - step.query_lens
+        for i in np.flatnonzero(step.prompt_logprob_counts):
+            seq = self.sequences[int(step.seq_ids[i])]
+            if seq.prompt is None:
+                raise ValueError(f"sequence {seq.seq_id} asked no prompt logprobs")
+            n, context = int(step.prompt_logprob_counts[i]), int(step.context_lens[i])
+            first_pos = context - int(step.query_lens[i])
+            end = min(context, len(seq.prompt) - 1)
+            rows.extend(int(q_starts[i]) + p - first_pos for p in range(end - n, end))
+            targets.extend(seq.prompt[end - n + 1 : end + 1])
+            tops.extend([seq.prompt_top] * n)
+        inputs.prompt_rows, inputs.prompt_targets, inputs.prompt_tops = (
+            np.asarray(rows, dtype=np.int64),
+            np.asarray(targets, dtype=np.int64),
+            np.asarray(tops, dtype=np.int64),
+        )
+
+    def _grammars(self, wait_s: float) -> tuple[list[int], list[tuple[int, str]]]:
+        """The pending grammars that are ready now, and those that failed; with wait_s, waits that long
+        for the first of them (a step that computes nothing, sent only to wait for grammars)."""
+        ready, errors = [], []
+        deadline = time.monotonic() + wait_s
+        for seq_id, state in list(self._grammar_pending.items()):
+            try:
+                timeout = 0.0 if ready else max(0.0, deadline - time.monotonic())
+                done = self.runner.sampler.grammar_ready(state, timeout)
+            except Exception as e:  # a grammar llguidance refuses, or a model without a tokenizer
+                errors.append(
+                    (seq_id, f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e))
+                )
+                del self._grammar_pending[seq_id]
+                continue
+            if done:
+                ready.append(seq_id)
+                del self._grammar_pending[seq_id]
+        return ready, errors

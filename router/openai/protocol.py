@@ -9,15 +9,21 @@ one place (errors.from_failure), its field renamed to the name the client used (
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
+from common.grammar import KINDS as STRUCTURED_KINDS
 from common.pb.tpserve.v1 import generation_pb2 as pb
 from common.sampling import SAMPLING_FIELDS
+from router.choices import MAX_N
 from router.openai import fields as f
 from router.openai.errors import bad_request
-from router.openai.tools import ToolChoice, parse_tool_calls, parse_tool_choice, parse_tools
+from router.openai.structured import parse_structured
+from router.openai.tools import ToolChoice, output_schema, parse_tool_calls, parse_tool_choice, parse_tools
 from router.validation import max_new_tokens_too_small
 
+# Prompts in one /v1/completions request: each is a request of its own (with its n choices).
+MAX_PROMPTS = 64
 # The default of OpenAI's legacy completions endpoint (chat leaves it to the server: as much as fits).
 COMPLETIONS_MAX_TOKENS = 16
 
@@ -34,6 +40,20 @@ class ApiRequest:
     logprobs: int | None  # alternatives to return per token (None: no logprobs at all)
     params: dict[str, str]  # GenerateRequest field -> this request's name for it (for errors)
     tool_choice: ToolChoice | None = None  # chat only
+    # /v1/completions with a list of prompts: the GenerateRequests of the prompts after the first.
+    more: tuple[pb.GenerateRequest, ...] = ()
+    n: int = 1  # choices returned per prompt
+    best_of: int | None = None  # choices generated per prompt, the n best kept (completions)
+    echo: bool = False
+    prompt_logprobs: int | None = None  # vLLM's: alternatives per prompt position
+
+    @property
+    def generates(self) -> tuple[pb.GenerateRequest, ...]:
+        return (self.generate, *self.more)
+
+    @property
+    def num_choices(self) -> int:
+        return self.n * len(self.generates)
 
 
 def _max_tokens(body: dict, name: str) -> int | None:
@@ -80,10 +100,14 @@ def _common(body: object, request_id: str, chat: bool) -> tuple[dict, dict]:
     min_tokens = f.integer(body, "min_tokens", 0, f.UINT32_MAX)
     if min_tokens is not None:
         sampling["min_tokens"] = min_tokens
+    structured, structured_field = parse_structured(body)
     kwargs = dict(
         request_id=given_id or request_id,
         sampling=pb.SamplingParams(
-            **sampling, logit_bias=f.logit_bias(body), bad_words=f.strings(body, "bad_words", single=False)
+            **sampling,
+            logit_bias=f.logit_bias(body),
+            bad_words=f.strings(body, "bad_words", single=False),
+            structured_output=structured,
         ),
         stop=f.strings(body, "stop"),
         # vLLM's extensions, for clients that send them (extra_body in the openai client).
@@ -94,40 +118,102 @@ def _common(body: object, request_id: str, chat: bool) -> tuple[dict, dict]:
     for name in ("skip_special_tokens", "add_special_tokens"):
         if body.get(name) is not None:
             kwargs[name] = f.boolean(body, name)
+    n = f.integer(body, "n", 1, MAX_N)
+    prompt_logprobs = f.integer(body, "prompt_logprobs", 0, f.UINT32_MAX)
+    if prompt_logprobs is not None and stream and chat:
+        raise bad_request("prompt_logprobs", "prompt_logprobs is not supported with stream on chat (as vLLM)")
+    if n is not None:
+        kwargs["n"] = n
+    if prompt_logprobs is not None:
+        kwargs["prompt_logprobs"] = prompt_logprobs
     params = {
         f"sampling.{name}": name for name in (*SAMPLING_FIELDS, "logit_bias", "min_tokens", "bad_words")
     }
+    if structured_field is not None:
+        # The oneof's members first: a message naming one is renamed whole, not by its prefix.
+        params |= {f"sampling.structured_output.{k}": structured_field for k in STRUCTURED_KINDS}
+        params |= {"sampling.structured_output": structured_field}
     params |= {
         "request_id": "request_id" if given_id else "X-Request-Id",
         "text": "prompt",
         "token_ids": "prompt",
     }
-    return kwargs, dict(params=params, model=model, stream=stream, include_usage=include_usage)
+    rest = dict(params=params, model=model, stream=stream, include_usage=include_usage)
+    return kwargs, rest | dict(n=n or 1, echo=f.boolean(body, "echo"), prompt_logprobs=prompt_logprobs)
 
 
 def parse_completion(body: object, request_id: str) -> ApiRequest:
-    """A /v1/completions body. prompt: a string, a list of one string, or token ids (a list of ints, or a
-    list of one such list)."""
+    """A /v1/completions body. prompt: a string, token ids (a list of ints), or a list of several of
+    either: one GenerateRequest per prompt (the first keeps the request id, prompt p gets "id/p"), whose
+    choices come prompt after prompt (index p * n + i)."""
     kwargs, rest = _common(body, request_id, chat=False)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # one prompt in a batch of one
-    if isinstance(prompt, str):
-        kwargs["text"] = prompt
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        kwargs["token_ids"] = f.token_ids({"prompt": prompt}, "prompt")
-    elif isinstance(prompt, list) and len(prompt) > 1:
-        raise bad_request("prompt", "prompt: one prompt per request (send a request for each)")
-    else:
-        raise bad_request("prompt", "prompt must be a string or an array of token ids")
+    prompts = _prompts(body.get("prompt"))
     max_tokens = _max_tokens(body, "max_tokens")
     kwargs["max_new_tokens"] = COMPLETIONS_MAX_TOKENS if max_tokens is None else max_tokens
     logprobs = f.integer(body, "logprobs", 0, f.UINT32_MAX)
     if logprobs is not None:
         # The proto's 0 means "no logprobs": the chosen token's own needs at least one alternative asked.
         kwargs["top_logprobs"] = max(logprobs, 1)
-    rest["params"] |= {"max_new_tokens": "max_tokens", "top_logprobs": "logprobs"}
-    return ApiRequest(chat=False, generate=pb.GenerateRequest(**kwargs), logprobs=logprobs, **rest)
+    best_of = f.integer(body, "best_of", 1, MAX_N)
+    if best_of is not None:
+        if best_of < rest["n"]:
+            raise bad_request("best_of", f"best_of ({best_of}) must be at least n ({rest['n']})")
+        if rest["stream"] and best_of > rest["n"]:
+            raise bad_request("best_of", "best_of cannot be used with stream: the best are known at the end")
+        # Generated: best_of choices, ranked by their tokens' summed logprob (each token's is needed).
+        kwargs["n"] = best_of
+        kwargs["top_logprobs"] = max(kwargs.get("top_logprobs", 0), 1)
+    if rest["echo"] and logprobs is not None and rest["prompt_logprobs"] is None:
+        kwargs["prompt_logprobs"] = logprobs  # echo with logprobs: the prompt's come first
+    rest["params"] |= {
+        "max_new_tokens": "max_tokens",
+        "top_logprobs": "logprobs",
+        "n": "best_of" if best_of else "n",
+    }
+    generates = []
+    for p, prompt in enumerate(prompts):
+        g = pb.GenerateRequest(**kwargs)
+        if p:
+            g.request_id = f"{g.request_id}/{p}"
+        if isinstance(prompt, str):
+            g.text = prompt
+        else:
+            g.token_ids.extend(prompt)
+        generates.append(g)
+    return ApiRequest(
+        chat=False,
+        generate=generates[0],
+        more=tuple(generates[1:]),
+        logprobs=logprobs,
+        best_of=best_of,
+        **rest,
+    )
+
+
+def _prompts(prompt) -> list[str | list[int]]:
+    """The prompts of a completions body: a string, token ids, or a list of several of either."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
+        return [f.token_ids({"prompt": prompt}, "prompt")]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        if len(prompt) > MAX_PROMPTS:
+            raise bad_request(
+                "prompt", f"prompt: at most {MAX_PROMPTS} prompts in one request, got {len(prompt)}"
+            )
+        out = []
+        for i, p in enumerate(prompt):
+            if isinstance(p, list):
+                if not p:
+                    raise bad_request(f"prompt[{i}]", f"prompt[{i}] is empty")
+                p = f.token_ids({f"prompt[{i}]": p}, f"prompt[{i}]")
+            out.append(p)
+        return out
+    raise bad_request("prompt", "prompt must be a string, an array of token ids, or an array of either")
 
 
 def _content(message: dict, where: str) -> str:
@@ -176,6 +262,16 @@ def parse_chat(body: object, request_id: str, tool_parser: str | None = None) ->
     kwargs["messages"] = [parse_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
     kwargs["tools"] = parse_tools(body)
     tool_choice = parse_tool_choice(body, kwargs["tools"], tool_parser)
+    schema = output_schema(kwargs["tools"], tool_choice)
+    if schema is not None:
+        # "required" or a named function: the answer is the call itself, its arguments held to the
+        # function's schema by a grammar.
+        if kwargs["sampling"].HasField("structured_output"):
+            raise bad_request(
+                "tool_choice", "tool_choice forcing a call cannot be combined with response_format"
+            )
+        kwargs["sampling"].structured_output.json_schema = json.dumps(schema)
+        rest["params"] |= {f"sampling.structured_output.{k}": "tool_choice" for k in STRUCTURED_KINDS}
     if body.get("add_generation_prompt") is not None:
         kwargs["add_generation_prompt"] = f.boolean(body, "add_generation_prompt")
     kwargs["continue_final_message"] = f.boolean(body, "continue_final_message")

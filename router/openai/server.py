@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import importlib.metadata
 import json
 import logging
@@ -36,11 +37,13 @@ from common.grpc_util import MAX_MESSAGE_BYTES
 from common.pb.tpserve.v1 import generation_pb2 as pb
 from common.security import TlsFiles
 from router.auth import ApiKeys, refusal
+from router.choices import merged
 from router.frontend import Frontend, RequestFailed
 from router.openai import protocol, tokenize
 from router.openai.encoder import Encoder
 from router.openai.errors import ApiError, bad_request, from_failure
-from router.openai.tool_parsers import PARSERS
+from router.openai.tool_parsers import PARSERS, ForcedCalls
+from router.openai.tools import FUNCTION, REQUIRED
 
 log = logging.getLogger("tpserve.router")
 
@@ -256,14 +259,18 @@ class OpenAIServer:
     async def _generate(self, request: web.Request, parse) -> web.StreamResponse:
         req = parse(await self._body(request), request.headers.get("X-Request-Id") or uuid.uuid4().hex)
         info = self._check_model(req.model)
-        parser = None
-        if req.tool_choice is not None and req.tool_choice.parses:
-            parser = PARSERS[self.tool_call_parser]()
+        parser, choice = None, req.tool_choice
+        if choice is not None and choice.mode in (REQUIRED, FUNCTION):
+            parser = functools.partial(
+                ForcedCalls, choice.name
+            )  # the answer is the call, made by its grammar
+        elif choice is not None and choice.parses:
+            parser = PARSERS[self.tool_call_parser]
             if parser.needs_special_tokens and not req.generate.HasField("skip_special_tokens"):
                 req.generate.skip_special_tokens = False  # the parser's marker is a special token
-        encoder = Encoder(req, info.model_name, tool_parser=parser)
         parent = tracing.context_from_metadata((k.lower(), v) for k, v in request.headers.items())
-        async with contextlib.aclosing(self.frontend.generate(req.generate, parent)) as responses:
+        encoder = Encoder(req, info.model_name, tool_parser=parser, echo_texts=await self._echo_texts(req))
+        async with contextlib.aclosing(self._responses(req, parent)) as responses:
             try:
                 first = await anext(responses)
             except RequestFailed as e:
@@ -275,7 +282,42 @@ class OpenAIServer:
                 whole += [resp async for resp in responses]
             except RequestFailed as e:
                 raise from_failure(e, req.params) from None
+            if req.best_of is not None:
+                whole = best_of(whole, req.best_of, req.n)
             return web.json_response(encoder.whole(whole))
+
+    def _responses(self, req: protocol.ApiRequest, parent) -> AsyncIterator[pb.GenerateResponse]:
+        """Every prompt's choices in one stream, choice i of prompt p as index p * n + i (the Frontend
+        numbers each prompt's own from 0)."""
+        generated = req.best_of or req.n
+
+        async def numbered(p: int, g: pb.GenerateRequest):
+            async with contextlib.aclosing(self.frontend.generate(g, parent)) as responses:
+                async for resp in responses:
+                    resp.index += p * generated
+                    yield resp
+
+        streams = [numbered(p, g) for p, g in enumerate(req.generates)]
+        return merged(streams, same_prompt=len(streams) == 1, finishes=generated * len(streams))
+
+    async def _echo_texts(self, req: protocol.ApiRequest) -> list[str] | None:
+        """echo: each prompt's text (completions), or the last message's when it is the assistant's turn
+        being continued (chat, as vLLM)."""
+        if not req.echo:
+            return None
+        if req.chat:
+            last = req.generate.messages[-1]
+            return [last.content if last.role == "assistant" else ""]
+        texts = []
+        for g in req.generates:
+            texts.append(g.text if g.text else await self._detokenize(list(g.token_ids), req))
+        return texts
+
+    async def _detokenize(self, ids: list[int], req: protocol.ApiRequest) -> str:
+        try:
+            return await self.frontend.detokenize(ids)
+        except RequestFailed as e:
+            raise from_failure(e, req.params) from None
 
     async def _stream(
         self,
@@ -291,24 +333,47 @@ class OpenAIServer:
         await response.prepare(request)
         try:
             if req.chat:
-                await response.write(_sse(encoder.role_chunk()))
-            resp = first
+                for chunk in encoder.role_chunks():
+                    await response.write(_sse(chunk))
+            resp, usage = first, None
             while True:
                 chunk = encoder.chunk(resp)
                 if chunk is not None:
                     await response.write(_sse(chunk))
-                if resp.finish_reason:
-                    break
+                if resp.HasField("usage"):  # the very last message: every choice has finished
+                    usage = resp.usage
                 try:
                     resp = await anext(rest)
+                except StopAsyncIteration:
+                    break
                 except RequestFailed as e:
                     await response.write(_sse(from_failure(e, req.params).body()))
                     break
-            if req.include_usage and resp.finish_reason:
-                await response.write(_sse(encoder.usage_chunk(resp.usage)))
+            if req.include_usage and usage is not None:
+                await response.write(_sse(encoder.usage_chunk(usage)))
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
         except ConnectionResetError:
             # The client went away between tokens: leaving closes the generator, which aborts the request.
             log.debug("client of %s disconnected", encoder.id)
         return response
+
+
+def best_of(responses: list[pb.GenerateResponse], generated: int, n: int) -> list[pb.GenerateResponse]:
+    """best_of: of each prompt's `generated` choices, the n whose tokens' summed logprob is highest (vLLM's
+    rule), renumbered p * n + rank in that order."""
+    score: dict[int, float] = {}
+    for resp in responses:
+        score[resp.index] = score.get(resp.index, 0.0) + sum(lp.chosen.logprob for lp in resp.logprobs)
+    new_index = {}
+    for p in range(max(score, default=-1) // generated + 1):
+        ranked = sorted(range(p * generated, (p + 1) * generated), key=lambda i: -score.get(i, float("-inf")))
+        new_index |= {i: p * n + rank for rank, i in enumerate(ranked[:n])}
+    kept = [r for r in responses if r.index in new_index]
+    total = next((r.usage for r in responses if r.HasField("usage")), None)
+    for r in kept:
+        r.index = new_index[r.index]
+        r.ClearField("usage")
+    if kept and total is not None:  # the usage counts every choice generated, as vLLM's does
+        kept[-1].usage.CopyFrom(total)
+    return kept

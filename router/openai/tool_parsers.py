@@ -271,4 +271,33 @@ class MistralParser(ToolParser):
         return "".join(random.choices(self._ID_CHARS, k=9))
 
 
+class ForcedCalls(ToolParser):
+    """tool_choice "required" or a named function: the whole answer is the call, as the grammar built from
+    tools.output_schema made it: the named function's arguments object, or for "required" an array of
+    {"name", "parameters"}. Read once complete (a call is sent whole); an answer cut short (max_tokens) is
+    returned as the text it is."""
+
+    def __init__(self, name: str | None = None):
+        super().__init__()
+        self.name = name  # the named function; None: "required"
+        self._buf = ""
+
+    def feed(self, text: str) -> Parsed:
+        self._buf += text
+        return Parsed()
+
+    def finish(self) -> Parsed:
+        text, self._buf = self._buf, ""
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return Parsed(content=text)
+        if self.name is not None:
+            return self._call(self.name, value)
+        out = Parsed()
+        for item in value:
+            out += self._call(item["name"], item.get("parameters", {}))
+        return out
+
+
 PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser}

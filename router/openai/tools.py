@@ -3,9 +3,9 @@ history (an assistant's `tool_calls`, a `tool` message's `tool_call_id`), read i
 
 What reaches the model is what the checkpoint's chat template makes of them (router/chat.py). The answer's
 tool calls are parsed out of its text by --tool-call-parser (tool_parsers.py) when tool_choice is "auto".
-"required" and a named function need the output constrained to the functions' schemas: `output_schema`
-gives that JSON Schema, the hook the engine's grammar masks will take (phase 2); until then such requests
-are refused, so a client never gets text where it was promised a call.
+"required" and a named function constrain the output to the functions' schemas: `output_schema` gives that
+JSON Schema, which becomes the request's grammar, and the answer is the call itself (tool_parsers.py's
+ForcedCalls reads it), so a client always gets a call whose arguments follow the function's schema.
 """
 
 from __future__ import annotations
@@ -56,11 +56,11 @@ def parse_tools(body: dict) -> list[pb.Tool]:
             raise bad_request(
                 f"{where}.function.parameters", f"{where}.function.parameters must be a JSON Schema object"
             )
-        if function.get("strict"):
+        if function.get("strict") and not _forces_call(body):
             raise bad_request(
                 f"{where}.function.strict",
-                f"{where}.function.strict: arguments that must follow the schema need the engine's "
-                "grammar masks (not available yet)",
+                f"{where}.function.strict: arguments are held to the schema only when tool_choice forces a "
+                'call ("required" or a named function); with "auto" the model writes them freely',
             )
         out.append(
             pb.Tool(
@@ -70,6 +70,11 @@ def parse_tools(body: dict) -> list[pb.Tool]:
             )
         )
     return out
+
+
+def _forces_call(body: dict) -> bool:
+    value = body.get("tool_choice")
+    return value == REQUIRED or isinstance(value, dict)
 
 
 def parse_tool_choice(body: dict, tools: list[pb.Tool], parser: str | None) -> ToolChoice:
@@ -109,12 +114,7 @@ def parse_tool_choice(body: dict, tools: list[pb.Tool], parser: str | None) -> T
             "tool_choice",
             f'tool_choice must be "none", "auto", "required" or a named function, got {kind(value)}',
         )
-    output_schema(tools, choice)  # what phase 2 hands to the grammar masks
-    raise bad_request(
-        "tool_choice",
-        f"tool_choice {json.dumps(value)} needs the model's output constrained to the tools' schemas, which "
-        'needs the engine\'s grammar masks (not available yet); use "auto" or "none"',
-    )
+    return choice
 
 
 def output_schema(tools: list[pb.Tool], choice: ToolChoice) -> dict | None:

@@ -24,6 +24,7 @@ from typing import NamedTuple
 import torch
 
 from shard_worker.sampling.draw import greedy_or_draw, probabilities
+from shard_worker.sampling.grammar import GrammarCompiler, GrammarProcessor
 from shard_worker.sampling.processors import (
     BadWords,
     LogitBias,
@@ -44,16 +45,27 @@ class SampleResult(NamedTuple):
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, device: torch.device | str = "cpu", eos_token_ids=()):
+    def __init__(
+        self,
+        vocab_size: int,
+        device: torch.device | str = "cpu",
+        eos_token_ids=(),
+        grammars: GrammarCompiler | None = None,
+    ):
+        """grammars: compiles structured outputs' grammars (None: a sequence with one is refused)."""
         self.vocab_size = vocab_size
         self.device = torch.device(device)
-        # In the order they apply (a grammar's mask goes last, once there is one).
+        # In the order they apply: the grammar's mask last, so that nothing after it lets back a token it
+        # forbids.
         self.processors = [
             Penalties(vocab_size, self.device),
             LogitBias(self.device),
             MinTokens(eos_token_ids, self.device),
             BadWords(self.device),
         ]
+        self.grammar = GrammarProcessor(grammars, self.device) if grammars is not None else None
+        if self.grammar is not None:
+            self.processors.append(self.grammar)
         # Shared by unseeded sequences; seeded from the OS, since they promise no reproducibility.
         self._generator = torch.Generator(self.device)
         self._generator.seed()
@@ -68,6 +80,8 @@ class Sampler:
             stop_token_ids=frozenset(init.stop_token_ids),
         )
         state.processors = tuple(p for p in self.processors if p.wants(init.sampling))
+        if init.sampling.structured is not None and self.grammar is None:
+            raise ValueError("this worker has no grammar compiler for sampling.structured_output")
         for p in state.processors:
             p.init(state, init.token_ids, init.num_prompt_tokens)
         return state
@@ -75,6 +89,19 @@ class Sampler:
     def release(self, state: SequenceState) -> None:
         for p in state.processors:
             p.release(state)
+
+    def grammar_ready(self, state: SequenceState, timeout: float = 0.0) -> bool:
+        """Whether the sequence can be sampled: True unless its grammar is still compiling (waiting at most
+        timeout seconds). Raises GrammarError (a ValueError) when it cannot be compiled."""
+        return (
+            self.grammar is None or self.grammar not in state.processors or self.grammar.ready(state, timeout)
+        )
+
+    def prepare(self, states: list[SequenceState]) -> None:
+        """The step's sampled sequences, before its forward: work that needs no logits starts now (the
+        grammar masks are filled on the host while the device runs the model)."""
+        if self.grammar is not None:
+            self.grammar.prepare(states)
 
     @torch.inference_mode()
     def sample(

@@ -5,6 +5,7 @@ stream meanwhile."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import types
 
@@ -125,3 +126,75 @@ def test_output_text_and_logprob_texts_are_decoded_off_the_event_loop_in_batches
         assert lp.chosen.text == "<7>" and [t.text for t in lp.top[:2]] == ["<0>", "<1>"]
     # Eight requests' three messages each: far fewer hand-offs to the decode thread than decodes.
     assert fe.tokenizer.decoding.batches < 8 * 4
+
+
+class RecordingPool(ScriptedPool):
+    """Notes every AddRequest and abort; each choice gets the outputs scripted for its index."""
+
+    def __init__(self, outputs_by_choice, hold: set[int] = frozenset()):
+        super().__init__([])
+        self.by_choice, self.hold = outputs_by_choice, hold
+        self.adds, self.aborted = [], []
+
+    def submit(self, add):
+        index = len(self.adds)
+        self.adds.append(add)
+        queue = asyncio.Queue()
+        if index not in self.hold:  # a held choice never answers: it is aborted when the call ends
+            for out in self.by_choice[index]:
+                queue.put_nowait(scheduler_pb2.RequestOutput.FromString(out.SerializeToString()))
+        return queue
+
+    def abort(self, request_id):
+        self.aborted.append(request_id)
+
+
+def test_n_choices_run_as_forks_with_derived_seeds_and_merge_into_one_stream():
+    hf = RecordingTokenizer()
+    lp = pb.Logprobs(chosen=pb.TokenLogprob(token_id=7, logprob=-1.0, rank=3))
+    outs = [
+        [
+            scheduler_pb2.RequestOutput(prompt_logprobs=[lp] if i == 0 else []),
+            scheduler_pb2.RequestOutput(token_ids=[10 + i]),
+            scheduler_pb2.RequestOutput(token_ids=[20 + i], finish_reason=pb.FINISH_REASON_LENGTH),
+        ]
+        for i in range(3)
+    ]
+    pool = RecordingPool(outs)
+    req = pb.GenerateRequest(
+        request_id="r", token_ids=[5, 7], max_new_tokens=2, n=3, prompt_logprobs=0,
+        sampling=pb.SamplingParams(temperature=1.0, seed=41),
+    )  # fmt: skip
+
+    async def run():
+        return [r async for r in frontend(hf, pool).generate(req)]
+
+    got = asyncio.run(run())
+    assert [a.request_id for a in pool.adds] == ["r", "r#1", "r#2"]
+    assert [a.sampling.seed for a in pool.adds] == [41, 42, 43]
+    assert [a.fork_of for a in pool.adds] == ["", "r", "r"]
+    assert [a.want_prompt_logprobs for a in pool.adds] == [True, False, False]
+    tokens = {i: [t for r in got if r.index == i for t in r.token_ids] for i in range(3)}
+    assert tokens == {0: [10, 20], 1: [11, 21], 2: [12, 22]}
+    # Every choice's first message has the prompt's logprobs: the first token's (id only), then 7's.
+    firsts = [next(r for r in got if r.index == i) for i in range(3)]
+    assert all([p.chosen.token_id for p in f.prompt_logprobs] == [5, 7] for f in firsts)
+    # Only the very last message carries the usage, summed over the choices.
+    with_usage = [r for r in got if r.HasField("usage")]
+    assert with_usage == [got[-1]] and got[-1].usage.completion_tokens == 6
+    assert sum(1 for r in got if r.finish_reason) == 3 and pool.aborted == []
+
+
+def test_a_choice_that_fails_ends_the_request_and_aborts_the_others():
+    hf = RecordingTokenizer()
+    failing = [scheduler_pb2.RequestOutput(error="boom", error_code=scheduler_pb2.ERROR_CODE_INTERNAL)]
+    pool = RecordingPool([[], failing], hold={0})
+    req = pb.GenerateRequest(request_id="r", token_ids=[5], max_new_tokens=2, n=2)
+
+    async def run():
+        with contextlib.suppress(Exception):
+            async for _ in frontend(hf, pool).generate(req):
+                pass
+
+    asyncio.run(run())
+    assert pool.aborted == ["r"]  # the held choice, aborted; the failed one ended itself

@@ -7,6 +7,8 @@ from tests.conftest import ROOT
 
 PURE = [
     "scheduler.scheduler",
+    "scheduler.policy",
+    "scheduler.forks",
     "scheduler.block_manager",
     "scheduler.batch",
     "scheduler.plan",

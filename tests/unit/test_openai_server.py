@@ -217,11 +217,13 @@ def test_tool_choice_none_and_a_history_with_a_tool_result():
     "extra, param, words",
     [
         (dict(tool_choice="auto"), "tool_choice", "--tool-call-parser"),
-        (dict(tool_choice="required"), "tool_choice", "grammar masks"),
         (
-            dict(tool_choice={"type": "function", "function": {"name": "get_weather"}}),
-            "tool_choice",
-            "grammar masks",
+            dict(
+                tool_choice="auto",
+                tools=[WEATHER_TOOL | {"function": WEATHER_TOOL["function"] | {"strict": True}}],
+            ),
+            "tools[0].function.strict",
+            "only when tool_choice forces",
         ),
         (
             dict(tool_choice={"type": "function", "function": {"name": "nope"}}),

@@ -1,0 +1,115 @@
+"""Structured outputs in an OpenAI-style body, read into a tpserve.v1.StructuredOutput: OpenAI's
+`response_format` (json_object, json_schema) and vLLM's `structured_outputs` object and its older
+`guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` fields. At most one of them may say what
+the output is. Whether the grammar compiles is the Frontend's check (router/sampling_checks.py), whose
+error names the field the client used (`param`).
+
+JSON comes in the compact form (vLLM's disable_any_whitespace) unless structured_outputs says
+disable_any_whitespace: false: with any whitespace allowed, small models wander into endless newlines.
+"""
+
+from __future__ import annotations
+
+import json
+
+from common.pb.tpserve.v1 import generation_pb2 as pb
+from router.openai.errors import bad_request
+from router.openai.fields import kind
+
+GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+# vLLM's structured_outputs keys: what the output is, and options that only apply to some backends.
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+STRUCTURED_OPTIONS = ("disable_any_whitespace", "disable_fallback", "disable_additional_properties")
+
+
+def parse_structured(body: dict) -> tuple[pb.StructuredOutput | None, str | None]:
+    """The request's structured output and the name of the field it came in (None, None: free text)."""
+    given = [
+        name for name in ("response_format", "structured_outputs", *GUIDED) if body.get(name) is not None
+    ]
+    if body.get("response_format") == {"type": "text"}:
+        given.remove("response_format")
+    if len(given) > 1:
+        raise bad_request(given[1], f"set one of {' and '.join(given)}: both say what the output must be")
+    if not given:
+        return None, None
+    name = given[0]
+    value = body[name]
+    if name == "response_format":
+        return _response_format(value), "response_format"
+    if name == "structured_outputs":
+        return _structured_outputs(value)
+    return _one(name.removeprefix("guided_"), value, name), name
+
+
+def _response_format(value) -> pb.StructuredOutput:
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise bad_request("response_format", 'response_format must be an object with a "type"')
+    if value["type"] == "json_object":
+        return pb.StructuredOutput(json_object=True)
+    if value["type"] == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise bad_request(
+                "response_format.json_schema",
+                'response_format.json_schema must be {"name": ..., "schema": {...}, "strict": ...}',
+            )
+        # strict or not, the schema is enforced: a grammar cannot follow it loosely.
+        return pb.StructuredOutput(json_schema=json.dumps(spec["schema"]))
+    raise bad_request(
+        "response_format",
+        f'response_format type must be "text", "json_object" or "json_schema", got {value["type"]!r}',
+    )
+
+
+def _structured_outputs(value) -> tuple[pb.StructuredOutput, str]:
+    if not isinstance(value, dict):
+        raise bad_request("structured_outputs", f"structured_outputs must be an object, got {kind(value)}")
+    unknown = [k for k in value if k not in STRUCTURED_KINDS + STRUCTURED_OPTIONS]
+    if unknown:
+        raise bad_request(
+            f"structured_outputs.{unknown[0]}", f"unrecognized field structured_outputs.{unknown[0]}"
+        )
+    given = [k for k in STRUCTURED_KINDS if value.get(k) not in (None, False)]
+    if len(given) != 1:
+        raise bad_request(
+            "structured_outputs",
+            "structured_outputs: set exactly one of json, regex, choice, grammar or json_object",
+        )
+    name = f"structured_outputs.{given[0]}"
+    if given[0] == "structural_tag":
+        raise bad_request(name, f"{name} is not supported by tpserve (use json, regex, choice or grammar)")
+    if value.get("disable_additional_properties"):
+        raise bad_request(
+            "structured_outputs.disable_additional_properties",
+            "structured_outputs.disable_additional_properties is not supported: give the schema "
+            '"additionalProperties": false',
+        )
+    out = (
+        pb.StructuredOutput(json_object=True)
+        if given[0] == "json_object"
+        else _one(given[0], value[given[0]], name)
+    )
+    # vLLM's disable_any_whitespace false (said explicitly): any whitespace between JSON tokens. Unset or
+    # true: the compact form. disable_fallback has nothing to do: there is one backend.
+    out.whitespace_flexible = value.get("disable_any_whitespace") is False
+    return out, name
+
+
+def _one(what: str, value, name: str) -> pb.StructuredOutput:
+    """json (a schema object, or its JSON text), regex, choice (strings) or grammar (Lark or GBNF)."""
+    if what == "json":
+        if isinstance(value, dict):
+            return pb.StructuredOutput(json_schema=json.dumps(value))
+        if isinstance(value, str):
+            return pb.StructuredOutput(json_schema=value)
+        raise bad_request(
+            name, f"{name} must be a JSON Schema (an object, or its JSON text), got {kind(value)}"
+        )
+    if what == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise bad_request(name, f"{name} must be a non-empty array of non-empty strings")
+        return pb.StructuredOutput(choice=pb.Choices(choices=value))
+    if not isinstance(value, str) or not value:
+        raise bad_request(name, f"{name} must be a non-empty string, got {kind(value)}")
+    return pb.StructuredOutput(regex=value) if what == "regex" else pb.StructuredOutput(grammar=value)
