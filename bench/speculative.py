@@ -173,7 +173,7 @@ def run_suite(a: argparse.Namespace) -> dict:
             targets[name] = info["target"]
         for name in flags:  # warm-up: compile every shape a workload's first request would
             asyncio.run(measure(targets[name], requests_for("chat", 2, 99, 8), 2))
-        for workload, batch, n, max_new in RUNS:
+        for workload, batch, n, max_new in [r for r in RUNS if r[0] in a.workloads]:
             for method in [m for m in flags if m != "off"]:
                 row = {"workload": workload, "batch": batch, "method": method, "off": [], "on": []}
                 for rep in range(a.repeats):
@@ -185,7 +185,7 @@ def run_suite(a: argparse.Namespace) -> dict:
                         print(f"{workload} b{batch} {side}: {_brief(got)}", flush=True)
                 report["runs"].append(row)
         n = 3 * a.max_num_seqs
-        for method in [m for m in flags if m != "off"]:
+        for method in [m for m in flags if m != "off" and "burst" in a.workloads]:
             row = {"workload": "burst", "batch": n, "method": method, "off": [], "on": []}
             for rep in range(a.repeats):
                 order = ("off", method) if rep % 2 == 0 else (method, "off")
@@ -256,10 +256,12 @@ def main(argv: list[str] | None = None) -> int:
         "--max-num-seqs", type=int, default=16, help="the stacks' --max-num-seqs (the burst is 3x)"
     )
     p.add_argument("--burst-tokens", type=int, default=48, help="output tokens per burst request")
+    p.add_argument("--workloads", default="edit,code,chat,burst", help="comma-separated: a subset")
     p.add_argument("--skip-microbench", action="store_true", help="no step-cost and n-gram timings")
     p.add_argument("--out-dir", default="results")
     a = p.parse_args(argv)
     a.methods = tuple(m for m in a.methods.split(",") if m)
+    a.workloads = tuple(w for w in a.workloads.split(",") if w)
     report = run_suite(a)
     out = Path(a.out_dir) / f"spec-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -101,7 +101,8 @@ class Proposer(Protocol):
     """Proposes tokens likely to follow a sequence, for the step to verify (speculative decoding)."""
 
     def enabled(self, batch_size: int) -> bool:
-        """Whether a step that starts with this many running sequences makes proposals at all."""
+        """Whether a step makes proposals at all, while the scheduler holds this many sequences (running,
+        waiting or swapped out: the batch it is forming, and those the batch would take next)."""
         ...
 
     def propose(self, seq: Sequence, max_tokens: int) -> list[int]:

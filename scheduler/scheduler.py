@@ -44,6 +44,7 @@ class Scheduler:
         self.host_blocks = host_blocks
         self.eos_token_ids = frozenset(eos_token_ids)
         self.proposer = proposer
+        self._speculating = False  # whether this step makes proposals (Proposer.enabled, per step)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last is the first to be preempted
         self.swapped: list[Sequence] = []  # oldest (lowest seq_id) first: the first to come back
@@ -115,7 +116,7 @@ class Scheduler:
     def schedule(self, now: float = 0.0) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.policy.max_num_batched_tokens
-        self._speculating = self.proposer is not None and self.proposer.enabled(len(self.running))
+        self._speculating = self.proposer is not None and self.proposer.enabled(len(self._by_request))
 
         # Running sequences first, oldest first: each needs its next token (or its next prompt chunk).
         i = 0

@@ -10,16 +10,21 @@ it, after each step, how many of them the worker accepted. Proposals come from o
 - draft: a draft model on the shard workers, which proposes in the step itself: the scheduler only
   reserves the positions (DRAFTED placeholders, scheduler/plan.py) and the budget they take.
 
-When not to speculate (each rule skips the proposals, never a token):
-- per step, when the batch is large: at speculative_disable_by_batch_size running sequences a step is
-  bound by compute, proposals cost what they would save, and none are made (bench/speculative.py
-  measures where this lies);
-- per sequence, while its proposals are mostly rejected: each sequence keeps an exponential average of
-  the share of its proposals accepted (starting at 1; each verification weighs ACCEPTANCE_WEIGHT).
-  When it falls below MIN_ACCEPTANCE, the sequence makes no proposals for its next `backoff` decode
-  steps (BACKOFF_STEPS at first, doubled each time it falls below again, up to MAX_BACKOFF_STEPS), and
-  resumes with its average at MIN_ACCEPTANCE, so the first verification after the pause decides:
-  below MIN_ACCEPTANCE pauses it again, for twice as long; at or above it resets the backoff.
+When not to speculate (each rule skips proposals, never a token):
+- per step, when the load is high: while the scheduler holds speculative_disable_by_batch_size sequences
+  or more (running, waiting or swapped out), a step is bound by compute, proposals cost what they would
+  save, and none are made (bench/speculative.py measures where this lies);
+- per sequence, by its recent acceptance: each sequence keeps an exponential average `a` of its chance
+  of accepting a proposal it reaches (per verification, accepted / (accepted + 1 if one was rejected);
+  starting at 1, each verification weighing ACCEPTANCE_WEIGHT). Its i-th proposal of a step is then
+  reached and accepted with a chance of about a^i. A verification costs a fixed part of a decode step
+  (VERIFY_COST) and each proposal a little more (PROPOSAL_COST): so a sequence proposes the tokens with
+  a^i >= PROPOSAL_COST (4 at a = 0.7, 2 at 0.5), and only if they are expected to bring VERIFY_COST
+  tokens (a + a^2 + ... >= VERIFY_COST, so not below a = 0.45). When they are not, it makes no proposals
+  for its next `backoff` decode steps (BACKOFF_STEPS at first, doubled each time it falls below again,
+  up to MAX_BACKOFF_STEPS), and resumes with `a` at RESUME_ACCEPTANCE, the least that proposes: the
+  first verification after the pause decides: a failure pauses it again, twice as long; a success
+  starts its backoff over.
 Plain Python: no torch, no gRPC.
 """
 
@@ -34,12 +39,14 @@ from scheduler.sequence import Sequence
 
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
 
-# Break-even of a verification: it emits about 1 + a*k tokens for a step that costs about 1 + c*k
-# decodes, where a is the share of proposals accepted and c the extra cost of one more query token per
-# sequence relative to a whole decode step. Measured for SmolLM2-135M on 2 CPU cores (bench/speculative.py's
-# step costs): c is about 0.1 at batch 1 and 0.2 at batch 8, so below a = c speculation loses; 0.3 keeps a
-# margin for the noise of one sequence's average.
-MIN_ACCEPTANCE = 0.3
+# What a verification costs, in decode steps. Measured for SmolLM2-135M on 2 CPU cores (bench/speculative.py's
+# step costs): at batch 1, a second query row turns every matrix-vector product into a matrix-matrix one,
+# and a step of 2 to 5 query tokens takes 1.4 to 1.7 decode steps, whatever their number; from batch 8 on,
+# each further query token per sequence adds 0.1 to 0.25 of a step (more over long contexts, since every
+# query token attends over the context).
+VERIFY_COST = 0.6
+PROPOSAL_COST = 0.2
+RESUME_ACCEPTANCE = 0.45  # the least acceptance that still proposes (two tokens, 0.45 + 0.2 >= 0.6)
 ACCEPTANCE_WEIGHT = 0.3
 BACKOFF_STEPS = 4
 MAX_BACKOFF_STEPS = 64
@@ -71,7 +78,7 @@ class SpeculativePolicy:
     # weights to far larger batches: measure there and raise it.
     speculative_disable_by_batch_size: int = setting(
         16,
-        help="speculation: no proposals in a step with at least this many running sequences (0: always)",
+        help="speculation: no proposals while the scheduler holds at least this many sequences (0: always)",
         rule=at_least(0),
         launch=True,
     )
@@ -115,7 +122,7 @@ class _SequenceSpeculation:
     """A sequence's own state (Sequence.proposer_state): it goes with the sequence."""
 
     ngrams: NgramIndex | None
-    acceptance: float = 1.0  # exponential average of the share of its proposals accepted
+    acceptance: float = 1.0  # exponential average of its chance of accepting a proposal it reaches
     pause: int = 0  # decode steps left without proposals
     backoff: int = BACKOFF_STEPS  # the next pause's length
     resumed: bool = False  # the next verification is the first after a pause
@@ -137,7 +144,7 @@ class Speculator:
         if state.pause:
             state.pause -= 1
             return []
-        k = min(self.policy.num_speculative_tokens, max_tokens)
+        k = min(self.policy.num_speculative_tokens, max_tokens, _worth_proposing(state.acceptance))
         if state.ngrams is None:
             return [DRAFTED] * k
         return state.ngrams.propose(seq.token_ids, k)
@@ -157,21 +164,22 @@ class Speculator:
             t.num_emitted_tokens += len(got)
             for i in range(accepted):
                 t.accepted_per_position[i] += 1
-            self._judge(self._state(item.seq), accepted / proposed)
+            self._judge(self._state(item.seq), accepted / (accepted + (accepted < proposed)))
 
     @staticmethod
     def _judge(state: _SequenceSpeculation, share: float) -> None:
         state.acceptance += ACCEPTANCE_WEIGHT * (share - state.acceptance)
-        if state.acceptance >= MIN_ACCEPTANCE:
+        if _worth_proposing(state.acceptance):
             if state.resumed:
                 state.backoff = BACKOFF_STEPS
             state.resumed = False
             return
         if state.resumed:  # the first verification after a pause failed too: pause twice as long
             state.backoff = min(2 * state.backoff, MAX_BACKOFF_STEPS)
-        state.pause, state.acceptance, state.resumed = state.backoff, MIN_ACCEPTANCE, True
+        state.pause, state.acceptance, state.resumed = state.backoff, RESUME_ACCEPTANCE, True
 
     def _state(self, seq: Sequence) -> _SequenceSpeculation:
+        """The sequence's own state, made at its first proposal."""
         if seq.proposer_state is None:
             p = self.policy
             ngrams = None
@@ -179,3 +187,13 @@ class Speculator:
                 ngrams = NgramIndex(p.prompt_lookup_min, p.prompt_lookup_max)
             seq.proposer_state = _SequenceSpeculation(ngrams)
         return seq.proposer_state
+
+
+def _worth_proposing(acceptance: float) -> int:
+    """How many proposals to make: those with a chance acceptance^i >= PROPOSAL_COST of being reached
+    and accepted (at most 16), or none when they would not bring VERIFY_COST tokens between them."""
+    k, expected = 0, 0.0
+    while k < 16 and acceptance ** (k + 1) >= PROPOSAL_COST:
+        k += 1
+        expected += acceptance**k
+    return k if expected >= VERIFY_COST else 0

@@ -16,3 +16,11 @@ def test_every_scalar_field_is_summed_and_nothing_else():
     add_into(total, part)
     add_into(total, part)
     assert all(getattr(total, name) == 4 for name in SUMMED)
+
+
+def test_repeated_counters_are_summed_element_by_element():
+    """Speculative decoding's acceptance per position, from replicas proposing different lengths."""
+    total = generation_pb2.Stats()
+    add_into(total, generation_pb2.Stats(spec_accepted_per_position_total=[5, 3]))
+    add_into(total, generation_pb2.Stats(spec_accepted_per_position_total=[1, 1, 1, 1]))
+    assert list(total.spec_accepted_per_position_total) == [6, 4, 1, 1]

@@ -86,26 +86,29 @@ def verified(s, proposed: int, accepted: int) -> tuple[ScheduledSeq, list[int]]:
     return ScheduledSeq(s, 1 + proposed, 1 + proposed, [5] * proposed), [5] * (accepted + 1)
 
 
-def test_a_sequence_whose_proposals_fail_pauses_with_a_growing_backoff():
-    spec = Speculator(policy(prompt_lookup_min=1, prompt_lookup_max=1))
+def test_a_sequence_proposes_as_far_as_its_acceptance_makes_worthwhile_then_pauses():
+    spec = Speculator(policy(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=1))
     s = seq(0, 4, max_new=100)
     s.token_ids = [5, 5, 5, 5]  # always something to propose
 
-    def step(accepted: int) -> bool:
-        """One decode step of s: whether it proposed (its proposals then verified)."""
-        proposal = spec.propose(s, 3)
+    def step(accept: bool) -> int:
+        """One decode step of s: how many tokens it proposed (all of them then accepted, or none)."""
+        proposal = spec.propose(s, 4)
         if proposal:
-            spec.observe(*map(list, zip(verified(s, len(proposal), accepted), strict=True)))
-        return bool(proposal)
+            item, got = verified(s, len(proposal), len(proposal) if accept else 0)
+            spec.observe([item], [got])
+        return len(proposal)
 
-    # Every proposal rejected: the average falls 1 -> 0.7 -> 0.49 -> 0.34 -> 0.24, below 0.3 at the 4th.
-    assert [step(0) for _ in range(4)] == [True] * 4
-    assert [step(0) for _ in range(BACKOFF_STEPS)] == [False] * BACKOFF_STEPS
-    assert step(0)  # the probe after the pause, rejected too: a pause twice as long
-    assert [step(0) for _ in range(2 * BACKOFF_STEPS)] == [False] * (2 * BACKOFF_STEPS)
-    assert step(3)  # this probe is accepted whole: the backoff starts over
+    # Every first proposal rejected: acceptance 1 -> 0.7 -> 0.49 -> 0.34, so 4 proposals, 4 (0.7^4 >= 0.2),
+    # 2 (0.49 + 0.24 >= 0.6), and then a pause (0.34 alone would not pay for a verification).
+    assert [step(False) for _ in range(3)] == [4, 4, 2]
+    assert [step(False) for _ in range(BACKOFF_STEPS)] == [0] * BACKOFF_STEPS
+    assert step(False) == 2  # the probe after the pause (at 0.45), rejected too: a pause twice as long
+    assert [step(False) for _ in range(2 * BACKOFF_STEPS)] == [0] * (2 * BACKOFF_STEPS)
+    assert step(True) == 2  # this probe is accepted: the backoff starts over
     assert s.proposer_state.backoff == BACKOFF_STEPS
-    assert all(step(3) for _ in range(10))
+    # Accepted again and again (0.62, 0.73, ...), it proposes further, up to num_speculative_tokens.
+    assert [step(True) for _ in range(5)] == [3, 4, 4, 4, 4]
 
 
 def test_totals_count_drafts_tokens_and_positions():
