@@ -10,6 +10,10 @@ matmuls (projections, MLP, LM head), attention (the compiled flex kernel), norms
 (the elementwise ops between matmuls), sampling, and everything else (indexing, step metadata).
 
 --matmul times only the step's matmuls (weights streamed from memory), float32 against bfloat16.
+--linear compares the worker's two ways of holding a float32 model's linear layers (--linear-dtype dtype
+and bfloat16, model/loader.py's cast_linear_weights), in one run: execute() at each batch, alternating,
+and the greedy tokens both give for --prompts slices of README.md (how many of them come out identical,
+and where the others first differ).
 
 Figures (issue 24), 2-core AVX-512-BF16 machine shared with other engineers' tests (load average 7 on 2
 cores: absolute times are 2-5x what a quiet machine gives; read the shares and the ratios). With
@@ -27,9 +31,11 @@ So matmuls are three quarters of a decode step, and bf16 weights on this CPU wou
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -134,6 +140,66 @@ def matmul_ms(config, batch: int, dtype: torch.dtype, reps: int = 7) -> float:
     return statistics.median(samples) * 1e3
 
 
+def greedy(runner: ModelRunner, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """new_tokens greedy tokens per prompt, the prompts prefilled in one step, then decoded together."""
+    per_seq = -(-(max(map(len, prompts)) + new_tokens) // BLOCK_SIZE)
+    runner.allocate_kv_cache(1 + len(prompts) * per_seq, BLOCK_SIZE)
+    tables = StepInputs.pad_tables(
+        [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(len(prompts))]
+    )
+    states = [runner.sampler.new_state(SequenceInit(i, GREEDY, 0, p, len(p))) for i, p in enumerate(prompts)]
+    lens = [len(p) for p in prompts]
+    step = StepInputs(range(len(prompts)), lens, lens, [1] * len(prompts), sum(prompts, []), tables)
+    outputs: list[list[int]] = [[] for _ in prompts]
+    while True:
+        tokens = runner.execute(step, states).token_ids
+        for out, t in zip(outputs, tokens, strict=True):
+            out.append(t)
+        if len(outputs[0]) == new_tokens:
+            return outputs
+        lens = [n + 1 for n in lens]
+        step = StepInputs(range(len(prompts)), [1] * len(prompts), lens, [1] * len(prompts), tokens, tables)
+
+
+def compare_linear(a) -> None:
+    from transformers import AutoTokenizer
+
+    runners = {
+        name: ModelRunner(a.model, torch.float32, torch.device("cpu"), TensorParallel(), linear_dtype=dtype)
+        for name, dtype in (("float32", None), ("bfloat16", torch.bfloat16))
+    }
+    per_seq = -(-a.context // BLOCK_SIZE)
+    for runner in runners.values():
+        runner.allocate_kv_cache(1 + max(a.batch) * per_seq, BLOCK_SIZE)
+        runner.warm_up(BLOCK_SIZE)
+    print(f"threads {a.threads}, context {a.context}: execute() median ms, linear weights float32 / bfloat16")
+    for b in a.batch:
+        ms = {name: [] for name in runners}
+        for _ in range(3):  # alternating, so both see the same background load
+            for name, runner in runners.items():
+                runner.allocate_kv_cache(1 + max(a.batch) * per_seq, BLOCK_SIZE)
+                ms[name].append(measure(runner, b, a.context, a.steps // 3 or 1)["execute ms"])
+        f32, bf16 = statistics.median(ms["float32"]), statistics.median(ms["bfloat16"])
+        print(f"batch {b:3d}: {f32:.1f} / {bf16:.1f} ms ({f32 / bf16:.2f}x)", flush=True)
+    text = AutoTokenizer.from_pretrained(a.model)(Path("README.md").read_text())["input_ids"]
+    rng = random.Random(0)
+    prompts = []
+    for _ in range(a.prompts):
+        n = rng.randint(64, 192)
+        start = rng.randrange(0, len(text) - n)
+        prompts.append(text[start : start + n])
+    got = {name: greedy(runner, prompts, a.new_tokens) for name, runner in runners.items()}
+    firsts = [
+        next((i for i, (x, y) in enumerate(zip(p, q, strict=True)) if x != y), None)
+        for p, q in zip(got["float32"], got["bfloat16"], strict=True)
+    ]
+    same = sum(f is None for f in firsts)
+    print(
+        f"greedy, {a.prompts} prompts of 64-192 tokens, {a.new_tokens} new tokens: {same} identical; "
+        f"the others first differ at tokens {sorted(f for f in firsts if f is not None)}"
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="models/smollm2")
@@ -143,8 +209,16 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--top", action="store_true", help="also print the top ops of each batch")
     p.add_argument("--matmul", action="store_true", help="only time the step's matmuls, float32 vs bfloat16")
+    p.add_argument(
+        "--linear", action="store_true", help="float32 against bfloat16 linear weights: speed, tokens"
+    )
+    p.add_argument("--prompts", type=int, default=16, help="--linear: greedy prompts compared")
+    p.add_argument("--new-tokens", type=int, default=64, help="--linear: greedy tokens per prompt")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
+    if a.linear:
+        compare_linear(a)
+        return
     if a.matmul:
         config = ModelConfig.from_pretrained(a.model)
         for b in a.batch:

@@ -18,6 +18,8 @@ from common.tracing import TracingConfig
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 DEVICES = ("cpu", "cuda")
+# shard_worker/devices.py's linear_dtype: auto is bfloat16 for float32 models on CPUs with native bf16.
+LINEAR_DTYPES = ("auto", "dtype", "bfloat16")
 LOAD_FORMATS = ("auto", "dummy")
 # shard_worker/attention/__init__.py: auto is triton on CUDA, flex on CPU float32, reference otherwise.
 ATTENTION_BACKENDS = ("auto", "flex", "triton", "reference")
@@ -37,6 +39,14 @@ class WorkerConfig:
         "cpu", help="cpu, or cuda (rank r takes cuda:<r % devices>)", choices=DEVICES, launch=True
     )
     dtype: str = setting("float32", help="weights, activations and KV cache", choices=DTYPES, launch=True)
+    linear_dtype: str = setting(
+        "auto",
+        help="weights of the projections, MLPs and LM head: dtype (as --dtype), bfloat16 (inputs rounded to "
+        "bf16 for each product, products back in --dtype), or auto (bfloat16 for a float32 model on a "
+        "CPU with native bf16 products: AVX-512 BF16 or AMX; else dtype)",
+        choices=LINEAR_DTYPES,
+        launch=True,
+    )
     num_threads: int = setting(
         0, help="torch CPU threads (0: cores / world size)", rule=at_least(0), launch=True
     )

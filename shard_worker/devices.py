@@ -33,3 +33,34 @@ def check_dtype(device_type: str, dtype: str, native_bf16: bool) -> None:
     """Refuses a dtype the device does not run natively (see the module's note)."""
     if device_type == "cuda" and dtype == "bfloat16" and not native_bf16:
         raise ValueError("--dtype bfloat16: this GPU has no native bfloat16 support (use --dtype float16)")
+
+
+# /proc/cpuinfo flags of x86 CPUs that multiply bfloat16 natively (oneDNN's bf16 kernels use them).
+NATIVE_BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
+    """This CPU's feature flags (Linux; empty elsewhere)."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def linear_dtype(choice: str, device_type: str, dtype: str, cpu_flags: frozenset[str]) -> str | None:
+    """The dtype linear layers hold their weights in for --linear-dtype choice, None for --dtype's.
+
+    auto picks bfloat16 for a float32 model on a CPU with native bf16 products, where it measured faster
+    at the same greedy tokens (bench/decode_profile.py's figures); everywhere else it keeps --dtype.
+    """
+    if choice == "dtype" or (choice == "bfloat16" and dtype == "bfloat16"):
+        return None
+    if choice == "bfloat16":
+        return "bfloat16"
+    if device_type == "cpu" and dtype == "float32" and cpu_flags & NATIVE_BF16_CPU_FLAGS:
+        return "bfloat16"
+    return None

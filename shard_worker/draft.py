@@ -49,11 +49,13 @@ class _DraftSequence:
 
 
 class DraftModel:
-    def __init__(self, model_dir, dtype, device, tp, attention, target_config, check=None):
-        """check(model): as load_model's, before the weights load."""
+    def __init__(self, model_dir, dtype, device, tp, attention, target_config, check=None, linear_dtype=None):
+        """check(model), linear_dtype: as load_model's."""
         self.name = Path(model_dir).resolve().name
         self.dtype, self.device, self.tp, self.attention = dtype, device, tp, attention
-        self.config, self.model = load_model(model_dir, dtype, device, tp, check=check)
+        self.config, self.model = load_model(
+            model_dir, dtype, device, tp, check=check, linear_dtype=linear_dtype
+        )
         if self.config.vocab_size != target_config.vocab_size:
             raise ValueError(
                 f"--speculative-model {model_dir}: vocab_size {self.config.vocab_size}, the model's is "

@@ -42,13 +42,16 @@ class ModelRunner:
         attention_backend: str = "auto",
         cuda_graphs: bool = False,
         speculative_model: str | Path | None = None,
+        linear_dtype: torch.dtype | None = None,
     ):
         """load_format "auto" reads the checkpoint's weights; "dummy" fills them with small random values
         on the device from config.json alone (vLLM's name), for benchmarks at real shapes.
         attention_backend: see shard_worker/attention (ValueError when it cannot run here).
         cuda_graphs: replay decode steps from graphs (shard_worker/cuda_graphs.py), captured by
         capture_cuda_graphs once the cache exists; on CPU the same path runs without capture (tests).
-        speculative_model: a draft model's checkpoint (shard_worker/draft.py), or None."""
+        speculative_model: a draft model's checkpoint (shard_worker/draft.py), or None.
+        linear_dtype: the dtype linear layers hold their weights in (model/loader.py's
+        cast_linear_weights), None for dtype."""
         self.model_dir = Path(model_dir)
         self.dtype = dtype
         self.device = torch.device(device)
@@ -58,7 +61,7 @@ class ModelRunner:
             torch.set_flush_denormal(True)
         self.attention = select_backend(attention_backend, self.device, dtype)
         self.config, self.model = load_model(
-            self.model_dir, dtype, self.device, tp, load_format, check=self._check_layers
+            self.model_dir, dtype, self.device, tp, load_format, self._check_layers, linear_dtype
         )
         self.graphs: CudaGraphRunner | None = None
         reason = graphs_unsupported(self.attention, tp.world_size, _nccl_version()) if cuda_graphs else None
@@ -71,7 +74,14 @@ class ModelRunner:
         self.draft = None
         if speculative_model:
             self.draft = DraftModel(
-                speculative_model, dtype, self.device, tp, self.attention, self.config, self._check_layers
+                speculative_model,
+                dtype,
+                self.device,
+                tp,
+                self.attention,
+                self.config,
+                self._check_layers,
+                linear_dtype,
             )
         self.kv_caches: list[torch.Tensor] = []
         # Swap space: the same layout as kv_caches, in host memory (pinned on CUDA, for fast copies).

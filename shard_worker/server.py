@@ -243,6 +243,9 @@ def serve(config: WorkerConfig) -> None:
     torch.set_num_threads(config.threads)
     device = select_device(config)
     tp = init_tensor_parallel(config.rank, config.world_size, config.dist_init, device)
+    linear = devices.linear_dtype(config.linear_dtype, device.type, config.dtype, devices.cpu_flags())
+    if linear is not None:
+        log.info("rank %d: linear layers' weights in %s", config.rank, linear)
     runner = ModelRunner(
         config.model,
         getattr(torch, config.dtype),
@@ -252,6 +255,7 @@ def serve(config: WorkerConfig) -> None:
         config.attention_backend,
         cuda_graphs=config.use_cuda_graphs,
         speculative_model=config.speculative_model,
+        linear_dtype=None if linear is None else getattr(torch, linear),
     )
 
     stop = threading.Event()

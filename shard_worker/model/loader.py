@@ -25,12 +25,20 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 def load_model(
-    model_dir: str | Path, dtype: torch.dtype, device: torch.device, tp, load_format: str = "auto", check=None
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    tp,
+    load_format: str = "auto",
+    check=None,
+    linear_dtype: torch.dtype | None = None,
 ):
     """(ModelConfig, this rank's shard of the model) for a checkpoint directory, built on the device in
     the dtype, in eval mode. load_format "auto" reads the checkpoint's weights; "dummy" fills them with
     small random values from config.json alone (vLLM's name), for benchmarks at real shapes. check(model)
-    runs before the weights load, so that a refusal does not wait for them."""
+    runs before the weights load, so that a refusal does not wait for them. linear_dtype: the dtype the
+    projections, MLPs and LM head hold and multiply their weights in (cast_linear_weights), if not
+    dtype."""
     from shard_worker.model.registry import model_class
 
     config = ModelConfig.from_pretrained(model_dir)
@@ -42,7 +50,23 @@ def load_model(
         init_dummy_weights(model)
     else:
         load_weights(model, model_dir, config.tie_word_embeddings)
+    if linear_dtype is not None and linear_dtype != dtype:
+        cast_linear_weights(model, linear_dtype)
     return config, model.eval()
+
+
+def cast_linear_weights(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Holds the weights of the tensor-parallel linear layers and the LM head in dtype (their biases,
+    the embedding, norms, MoE experts and routers keep the model's). layers.linear.linear then rounds
+    each input to dtype for its product and returns the product in the model's dtype: on a CPU with
+    native bfloat16 products (AVX-512 BF16, AMX) that halves the bytes a decode step reads and runs the
+    products at the bf16 rate. A tied LM head gets its own copy, so the embedding stays exact."""
+    from shard_worker.model.layers.embedding import ParallelLMHead
+    from shard_worker.model.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
+            module.weight = torch.nn.Parameter(module.weight.detach().to(dtype), requires_grad=False)
 
 
 @contextlib.contextmanager

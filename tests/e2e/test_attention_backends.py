@@ -1,6 +1,7 @@
 """Each attention backend that runs on CPU serves the same greedy tokens through the real processes as
 transformers gives: flex, the per-sequence reference, and the Triton kernels under Triton's interpreter
-(TRITON_INTERPRET=1 in the stack's environment; slow, so the limits and prompts are small)."""
+(TRITON_INTERPRET=1 in the stack's environment; slow, so the limits and prompts are small); and with bf16
+linear weights, the tokens and logprobs of transformers with bf16 products."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ import random
 import grpc
 import torch
 
+from common.pb.tpserve.v1 import generation_pb2 as pb
 from common.pb.tpserve.v1 import generation_pb2_grpc
 from tests.conftest import launch
 from tests.reference import GREEDY, run_concurrently
-from tests.unit.greedy import hf_greedy
+from tests.unit.greedy import bf16_products, hf_greedy
 
 NEW_TOKENS = 6
 # A prompt inside one block, one across a block boundary, one of several blocks: batched together, then
@@ -35,7 +37,52 @@ def test_every_cpu_backend_serves_transformers_greedy_tokens(tiny_model, monkeyp
     for backend in ("flex", "reference", "triton"):
         if backend == "triton":  # inherited by the stack's processes, read when they import the kernels
             monkeypatch.setenv("TRITON_INTERPRET", "1")
-        flags = ("--dtype", "float32", "--attention-backend", backend, *SMALL_LIMITS)
-        with launch(tiny_model, *flags) as (target, _), grpc.insecure_channel(target) as channel:
+        # Exact float32 products whatever the CPU (--linear-dtype auto takes bf16 on some).
+        flags = ("--dtype", "float32", "--attention-backend", backend, "--linear-dtype", "dtype")
+        with (
+            launch(tiny_model, *flags, *SMALL_LIMITS) as (target, _),
+            grpc.insecure_channel(target) as channel,
+        ):
             results = run_concurrently(generation_pb2_grpc.GenerationStub(channel), requests)
         assert [tokens for tokens, *_ in results] == want, backend
+
+
+def _chosen_logprobs(stub, request: dict) -> tuple[list[int], list[float]]:
+    tokens, logprobs = [], []
+    for resp in stub.Generate(pb.GenerateRequest(**request, top_logprobs=1), timeout=120):
+        tokens += resp.token_ids
+        logprobs += [lp.chosen.logprob for lp in resp.logprobs]
+    return tokens, logprobs
+
+
+def _reference_logprobs(model, prompt: list[int], tokens: list[int]) -> list[float]:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+
+
+def test_bf16_linear_weights_serve_what_transformers_computes_with_bf16_products(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    rng = random.Random(21)
+    prompts = [[rng.randrange(2, 1024) for _ in range(n)] for n in PROMPT_LENS]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    flags = ("--dtype", "float32", "--linear-dtype", "bfloat16", *SMALL_LIMITS)
+    with launch(tiny_model, *flags) as (target, _), grpc.insecure_channel(target) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        got = [
+            _chosen_logprobs(
+                stub, dict(token_ids=p, max_new_tokens=NEW_TOKENS, ignore_eos=True, sampling=GREEDY)
+            )
+            for p in prompts
+        ]
+    exact = [_reference_logprobs(model, p, tokens) for p, (tokens, _) in zip(prompts, got, strict=True)]
+    bf16_products(model)
+    assert [tokens for tokens, _ in got] == hf_greedy(model, prompts, NEW_TOKENS)
+    for p, (tokens, logprobs) in zip(prompts, got, strict=True):
+        torch.testing.assert_close(logprobs, _reference_logprobs(model, p, tokens), rtol=0, atol=1e-4)
+    # ... and not float32's: products left in float32 would fail here.
+    differences = [
+        abs(a - b) for (_, lps), f32 in zip(got, exact, strict=True) for a, b in zip(lps, f32, strict=True)
+    ]
+    assert max(differences) > 1e-3

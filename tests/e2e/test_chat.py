@@ -69,7 +69,9 @@ def reference() -> tuple[list[list[int]], list[list[int]], int]:
 
 @pytest.fixture(scope="module")
 def stack():
-    with launch(SMOLLM2, "--dtype", "float32") as (target, _), grpc.insecure_channel(target) as channel:
+    # Exact float32 products, whatever the CPU (--linear-dtype auto would take bf16 on some).
+    flags = ("--dtype", "float32", "--linear-dtype", "dtype")
+    with launch(SMOLLM2, *flags) as (target, _), grpc.insecure_channel(target) as channel:
         yield channel
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from shard_worker.model_runner import ModelRunner
 from shard_worker.parallel import TensorParallel
@@ -51,3 +52,12 @@ def hf_greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int
             )
         outputs.append(out[0, len(ids) :].tolist())
     return outputs
+
+
+def bf16_products(model: torch.nn.Module) -> None:
+    """transformers' linear layers computing as ours do with --linear-dtype bfloat16: input and weight
+    rounded to bf16 for the product, the product returned in the input's dtype."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            weight = module.weight.detach().to(torch.bfloat16)
+            module.forward = lambda x, w=weight: F.linear(x.to(torch.bfloat16), w).to(x.dtype)

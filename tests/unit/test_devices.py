@@ -2,7 +2,7 @@
 
 import pytest
 
-from shard_worker.devices import check_cuda_devices, check_dtype, cuda_index
+from shard_worker.devices import check_cuda_devices, check_dtype, cpu_flags, cuda_index, linear_dtype
 
 
 def test_no_cuda_device_is_refused_naming_the_flag():
@@ -40,3 +40,28 @@ def test_bfloat16_needs_native_support_on_cuda():
 @pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
 def test_other_dtypes_run_on_any_gpu(dtype):
     check_dtype("cuda", dtype, native_bf16=False)
+
+
+BF16_CPU = frozenset({"avx512f", "avx512_bf16"})
+AVX2_CPU = frozenset({"avx2", "fma"})
+
+
+def test_auto_linear_dtype_is_bfloat16_only_for_float32_on_a_cpu_with_native_bf16():
+    assert linear_dtype("auto", "cpu", "float32", BF16_CPU) == "bfloat16"
+    assert linear_dtype("auto", "cpu", "float32", frozenset({"amx_bf16"})) == "bfloat16"
+    assert linear_dtype("auto", "cpu", "float32", AVX2_CPU) is None
+    assert linear_dtype("auto", "cpu", "float64", BF16_CPU) is None  # exact tests stay exact
+    assert linear_dtype("auto", "cuda", "float32", BF16_CPU) is None
+
+
+def test_explicit_linear_dtypes_are_kept_whatever_the_cpu():
+    assert linear_dtype("dtype", "cpu", "float32", BF16_CPU) is None
+    assert linear_dtype("bfloat16", "cpu", "float32", AVX2_CPU) == "bfloat16"
+    assert linear_dtype("bfloat16", "cpu", "bfloat16", AVX2_CPU) is None  # already the model's dtype
+
+
+def test_cpu_flags_are_read_from_cpuinfo(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512_bf16\n\nprocessor\t: 1\nflags\t\t: fpu\n")
+    assert cpu_flags(str(info)) == {"fpu", "avx2", "avx512_bf16"}
+    assert cpu_flags(str(tmp_path / "absent")) == frozenset()

@@ -632,9 +632,8 @@ def metric_names_by_process() -> dict[str, frozenset[str]]:
 
     from router.metrics import RouterMetrics
     from scheduler.metrics import SchedulerMetrics
-    from shard_worker import metrics as worker_metrics
-
     from scheduler.speculation import SpeculativePolicy, Speculator
+    from shard_worker import metrics as worker_metrics
 
     # What the scheduler's gauges read before start; with speculation on, so its series count too.
     no_engine = types.SimpleNamespace(

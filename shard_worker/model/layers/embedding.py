@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shard_worker.model.layers.linear import copy_checked, new_param
+from shard_worker.model.layers.linear import copy_checked, linear, new_param
 from shard_worker.parallel import TensorParallel
 
 
@@ -46,7 +46,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     as is); each rank computes its logit columns and rank 0 gathers the full row."""
 
     def forward_partial(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight)
+        return linear(hidden, self.weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = self.tp.gather_to_rank0(self.forward_partial(hidden), dim=-1)

@@ -42,6 +42,16 @@ def new_param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b. With W held in a narrower dtype than x (bfloat16 weights on a CPU that multiplies them
+    natively, see cast_linear_weights), x is rounded to W's dtype for the product and the product comes
+    back in x's: the residual stream, norms, attention and the KV cache keep x's precision."""
+    if weight.dtype == x.dtype:
+        return F.linear(x, weight, bias)
+    y = F.linear(x.to(weight.dtype), weight).to(x.dtype)
+    return y if bias is None else y + bias
+
+
 def divide(total: int, world_size: int, what: str) -> int:
     if total % world_size:
         raise ValueError(f"{what} {total} is not divisible by tensor_parallel_size {world_size}")
@@ -80,7 +90,7 @@ class ColumnParallelLinear(nn.Module):
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -166,7 +176,7 @@ class ReplicatedLinear(nn.Module):
         self.weight = new_param(output_size, input_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
 
 class RowParallelLinear(nn.Module):
@@ -195,7 +205,7 @@ class RowParallelLinear(nn.Module):
 
     def forward_partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's summand of x W^T, bias excluded."""
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.tp.all_reduce(self.forward_partial(x))

@@ -1,0 +1,62 @@
+"""bfloat16 linear weights for a float32 model (--linear-dtype, model/loader.py's cast_linear_weights):
+the products run in bf16 and nothing else changes, checked against transformers doing the same."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from transformers import LlamaForCausalLM
+
+from shard_worker.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from shard_worker.model.layers.linear import ColumnParallelLinear, RowParallelLinear
+from shard_worker.model_runner import ModelRunner
+from shard_worker.parallel import TensorParallel
+from tests.unit.greedy import bf16_products
+from tests.unit.test_model_runner import BLOCK_SIZE, BlockPool, Seq, forward_logits, plan
+
+torch.set_flush_denormal(True)
+
+
+def _prompt_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
+    runner.allocate_kv_cache(16, BLOCK_SIZE)
+    return forward_logits(runner, plan(BlockPool(16), [(Seq(0, ids, len(ids)), len(ids))]))
+
+
+def test_bf16_linear_weights_compute_what_transformers_computes_with_bf16_products(tiny_model):
+    ids = [0] + [(131 + i * 97) % 1000 + 2 for i in range(40)]
+    reference = LlamaForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    with torch.no_grad():
+        exact = reference(torch.tensor([ids])).logits[0]
+        bf16_products(reference)
+        want = reference(torch.tensor([ids])).logits[0]
+    runner = ModelRunner(
+        tiny_model, torch.float32, torch.device("cpu"), TensorParallel(), linear_dtype=torch.bfloat16
+    )
+    got = _prompt_logits(runner, ids)
+    assert got.dtype == torch.float32  # activations and logits stay in the model's dtype
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # ... which is not float32's: the test would see products left in float32.
+    assert (got - exact).abs().max() > 1e-2
+
+
+def test_only_linear_weights_are_cast_and_a_tied_head_gets_its_own_copy(tiny_model, tmp_path):
+    config = json.loads((tiny_model / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    runner = ModelRunner(
+        tmp_path,
+        torch.float32,
+        torch.device("cpu"),
+        TensorParallel(),
+        load_format="dummy",
+        linear_dtype=torch.bfloat16,
+    )
+    model = runner.model
+    linears = [m for m in model.modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)]
+    assert linears and all(m.weight.dtype == torch.bfloat16 for m in linears)
+    embedding = next(m for m in model.modules() if type(m) is VocabParallelEmbedding)
+    head = next(m for m in model.modules() if isinstance(m, ParallelLMHead))
+    assert embedding.weight.dtype == torch.float32 and head.weight.dtype == torch.bfloat16
+    assert torch.equal(head.weight, embedding.weight.to(torch.bfloat16))
+    norms = [p for name, p in model.named_parameters() if "norm" in name]
+    assert norms and all(p.dtype == torch.float32 for p in norms)
