@@ -37,6 +37,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -198,6 +199,40 @@ def compare_linear(a) -> None:
         f"greedy, {a.prompts} prompts of 64-192 tokens, {a.new_tokens} new tokens: {same} identical; "
         f"the others first differ at tokens {sorted(f for f in firsts if f is not None)}"
     )
+    # Teacher-forced on float32's continuations: does bf16 pick the same next token in the same
+    # context, and how likely does each find the text (mean negative log-likelihood per token)?
+    agree = total = 0
+    nll = {name: 0.0 for name in runners}
+    for prompt, cont in zip(prompts, got["float32"], strict=True):
+        tokens = prompt + cont
+        rows = {
+            name: _position_logits(runner, tokens)[len(prompt) - 1 : -1] for name, runner in runners.items()
+        }
+        agree += int((rows["float32"].argmax(-1) == rows["bfloat16"].argmax(-1)).sum())
+        total += len(cont)
+        target = torch.tensor(cont)[:, None]
+        for name, logits in rows.items():
+            nll[name] -= float(torch.log_softmax(logits.double(), -1).gather(1, target).sum())
+    print(
+        f"teacher-forced over float32's {total} tokens: bf16's argmax agrees at {100 * agree / total:.1f}%; "
+        f"NLL per token float32 {nll['float32'] / total:.4f}, bfloat16 {nll['bfloat16'] / total:.4f}"
+    )
+
+
+def _position_logits(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
+    """Every position's logits for one sequence, prefilled in one step."""
+    from shard_worker.attention import StepBatch
+
+    blocks = -(-len(tokens) // BLOCK_SIZE)
+    runner.allocate_kv_cache(1 + blocks, BLOCK_SIZE)
+    table = StepInputs.pad_tables([list(range(1, 1 + blocks))])
+    n = np.array([len(tokens)])
+    batch = StepBatch.build(np.array(tokens), n, n, table, BLOCK_SIZE, runner.device)
+    with torch.inference_mode():
+        hidden = runner.model(
+            batch.input_ids, batch.positions, runner.attention.context(batch), runner.kv_caches
+        )
+        return runner.model.compute_logits(hidden).float()
 
 
 def main() -> None:

@@ -60,8 +60,11 @@ async def merged(
     tasks = [asyncio.create_task(pump(s)) for s in streams]
     totals = generation_pb2.Usage()
     finished = 0
-    # Until choice 0's first message brings the prompt logprobs, the other choices' messages wait.
-    held: list[generation_pb2.GenerateResponse] | None = [] if prompt_logprobs else None
+    # Until choice 0's first message brings the prompt logprobs, the other choices' messages wait; from
+    # then on each other choice's first message gets a copy, whenever it comes.
+    held: list[generation_pb2.GenerateResponse] = []
+    first_logprobs = None
+    started = {0}
     remaining = len(streams)
     async with _closing(streams, tasks):
         while remaining:
@@ -71,18 +74,17 @@ async def merged(
                 continue
             if isinstance(item, Exception):
                 raise item
-            if held is not None:
-                if item.index != 0:
-                    held.append(item)
-                    continue
-                ready, started = [item, *held], set()
-                for other in held:
-                    if other.index not in started:  # its first message
-                        other.prompt_logprobs.extend(item.prompt_logprobs)
-                        started.add(other.index)
-                held = None
-            else:
-                ready = [item]
+            ready = [item]
+            if prompt_logprobs:
+                if first_logprobs is None:
+                    if item.index != 0:
+                        held.append(item)
+                        continue
+                    first_logprobs, ready, held = list(item.prompt_logprobs), [item, *held], []
+                for resp in ready:
+                    if resp.index not in started:  # its first message
+                        resp.prompt_logprobs.extend(first_logprobs)
+                        started.add(resp.index)
             for resp in ready:
                 if resp.finish_reason:
                     finished += 1

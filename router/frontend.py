@@ -206,10 +206,11 @@ class Frontend:
             raise RequestFailed(
                 grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already in flight"
             )
-        submitted = []
+        submitted, queues = [], []
         try:
-            queues = [self._submit(self._add(req, i, rid, ids[0], span)) for i, rid in enumerate(ids)]
-            submitted = ids
+            for i, rid in enumerate(ids):  # a full queue at choice i aborts the choices before it
+                queues.append(self._submit(self._add(req, i, rid, ids[0], span)))
+                submitted.append(rid)
             # Built off the loop too: each decodes the prompt's tail.
             streams = [
                 await self.tokenizer.decoding.run(

@@ -208,8 +208,6 @@ class BlockManager:
         for block in shared:
             self._ref_count[block] += 1
         seq.block_table = list(shared)
-        if self.enable_prefix_caching:
-            self._seq_registered[seq.seq_id] = 0  # its registrations are source's: none to make again
         return len(shared) * self.block_size
 
     def _take_fresh_block(self) -> int:

@@ -2,7 +2,7 @@
 
 Each field declared with `setting` is also the flag of the same name (common/settings.py); those marked
 launch=True are taken by `tpserve launch` too and passed through. The batching knobs are the nested
-SchedulingPolicy's (scheduler/scheduler.py), speculative decoding's the nested SpeculativePolicy's
+SchedulingPolicy's (scheduler/policy.py), speculative decoding's the nested SpeculativePolicy's
 (scheduler/speculation.py), each declared there.
 """
 

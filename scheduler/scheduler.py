@@ -119,14 +119,20 @@ class Scheduler:
         self._speculating = self.proposer is not None and self.proposer.enabled(len(self._by_request))
 
         # Running sequences first, oldest first: each needs its next token (or its next prompt chunk).
+        # later[i]: blocks the sequences after running[i] need for their next token. Proposals leave
+        # them free, so they never cost another sequence its blocks.
+        later = [0] * len(self.running)
+        for j in range(len(self.running) - 2, -1, -1) if self._speculating else ():
+            after = self.running[j + 1]
+            later[j] = later[j + 1] + self.blocks.blocks_needed(after, after.num_computed_tokens + 1)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             num_new = forks.limit(seq, num_new, seq.num_computed_tokens, self.blocks.block_size)
             drafts = self._propose(seq, budget - num_new) if num_new == 1 else []
-            if drafts and not self.blocks.can_allocate(seq, seq.num_tokens + len(drafts)):
-                drafts = []  # proposals never cost another sequence its blocks
+            if drafts and not self.blocks.can_allocate(seq, seq.num_tokens + len(drafts), later[i]):
+                drafts = []
             while not self.blocks.allocate(
                 seq, seq.num_computed_tokens + num_new + len(drafts), count_query=False
             ):
@@ -332,15 +338,16 @@ class Scheduler:
             # The KV of the proposals the worker rejected is not part of the sequence.
             rejected = item.num_samples - len(tokens) if item.num_samples else 0
             seq.num_computed_tokens += item.num_new_tokens - rejected
-            # Blocks whose every token is now computed become reusable by later prompts.
-            self.blocks.register_full_blocks(seq)
-            if not tokens:
-                continue
             reason, kept = None, 0
             while reason is None and kept < len(tokens):
                 seq.token_ids.append(tokens[kept])
                 reason = self._stop_reason(seq, tokens[kept])
                 kept += 1
+            # Blocks whose every token is now computed (accepted proposals included, so after they are
+            # appended: the hashes read the tokens) become reusable by later prompts.
+            self.blocks.register_full_blocks(seq, min(seq.num_computed_tokens, seq.num_tokens))
+            if not tokens:
+                continue
             if reason is not None:
                 self.running.remove(seq)
                 self._finish(seq, reason)

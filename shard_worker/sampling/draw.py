@@ -54,7 +54,7 @@ def probabilities(cfgs, logits: torch.Tensor) -> torch.Tensor:
     """What each row draws from: its logits at its temperature, then top-k, top-p and min-p, as
     probabilities (greedy rows get temperature 1 and no filters: their draw is discarded)."""
     device, vocab_size = logits.device, logits.shape[1]
-    temperature = _column([1.0 if c.greedy else c.temperature for c in cfgs], device)
+    temperature = column([1.0 if c.greedy else c.temperature for c in cfgs], device)
     scaled = logits / temperature
     top_k = [c.top_k if not c.greedy and 0 < c.top_k < vocab_size else 0 for c in cfgs]
     top_p = [c.top_p if not c.greedy else 1.0 for c in cfgs]
@@ -65,7 +65,7 @@ def probabilities(cfgs, logits: torch.Tensor) -> torch.Tensor:
     if any(min_p):
         # Relative to the most likely token, which every filter keeps, so renormalisation after
         # top-k/top-p does not change which tokens survive.
-        floor = _column(min_p, device) * probs.amax(dim=-1, keepdim=True)
+        floor = column(min_p, device) * probs.amax(dim=-1, keepdim=True)
         probs = probs.masked_fill(probs < floor, 0.0)
     return probs
 
@@ -109,7 +109,7 @@ def _top_k_top_p(scaled: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     device, vocab_size = scaled.device, scaled.shape[1]
     filtered = torch.tensor([k > 0 or p < 1.0 for k, p in zip(top_k, top_p, strict=True)], device=device)
     k = torch.tensor([k or vocab_size for k in top_k], dtype=torch.long, device=device)
-    p = _column(top_p, device)
+    p = column(top_p, device)
     # The top-p mass is measured over the top-k set when there is one, else over the whole row.
     needs_full_lse = any(kk == 0 and pp < 1.0 for kk, pp in zip(top_k, top_p, strict=True))
     full_lse = torch.logsumexp(scaled, dim=-1) if needs_full_lse else scaled.new_zeros(len(top_k))
@@ -142,5 +142,6 @@ def _keep_sorted(values, k, p, full_lse, vocab_size: int) -> tuple[torch.Tensor,
     return values, covered
 
 
-def _column(values: list[float], device) -> torch.Tensor:
+def column(values: list[float], device) -> torch.Tensor:
+    """Per-row values as a [rows, 1] float32 column, to broadcast over the vocabulary."""
     return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)

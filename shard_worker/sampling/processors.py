@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.sampling import SamplingConfig
+from shard_worker.sampling.draw import column as _column
 
 
 @dataclass
@@ -187,6 +188,3 @@ class BadWords(LogitsProcessor):
 def _tensor(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.tensor(list(values), dtype=dtype, device=device)
 
-
-def _column(values: list[float], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)

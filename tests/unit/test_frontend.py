@@ -198,3 +198,49 @@ def test_a_choice_that_fails_ends_the_request_and_aborts_the_others():
 
     asyncio.run(run())
     assert pool.aborted == ["r"]  # the held choice, aborted; the failed one ended itself
+
+
+def test_a_full_queue_at_a_later_choice_aborts_the_choices_already_submitted():
+    from router.scheduler_link import QueueFull
+
+    class FullAtSecond(RecordingPool):
+        def submit(self, add):
+            if len(self.adds) == 1:
+                raise QueueFull("queue full")
+            return super().submit(add)
+
+    pool = FullAtSecond([[], []], hold={0})
+    req = pb.GenerateRequest(request_id="r", token_ids=[5], max_new_tokens=2, n=2)
+
+    async def run():
+        with contextlib.suppress(Exception):
+            async for _ in frontend(RecordingTokenizer(), pool).generate(req):
+                pass
+
+    asyncio.run(run())
+    assert [a.request_id for a in pool.adds] == ["r"] and pool.aborted == ["r"]
+
+
+def test_a_choice_whose_first_message_comes_after_choice_0s_still_gets_the_prompt_logprobs():
+    from router.choices import merged
+
+    lp = pb.Logprobs(chosen=pb.TokenLogprob(token_id=7, logprob=-1.0, rank=3))
+    first_sent = asyncio.Event()
+
+    async def choice0():
+        yield pb.GenerateResponse(index=0, prompt_logprobs=[lp], token_ids=[1])
+        first_sent.set()
+        yield pb.GenerateResponse(index=0, token_ids=[2], finish_reason=pb.FINISH_REASON_LENGTH)
+
+    async def choice1():  # the fork runs after the first choice: its first message comes later
+        await first_sent.wait()
+        yield pb.GenerateResponse(index=1, token_ids=[3])
+        yield pb.GenerateResponse(index=1, token_ids=[4], finish_reason=pb.FINISH_REASON_LENGTH)
+
+    async def run():
+        return [r async for r in merged([choice0(), choice1()], prompt_logprobs=True)]
+
+    got = asyncio.run(run())
+    firsts = [next(r for r in got if r.index == i) for i in range(2)]
+    assert [[p.chosen.token_id for p in f.prompt_logprobs] for f in firsts] == [[7], [7]]
+    assert all(not r.prompt_logprobs for r in got if r not in firsts)

@@ -223,3 +223,32 @@ def test_proposals_never_preempt_another_sequence():
     out = sched.schedule()  # each needs its second block for position 31; proposals would need more
     assert not out.preempted
     assert [i.draft_token_ids for i in out.scheduled] == [[], []]
+
+
+def test_an_earlier_sequences_proposals_leave_the_block_a_later_one_needs():
+    """The first sequence's proposals would take the last free block, which the second needs for its
+    own next token: it proposes nothing rather than get the second preempted."""
+    sched = make(FakeProposer(k=4), num_blocks=4)
+    a, b = seq(0, 2 * BS - 1, max_new=20, ignore_eos=True), seq(2, BS, max_new=20, ignore_eos=True)
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    sched.update(out, [verify(i) for i in out.sampled])
+    # a: 2 blocks, its next position fits, its proposals need a third; b: 1 block, its next position
+    # (BS) needs a second. One block is free.
+    assert sched.blocks.num_free_blocks == 1
+    out = sched.schedule()
+    assert not out.preempted and [i.seq for i in out.scheduled] == [a, b]
+
+
+def test_accepted_proposals_register_the_blocks_they_complete_with_their_tokens_hashes():
+    """With prefix caching, a block completed by accepted proposals is cached under the hash of its
+    tokens: a later prompt with the same tokens finds it."""
+    policy = SchedulingPolicy(max_model_len=512)
+    blocks = BlockManager(200, BS, enable_prefix_caching=True)
+    sched = Scheduler(policy, blocks, [EOS], proposer=FakeProposer(k=4))
+    s = seq(0, BS + 2, max_new=BS, ignore_eos=True)
+    sched.add(s)
+    run(sched)
+    again = Sequence(1, "r1", s.token_ids[: 2 * BS] + [7], 2 * BS + 1, 1)
+    assert sched.blocks.match_prefix(again) == 2 * BS

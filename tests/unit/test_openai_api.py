@@ -1,7 +1,8 @@
 """The OpenAI-compatible API without the real processes: JSON bodies -> GenerateRequest, GenerateResponses ->
-OpenAI's objects, RequestFailed -> HTTP errors (router/openai_protocol.py), and the aiohttp server itself
-(router/openai_api.py) over a scripted stand-in for the Frontend: SSE framing, errors before and after the
-stream starts, keys, health, and a client that disconnects closing the Frontend's generator."""
+OpenAI's objects, RequestFailed -> HTTP errors (router/openai/protocol.py, errors.py), and the aiohttp
+server itself (router/openai/server.py) over a scripted stand-in for the Frontend: SSE framing, errors
+before and after the stream starts, keys, health, and a client that disconnects closing the Frontend's
+generator."""
 
 from __future__ import annotations
 
