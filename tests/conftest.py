@@ -13,6 +13,7 @@ from common.launcher import running_stack
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "models" / "tiny"
+SMOLLM2 = ROOT / "models" / "smollm2"
 
 
 @pytest.fixture(scope="session")
@@ -67,3 +68,16 @@ def launch(model: Path, *flags: str, startup_timeout: float = 180.0, log_level: 
             yield info["target"], info
     finally:
         log_path.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="session")
+def smollm2_stack():
+    """One SmolLM2 stack for every module that serves it (each start costs 40-50 s): (gRPC target, ready
+    info with the HTTP port). float32 with exact float32 products (the chat tests compare with
+    transformers' float32; --linear-dtype auto would take bf16 on some CPUs), hermes tool calls."""
+    if not (SMOLLM2 / "config.json").is_file():
+        pytest.skip("models/smollm2 is not built (`make model-smollm2`; `make test` does it first)")
+    flags = ("--http-port", "0", "--dtype", "float32", "--linear-dtype", "dtype")
+    flags += ("--tool-call-parser", "hermes")
+    with launch(SMOLLM2, *flags, startup_timeout=600) as (target, info):
+        yield target, info

@@ -14,7 +14,7 @@ from grpc_status import rpc_status
 
 from common.pb.tpserve.v1 import generation_pb2 as pb
 from common.pb.tpserve.v1 import generation_pb2_grpc
-from tests.conftest import ROOT, launch
+from tests.conftest import ROOT
 from tests.reference import run_concurrently
 
 SMOLLM2 = ROOT / "models" / "smollm2"
@@ -68,10 +68,8 @@ def reference() -> tuple[list[list[int]], list[list[int]], int]:
 
 
 @pytest.fixture(scope="module")
-def stack():
-    # Exact float32 products, whatever the CPU (--linear-dtype auto would take bf16 on some).
-    flags = ("--dtype", "float32", "--linear-dtype", "dtype")
-    with launch(SMOLLM2, *flags) as (target, _), grpc.insecure_channel(target) as channel:
+def stack(smollm2_stack):
+    with grpc.insecure_channel(smollm2_stack[0]) as channel:
         yield channel
 
 

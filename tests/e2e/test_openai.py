@@ -52,11 +52,8 @@ def tiny(tiny_model):
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    if not (SMOLLM2 / "config.json").is_file():
-        pytest.skip("models/smollm2 is not built (`make model-smollm2`)")
-    with launch(SMOLLM2, "--http-port", "0", "--dtype", "float32") as (target, info):
-        yield target, info
+def smollm2(smollm2_stack):
+    return smollm2_stack
 
 
 # ---- the same answers as gRPC ----

@@ -14,7 +14,6 @@ import urllib.request
 import openai
 import pytest
 
-from tests.conftest import launch
 from tests.e2e.test_openai import SMOLLM2, client, http_get
 
 pytestmark = pytest.mark.skipif(
@@ -44,10 +43,8 @@ ONE_SHOT = [
 
 
 @pytest.fixture(scope="module")
-def stack():
-    flags = ("--http-port", "0", "--dtype", "float32", "--tool-call-parser", "hermes")
-    with launch(SMOLLM2, *flags) as (target, info):
-        yield info
+def stack(smollm2_stack):
+    return smollm2_stack[1]
 
 
 def post(info, path: str, body: dict) -> tuple[int, dict]:

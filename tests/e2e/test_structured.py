@@ -20,7 +20,7 @@ import pytest
 
 from common.pb.tpserve.v1 import generation_pb2 as pb
 from common.pb.tpserve.v1 import generation_pb2_grpc
-from tests.conftest import ROOT, launch
+from tests.conftest import ROOT
 
 SMOLLM2 = ROOT / "models" / "smollm2"
 pytestmark = pytest.mark.skipif(
@@ -73,15 +73,13 @@ ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 
 
 @pytest.fixture(scope="module")
-def stack():
-    # 192 KV blocks: room for every test here, and for the n=3 test to show the shared prompt.
-    flags = ("--http-port", "0", "--tool-call-parser", "hermes", "--num-kv-blocks", "192")
-    with launch(SMOLLM2, *flags, startup_timeout=600) as (target, info):
-        with grpc.insecure_channel(target) as channel:
-            http = openai.OpenAI(
-                base_url=f"http://127.0.0.1:{info['http_port']}/v1", api_key="x", max_retries=0, timeout=600
-            )
-            yield http, generation_pb2_grpc.GenerationStub(channel), info
+def stack(smollm2_stack):
+    target, info = smollm2_stack
+    with grpc.insecure_channel(target) as channel:
+        http = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{info['http_port']}/v1", api_key="x", max_retries=0, timeout=600
+        )
+        yield http, generation_pb2_grpc.GenerationStub(channel), info
 
 
 def city_answer(http, i: int, sampled: bool) -> str:
