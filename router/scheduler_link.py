@@ -57,7 +57,13 @@ class SchedulerLink:
         self.owner = owner
         self.retry_s = retry_s
         self.model_info: generation_pb2.ModelInfo | None = None
-        options = list(OPTIONS)
+        # A scheduler that is starting or restarting is found within half a second of listening (gRPC's
+        # reconnect backoff otherwise grows to seconds while it is down).
+        options = [
+            *OPTIONS,
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 500),
+        ]
         if tls is not None and server_name:
             options.append(("grpc.ssl_target_name_override", server_name))
         self._channel = security.aio_channel(target, tls, options)

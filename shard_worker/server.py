@@ -244,8 +244,6 @@ def serve(config: WorkerConfig) -> None:
     device = select_device(config)
     tp = init_tensor_parallel(config.rank, config.world_size, config.dist_init, device)
     linear = devices.linear_dtype(config.linear_dtype, device.type, config.dtype, devices.cpu_flags())
-    if linear is not None:
-        log.info("rank %d: linear layers' weights in %s", config.rank, linear)
     runner = ModelRunner(
         config.model,
         getattr(torch, config.dtype),
@@ -257,6 +255,13 @@ def serve(config: WorkerConfig) -> None:
         speculative_model=config.speculative_model,
         linear_dtype=None if linear is None else getattr(torch, linear),
     )
+    if linear is not None:  # after the model loaded: a refusal is the only line a failed start writes
+        log.info(
+            "rank %d: linear layers' weights in %s (--linear-dtype %s)",
+            config.rank,
+            linear,
+            config.linear_dtype,
+        )
 
     stop = threading.Event()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=SERVER_OPTIONS)
