@@ -21,8 +21,9 @@ When not to speculate (each rule skips proposals, never a token):
   (VERIFY_COST) and each proposal a little more (PROPOSAL_COST): so a sequence proposes the tokens with
   a^i >= PROPOSAL_COST (4 at a = 0.7, 2 at 0.5), and only if they are expected to bring VERIFY_COST
   tokens (a + a^2 + ... >= VERIFY_COST, so not below a = 0.45). When they are not, it makes no proposals
-  for its next `backoff` decode steps (BACKOFF_STEPS at first, doubled each time it falls below again,
-  up to MAX_BACKOFF_STEPS), and resumes with `a` at RESUME_ACCEPTANCE, the least that proposes: the
+  the next `backoff` times it is asked for some (steps with speculation on; BACKOFF_STEPS at first,
+  doubled each time it falls below again, up to MAX_BACKOFF_STEPS), and resumes with `a` at
+  RESUME_ACCEPTANCE, the least that proposes: the
   first verification after the pause decides: a failure pauses it again, twice as long; a success
   starts its backoff over.
 Plain Python: no torch, no gRPC.
@@ -123,7 +124,7 @@ class _SequenceSpeculation:
 
     ngrams: NgramIndex | None
     acceptance: float = 1.0  # exponential average of its chance of accepting a proposal it reaches
-    pause: int = 0  # decode steps left without proposals
+    pause: int = 0  # proposal requests left to refuse (steps with speculation on, not all steps)
     backoff: int = BACKOFF_STEPS  # the next pause's length
     resumed: bool = False  # the next verification is the first after a pause
 
