@@ -48,7 +48,11 @@ class WorkerConfig:
         launch=True,
     )
     num_threads: int = setting(
-        0, help="torch CPU threads (0: cores / world size)", rule=at_least(0), launch=True
+        0,
+        help="torch CPU threads (0: the cores but one, shared by the ranks: the router, the scheduler and "
+        "this process's own gRPC threads need the other)",
+        rule=at_least(0),
+        launch=True,
     )
     load_format: str = setting(
         "auto",
@@ -99,7 +103,15 @@ class WorkerConfig:
     def threads(self) -> int:
         if self.num_threads > 0:
             return self.num_threads
-        return max(1, (os.cpu_count() or 1) // self.world_size)
+        return default_threads(os.cpu_count() or 1, self.world_size)
+
+
+def default_threads(cores: int, world_size: int) -> int:
+    """One core is left to the other processes: on 2 cores under the whole stack, a worker with 1
+    thread served SmolLM2 25-30% faster (TPOT at concurrency 1 and 8, vllm bench serve) than with 2,
+    whose threads stalled at every op's barrier while the router and scheduler ran (vLLM reserves one
+    core the same way)."""
+    return max(1, (cores - 1) // world_size)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

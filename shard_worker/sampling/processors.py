@@ -187,4 +187,3 @@ class BadWords(LogitsProcessor):
 
 def _tensor(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.tensor(list(values), dtype=dtype, device=device)
-

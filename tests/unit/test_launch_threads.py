@@ -17,4 +17,11 @@ def test_threads_given_to_launch_reach_the_workers(monkeypatch, tiny_model):
 
 def test_without_the_flag_the_workers_keep_their_own_default(monkeypatch, tiny_model):
     args = launched_worker_args(monkeypatch, tiny_model)
-    assert args[args.index("--num-threads") + 1] == "0"  # 0: cores / world size, decided by the worker
+    assert args[args.index("--num-threads") + 1] == "0"  # 0: decided by the worker (default_threads)
+
+
+def test_by_default_a_worker_leaves_one_core_to_the_other_processes():
+    from shard_worker.config import default_threads
+
+    assert [default_threads(c, 1) for c in (1, 2, 8)] == [1, 1, 7]
+    assert [default_threads(c, 2) for c in (1, 2, 9)] == [1, 1, 4]
