@@ -140,14 +140,20 @@ class Stack:
         log.info("started %s (pid %d)", name, proc.pid)
         return child
 
-    def _port_of(self, child: Child) -> int:
-        """Waits for child's port file. Any child's death ends the wait (the other ranks of a group wait
-        for a failed one for minutes), raising what it wrote in its port file (common/cli.py) as a
-        ValueError, or, when it died without a word, a RuntimeError."""
+    def _port_of(self, child: Child, watch: list[Child] | None = None) -> int:
+        """Waits for child's port file. A death among `watch` (default: every child) ends the wait (the
+        other ranks of a group wait for a failed one for minutes), raising what it wrote in its port file
+        (common/cli.py) as a ValueError, or, when it died without a word, a RuntimeError. A restart
+        watches only what it starts: another process dying meanwhile is the next restart's business."""
+        watched = self.children if watch is None else watch
+
+        def going() -> bool:
+            return all(c.alive for c in watched) and not self.stopping.is_set()
+
         try:
-            ports = read_port_file(child.port_file, self.config.startup_timeout_s, self._starting)
+            ports = read_port_file(child.port_file, self.config.startup_timeout_s, going)
         except RuntimeError:
-            self._raise_death()
+            self._raise_death(watched)
         if "error" in ports:
             raise ValueError(f"{child.name}: {ports['error']}")
         if ports.get("metrics_port") is not None:
@@ -161,13 +167,13 @@ class Stack:
         """Whether the start-up goes on: no child died and no signal asked to stop."""
         return self.first_dead() is None and not self.stopping.is_set()
 
-    def _raise_death(self) -> NoReturn:
+    def _raise_death(self, watched: list[Child] | None = None) -> NoReturn:
         """Raises Interrupted when a signal ended the wait; else what the first dead child wrote in its
         port file as it exited (common/cli.py), as a ValueError; or, when it died without a word (a
         crash), a RuntimeError."""
         if self.stopping.is_set():
             raise Interrupted()
-        dead = self.first_dead()
+        dead = next(c for c in (self.children if watched is None else watched) if not c.alive)
         try:
             error = json.loads(dead.port_file.read_text()).get("error")
         except (OSError, ValueError):  # no file yet, or a half-written one
@@ -253,14 +259,16 @@ class Stack:
         self.children.remove(dead)
         replica = dead.replica
         if dead.name == self.scheduler_name(replica):
-            self._port_of(self._spawn_scheduler(replica, self.scheduler_ports[replica]))
+            scheduler = self._spawn_scheduler(replica, self.scheduler_ports[replica])
+            self._port_of(scheduler, [scheduler])
             return
         workers = [c for c in self.children if c.replica == replica and c.name.startswith("shard-worker")]
         self._terminate(workers, grace_s=5.0)
         for c in workers:
             self.children.remove(c)
-        for c in self._spawn_workers(replica, self.worker_ports[replica]):
-            self._port_of(c)
+        group = self._spawn_workers(replica, self.worker_ports[replica])
+        for c in group:
+            self._port_of(c, group)
 
     def live_replicas(self) -> int:
         return len({c.replica for c in self.children if c.replica is not None})

@@ -47,3 +47,18 @@ def test_a_child_that_dies_without_a_word_is_named_with_its_exit_code(stack):
     start(stack, "shard-worker rank 1", "raise SystemExit(3)")
     with pytest.raises(RuntimeError, match="^shard-worker rank 1 exited with code 3 while starting$"):
         stack._port_of(waiting)
+
+
+def test_a_restart_waits_only_on_what_it_restarts(stack):
+    """The scheduler dying while the worker group restarts (both lost at once) does not fail the
+    worker's restart: the launcher's loop restarts the scheduler next."""
+    port_file = stack.tmp / "shard-worker rank 0.port"
+    writes_port = (
+        f"import json, time; time.sleep(0.5); open({str(port_file)!r}, 'w')"
+        ".write(json.dumps({'port': 1234})); time.sleep(120)"
+    )
+    worker = start(stack, "shard-worker rank 0", writes_port)
+    start(stack, "scheduler", "raise SystemExit(-9)")
+    assert stack._port_of(worker, [worker]) == 1234
+    with pytest.raises(RuntimeError, match="^scheduler exited"):
+        stack._port_of(start(stack, "shard-worker rank 1", SLEEPER))  # a start watches every child
