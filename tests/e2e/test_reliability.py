@@ -140,6 +140,8 @@ def test_a_shard_worker_killed_while_idle_is_noticed_and_comes_back(tiny_model):
             wait_until(lambda: serving(target), 30, "the router SERVING again")
             tokens, _, reason, _ = generate(stub, text="after", max_new_tokens=3, ignore_eos=True)
             assert len(tokens) == 3 and reason == pb.FINISH_REASON_LENGTH
+            os.kill(info["pids"]["scheduler"], 0)  # the scheduler survived the loss: no restart needed
+            wait_until(lambda: all_blocks_free(stub), 5.0, "blocks free at the end")
 
 
 def test_requests_sent_while_the_scheduler_restarts_wait_for_it(tiny_model):
@@ -154,14 +156,6 @@ def test_requests_sent_while_the_scheduler_restarts_wait_for_it(tiny_model):
             assert len(tokens) == 3 and reason == pb.FINISH_REASON_LENGTH
             wait_until(lambda: serving(target), 30, "health SERVING again")
             os.kill(info["pids"]["router"], 0)  # still the original router process
-
-
-def _try(fn):
-    try:
-        return fn()
-    except grpc.RpcError as e:
-        assert e.code() == grpc.StatusCode.UNAVAILABLE, e
-        return None
 
 
 def test_sigterm_drains_requests_in_flight_then_exits_cleanly(tiny_model):
@@ -199,19 +193,3 @@ def test_requests_still_running_at_the_drain_timeout_end_with_aborted(tiny_model
             assert last.finish_reason == pb.FINISH_REASON_ABORTED
             assert 0 < received < 1000 and last.usage.completion_tokens == received
         assert launcher.wait(60) == 0
-
-
-def test_a_worker_killed_while_idle_is_restarted_and_the_same_scheduler_goes_on(tiny_model):
-    with launch(tiny_model, "--max-restarts", "2") as (target, info):
-        with grpc.insecure_channel(target) as channel:
-            stub = generation_pb2_grpc.GenerationStub(channel)
-            assert generate(stub, text="before", max_new_tokens=2, ignore_eos=True)[0]
-            os.kill(info["pids"]["shard-worker rank 0"], signal.SIGKILL)
-            tokens = wait_until(
-                lambda: _try(lambda: generate(stub, text="after", max_new_tokens=3, ignore_eos=True)[0]),
-                90,
-                "a request served after the worker's restart",
-            )
-            assert len(tokens) == 3
-            os.kill(info["pids"]["scheduler"], 0)  # the scheduler survived the loss: no restart needed
-            wait_until(lambda: all_blocks_free(stub), 5.0, "blocks free at the end")
