@@ -76,22 +76,15 @@ class DraftModel:
     def allocate(self, num_blocks: int, block_size: int) -> None:
         """A fresh cache (with the target's): no sequence's draft KV is in it."""
         self._seqs.clear()
-        shape = self.model.kv_cache_shape(num_blocks, block_size)
         self.kv_caches = []  # the old one first, so that both never take memory at once
-        # Zeros, as the target's: a stale NaN in a masked slot would still poison attention's sum.
-        self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.model.num_kv_caches)
-        ]
+        self.kv_caches = self.model.new_kv_caches(num_blocks, block_size, self.dtype, self.device)
         self.block_size = block_size
 
     def allocate_host(self, num_blocks: int, block_size: int) -> None:
-        shape = self.model.kv_cache_shape(num_blocks, block_size)
         self.host_kv_caches = []
-        if num_blocks:
-            pin = self.device.type == "cuda"
-            self.host_kv_caches = [
-                torch.empty(shape, dtype=self.dtype, pin_memory=pin) for _ in range(self.model.num_kv_caches)
-            ]
+        self.host_kv_caches = self.model.new_kv_caches(
+            num_blocks, block_size, self.dtype, self.device, host=True
+        )
 
     def forget(self, seq_ids) -> None:
         for seq_id in seq_ids:

@@ -164,13 +164,8 @@ class ModelRunner:
         With CUDA graphs, one block more: block num_blocks is the padding rows' (see cuda_graphs.py)."""
         self.graphs = None  # they write to the old cache: recaptured by capture_cuda_graphs
         total = num_blocks + self.reserved_blocks
-        shape = self.model.kv_cache_shape(total, block_size)
         self.kv_caches = []  # frees an old cache first, so reallocating never needs room for both
-        # Zeros, not empty: padding slots are masked out of attention, but a NaN left in memory there
-        # would still poison the weighted sum (0 * NaN).
-        self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.model.num_kv_caches)
-        ]
+        self.kv_caches = self.model.new_kv_caches(total, block_size, self.dtype, self.device)
         self.block_size = block_size
         if self.draft is not None:
             self.draft.allocate(total, block_size)
@@ -205,13 +200,10 @@ class ModelRunner:
 
     def allocate_host_kv_cache(self, num_blocks: int, block_size: int) -> int:
         """Allocates the swap space: num_blocks host blocks laid out like the device cache; returns bytes."""
-        shape = self.model.kv_cache_shape(num_blocks, block_size)
         self.host_kv_caches = []
-        if num_blocks:
-            pin = self.device.type == "cuda"
-            self.host_kv_caches = [
-                torch.empty(shape, dtype=self.dtype, pin_memory=pin) for _ in range(self.model.num_kv_caches)
-            ]
+        self.host_kv_caches = self.model.new_kv_caches(
+            num_blocks, block_size, self.dtype, self.device, host=True
+        )
         if self.draft is not None:
             self.draft.allocate_host(num_blocks, block_size)
         return num_blocks * self.kv_block_bytes(block_size)

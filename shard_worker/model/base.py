@@ -100,6 +100,18 @@ class CausalLM(nn.Module):
         """The shape of each of the num_kv_caches caches on this rank."""
         return (2, num_blocks, block_size, self.num_local_kv_heads, self.head_dim)
 
+    def new_kv_caches(self, num_blocks: int, block_size: int, dtype, device, host: bool = False) -> list:
+        """This rank's caches: on the device, zeros (padding slots are masked out of attention, but a
+        NaN left in memory there would still poison the weighted sum, 0 * NaN); in host memory (swap
+        space), uninitialised, pinned when the device is CUDA (fast copies), and none for no blocks."""
+        shape = self.kv_cache_shape(num_blocks, block_size)
+        if host:
+            if not num_blocks:
+                return []
+            pin = torch.device(device).type == "cuda"
+            return [torch.empty(shape, dtype=dtype, pin_memory=pin) for _ in range(self.num_kv_caches)]
+        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.num_kv_caches)]
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 

@@ -8,7 +8,6 @@ JSON line per check ({"case", "check", "max_err", "tol", "ok"}) and exits 1 if a
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import sys
@@ -27,6 +26,7 @@ from shard_worker.attention import Attention, StepBatch, select_backend  # noqa:
 from shard_worker.model_runner import ModelRunner  # noqa: E402
 from shard_worker.parallel import TensorParallel  # noqa: E402
 from shard_worker.step import SequenceInit, StepInputs  # noqa: E402
+from tests.unit.interpreted import run_cases  # noqa: E402
 from tests.unit.test_attention import BLOCK_SIZE, CPU, Step, naive_attention, random_step  # noqa: E402
 
 torch.set_flush_denormal(True)
@@ -181,19 +181,5 @@ def case_graph_buckets() -> None:
     )
 
 
-CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
-
-
-def main(names: list[str]) -> int:
-    for name in names:
-        CASES[name]()
-    failed = False
-    for result in RESULTS:
-        result["ok"] = result["max_err"] <= result["tol"]
-        failed |= not result["ok"]
-        print(json.dumps(result))
-    return 1 if failed else 0
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:] or list(CASES)))
+    sys.exit(run_cases(globals(), RESULTS, sys.argv[1:]))

@@ -14,7 +14,6 @@ follows one faults.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -29,6 +28,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from shard_worker.attention.kernels import paged_attention  # noqa: E402
+from tests.unit.interpreted import run_cases  # noqa: E402
 
 BLOCK_SIZE = 16
 NAN_BLOCK = 0  # blocks a sequence has but must not read (outside its window) point here; only NaN in it
@@ -299,19 +299,5 @@ def case_padded_bucket() -> None:
                     record("padded_bucket", f"splits={splits} {mode}: padding rows", dtype, ok)
 
 
-CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
-
-
-def main(names: list[str]) -> int:
-    for name in names:
-        CASES[name]()
-    failed = False
-    for result in RESULTS:
-        result["ok"] = result["max_err"] <= result["tol"]
-        failed |= not result["ok"]
-        print(json.dumps(result))
-    return 1 if failed else 0
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:] or list(CASES)))
+    sys.exit(run_cases(globals(), RESULTS, sys.argv[1:]))
