@@ -10,9 +10,10 @@ matmuls (projections, MLP, LM head), attention (the compiled flex kernel), norms
 (the elementwise ops between matmuls), sampling, and everything else (indexing, step metadata).
 
 --matmul times only the step's matmuls (weights streamed from memory), float32 against bfloat16.
---linear compares the worker's two ways of holding a float32 model's linear layers (--linear-dtype dtype
-and bfloat16, model/loader.py's cast_linear_weights), in one run: execute() at each batch, alternating,
-and the greedy tokens both give for --prompts slices of README.md (how many of them come out identical,
+--linear compares the worker's ways of holding a float32 model's linear layers (--linear-dtype dtype
+and bfloat16, model/loader.py's cast_linear_weights; each prepacked for oneDNN or not,
+prepack_linear_weights), in one run: execute() at each batch, alternating, and the greedy tokens float32
+and bfloat16 (both prepacked) give for --prompts slices of README.md (how many of them come out identical,
 and where the others first differ).
 
 Figures (issue 24), 2-core AVX-512-BF16 machine shared with other engineers' tests (load average 7 on 2
@@ -23,6 +24,10 @@ cores: absolute times are 2-5x what a quiet machine gives; read the shares and t
         1   122 ms     73%        15%           6%        0%     6%    72 / 40 ms   (1.8x)
         8   223 ms     75%        15%           2%        0%     8%   130 / 47 ms   (2.7x)
        32   462 ms     70%        20%           3%        1%     6%   277 / 90 ms   (3.1x)
+
+Prepacked oneDNN weights (--linear, 2026-12-02, same kind of machine, quieter; execute() ms at one thread,
+plain F.linear / prepacked): float32 weights 70.9 / 36.7 at batch 1, 113.4 / 55.5 at 8, 216-243 /
+125-139 at 32; bfloat16 58.9 / 31.2, 50.3 / 43.8, 119-133 / 102-104.
 
 So matmuls are three quarters of a decode step, and bf16 weights on this CPU would take 30-50% off it
 (what compiling the elementwise ops could save is 2-6%).
@@ -165,23 +170,46 @@ def greedy(runner: ModelRunner, prompts: list[list[int]], new_tokens: int) -> li
 def compare_linear(a) -> None:
     from transformers import AutoTokenizer
 
+    variants = {
+        "float32": (None, True),
+        "bfloat16": (torch.bfloat16, True),
+        "float32 unpacked": (None, False),
+        "bfloat16 unpacked": (torch.bfloat16, False),
+    }
     runners = {
-        name: ModelRunner(a.model, torch.float32, torch.device("cpu"), TensorParallel(), linear_dtype=dtype)
-        for name, dtype in (("float32", None), ("bfloat16", torch.bfloat16))
+        name: ModelRunner(
+            a.model,
+            torch.float32,
+            torch.device("cpu"),
+            TensorParallel(),
+            linear_dtype=dtype,
+            prepack_linear=prepack,
+        )
+        for name, (dtype, prepack) in variants.items()
     }
     per_seq = -(-a.context // BLOCK_SIZE)
     for runner in runners.values():
         runner.allocate_kv_cache(1 + max(a.batch) * per_seq, BLOCK_SIZE)
         runner.warm_up(BLOCK_SIZE)
-    print(f"threads {a.threads}, context {a.context}: execute() median ms, linear weights float32 / bfloat16")
+    print(f"threads {a.threads}, context {a.context}: execute() median ms by linear weights")
+    header = "  ".join(f"{name:>17}" for name in runners)
+    print(f"batch  {header}  fp32 packed/unpacked  bf16 packed/unpacked")
     for b in a.batch:
         ms = {name: [] for name in runners}
-        for _ in range(3):  # alternating, so both see the same background load
+        for _ in range(3):  # alternating, so all see the same background load
             for name, runner in runners.items():
                 runner.allocate_kv_cache(1 + max(a.batch) * per_seq, BLOCK_SIZE)
                 ms[name].append(measure(runner, b, a.context, a.steps // 3 or 1)["execute ms"])
-        f32, bf16 = statistics.median(ms["float32"]), statistics.median(ms["bfloat16"])
-        print(f"batch {b:3d}: {f32:.1f} / {bf16:.1f} ms ({f32 / bf16:.2f}x)", flush=True)
+        med = {name: statistics.median(v) for name, v in ms.items()}
+        print(
+            f"{b:5d}  "
+            + "  ".join(f"{med[name]:14.1f} ms" for name in runners)
+            + f"  {med['float32 unpacked'] / med['float32']:20.2f}x"
+            + f"  {med['bfloat16 unpacked'] / med['bfloat16']:20.2f}x",
+            flush=True,
+        )
+    for name in ("float32 unpacked", "bfloat16 unpacked"):
+        del runners[name]
     text = AutoTokenizer.from_pretrained(a.model)(Path("README.md").read_text())["input_ids"]
     rng = random.Random(0)
     prompts = []

@@ -43,6 +43,7 @@ class ModelRunner:
         cuda_graphs: bool = False,
         speculative_model: str | Path | None = None,
         linear_dtype: torch.dtype | None = None,
+        prepack_linear: bool = True,
     ):
         """load_format "auto" reads the checkpoint's weights; "dummy" fills them with small random values
         on the device from config.json alone (vLLM's name), for benchmarks at real shapes.
@@ -51,7 +52,8 @@ class ModelRunner:
         capture_cuda_graphs once the cache exists; on CPU the same path runs without capture (tests).
         speculative_model: a draft model's checkpoint (shard_worker/draft.py), or None.
         linear_dtype: the dtype linear layers hold their weights in (model/loader.py's
-        cast_linear_weights), None for dtype."""
+        cast_linear_weights), None for dtype. prepack_linear: on CPU, hold them in oneDNN's layout
+        (loader.prepack_linear_weights); False only to measure what that gains."""
         self.model_dir = Path(model_dir)
         self.dtype = dtype
         self.device = torch.device(device)
@@ -61,7 +63,14 @@ class ModelRunner:
             torch.set_flush_denormal(True)
         self.attention = select_backend(attention_backend, self.device, dtype)
         self.config, self.model = load_model(
-            self.model_dir, dtype, self.device, tp, load_format, self._check_layers, linear_dtype
+            self.model_dir,
+            dtype,
+            self.device,
+            tp,
+            load_format,
+            self._check_layers,
+            linear_dtype,
+            prepack_linear,
         )
         self.graphs: CudaGraphRunner | None = None
         reason = graphs_unsupported(self.attention, tp.world_size, _nccl_version()) if cuda_graphs else None
@@ -94,7 +103,7 @@ class ModelRunner:
             self.sampler = Sampler(self.config.vocab_size, self.device, self.config.eos_token_ids, grammars)
 
     def describe(self) -> dict:
-        params = {p.data_ptr(): p for p in self.model.parameters()}.values()  # tied weights once
+        params = self.model.parameters()  # a tied weight once (one Parameter); packed ones have no data_ptr
         return {
             "model_name": self.model_dir.resolve().name,
             "vocab_size": self.config.vocab_size,

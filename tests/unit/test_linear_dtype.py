@@ -1,10 +1,12 @@
 """bfloat16 linear weights for a float32 model (--linear-dtype, model/loader.py's cast_linear_weights):
-the products run in bf16 and nothing else changes, checked against transformers doing the same."""
+the products run in bf16 and nothing else changes, checked against transformers doing the same; and
+oneDNN-prepacked weights on CPU (prepack_linear_weights) give the plain weights' products."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from transformers import LlamaForCausalLM
 
@@ -50,6 +52,7 @@ def test_only_linear_weights_are_cast_and_a_tied_head_gets_its_own_copy(tiny_mod
         TensorParallel(),
         load_format="dummy",
         linear_dtype=torch.bfloat16,
+        prepack_linear=False,  # compared as plain tensors (test_prepack below covers the packed ones)
     )
     model = runner.model
     linears = [m for m in model.modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)]
@@ -60,3 +63,45 @@ def test_only_linear_weights_are_cast_and_a_tied_head_gets_its_own_copy(tiny_mod
     assert torch.equal(head.weight, embedding.weight.to(torch.bfloat16))
     norms = [p for name, p in model.named_parameters() if "norm" in name]
     assert norms and all(p.dtype == torch.float32 for p in norms)
+
+
+def _runner(model_dir, linear_dtype, prepack: bool, load_format: str = "auto") -> ModelRunner:
+    return ModelRunner(
+        model_dir,
+        torch.float32,
+        torch.device("cpu"),
+        TensorParallel(),
+        load_format=load_format,
+        linear_dtype=linear_dtype,
+        prepack_linear=prepack,
+    )
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+@pytest.mark.parametrize("linear_dtype", [None, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_prepacked_linear_weights_give_the_plain_weights_products(tiny_model, linear_dtype):
+    if linear_dtype is torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("this CPU has no oneDNN bfloat16 products")
+    ids = [0] + [(131 + i * 97) % 1000 + 2 for i in range(40)]
+    plain, packed = _runner(tiny_model, linear_dtype, False), _runner(tiny_model, linear_dtype, True)
+    linears = [m for m in packed.model.modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)]
+    head = next(m for m in packed.model.modules() if isinstance(m, ParallelLMHead))
+    assert linears and all(m.weight.is_mkldnn for m in linears + [head])
+    assert not any(m.weight.is_mkldnn for m in plain.model.modules() if hasattr(m, "weight"))
+    want, got = _prompt_logits(plain, ids), _prompt_logits(packed, ids)
+    if linear_dtype is torch.bfloat16:  # the same bf16 products, summed in float32 the same way
+        assert torch.equal(got, want)
+    else:  # oneDNN's float32 kernel sums in another order than F.linear's
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert packed.describe()["weight_bytes"] == plain.describe()["weight_bytes"]
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+def test_a_packed_tied_head_leaves_the_embedding_plain(tiny_model, tmp_path):
+    config = json.loads((tiny_model / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    model = _runner(tmp_path, None, True, load_format="dummy").model
+    embedding = next(m for m in model.modules() if type(m) is VocabParallelEmbedding)
+    head = next(m for m in model.modules() if isinstance(m, ParallelLMHead))
+    assert head.weight.is_mkldnn and not embedding.weight.is_mkldnn
+    assert torch.equal(head.weight.to_dense(), embedding.weight)

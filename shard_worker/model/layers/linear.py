@@ -44,12 +44,19 @@ def new_param(*shape: int) -> nn.Parameter:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T + b. With W held in a narrower dtype than x (bfloat16 weights on a CPU that multiplies them
-    natively, see cast_linear_weights), x is rounded to W's dtype for the product and the product comes
-    back in x's: the residual stream, norms, attention and the KV cache keep x's precision."""
+    natively, see loader.cast_linear_weights), x is rounded to W's dtype for the product and the product
+    comes back in x's: the residual stream, norms, attention and the KV cache keep x's precision. W may be
+    prepacked for oneDNN (loader.prepack_linear_weights, CPU)."""
     if weight.dtype == x.dtype:
-        return F.linear(x, weight, bias)
-    y = F.linear(x.to(weight.dtype), weight).to(x.dtype)
+        return _product(x, weight, bias)
+    y = _product(x.to(weight.dtype), weight, None).to(x.dtype)
     return y if bias is None else y + bias
+
+
+def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
 
 
 def divide(total: int, world_size: int, what: str) -> int:
