@@ -29,8 +29,9 @@ With caching off, match_prefix returns 0 and register_full_blocks does nothing, 
 from __future__ import annotations
 
 import hashlib
+import heapq
 import struct
-from collections import OrderedDict, deque
+from collections import OrderedDict
 
 from scheduler.sequence import Sequence
 
@@ -57,9 +58,12 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        # Blocks held by no sequence and holding nothing reusable. FIFO reuse: a block freed long ago is
-        # handed out before one freed just now.
-        self._free: deque[int] = deque(range(num_blocks))
+        # Blocks held by no sequence and holding nothing reusable, a min-heap: the lowest is handed out
+        # first, so the blocks in use stay a compact prefix of the cache while it is not full. The CPU
+        # attention hands its kernel only the cache up to the highest block a step reads, whose cost
+        # grows with that length (shard_worker/attention/flex.py); FIFO reuse cycled through the whole
+        # cache and kept it at the maximum.
+        self._free: list[int] = list(range(num_blocks))
         # Cached blocks held by no sequence, in eviction order (first = next to evict).
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._ref_count = [0] * num_blocks
@@ -212,7 +216,7 @@ class BlockManager:
 
     def _take_fresh_block(self) -> int:
         if self._free:
-            block = self._free.popleft()
+            block = heapq.heappop(self._free)
         else:
             block, _ = self._evictable.popitem(last=False)
             del self._cached[self._block_hash[block]]
@@ -231,7 +235,7 @@ class BlockManager:
             if self._ref_count[block] != 1 or self._block_hash[block] is not None:
                 raise RuntimeError(f"block {block} past seq {seq.seq_id}'s tokens is shared or cached")
             self._ref_count[block] = 0
-            self._free.append(block)
+            heapq.heappush(self._free, block)
         return dropped
 
     def free(self, seq: Sequence) -> None:
@@ -241,9 +245,9 @@ class BlockManager:
             self._ref_count[block] -= 1
             if self._ref_count[block] == 0 and self._block_hash[block] is not None:
                 self._evictable[block] = None
-        self._free.extend(
-            b for b in seq.block_table if self._ref_count[b] == 0 and self._block_hash[b] is None
-        )
+        for b in seq.block_table:
+            if self._ref_count[b] == 0 and self._block_hash[b] is None:
+                heapq.heappush(self._free, b)
         seq.block_table = []
         self._seq_hashes.pop(seq.seq_id, None)
         self._seq_registered.pop(seq.seq_id, None)

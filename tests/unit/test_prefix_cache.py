@@ -258,7 +258,8 @@ def test_caching_off_behaves_as_before():
     bm.free(a)
     b = make_seq(range(100, 109))
     bm.allocate(b, 9)
-    assert b.block_table == [3, 4, 5]  # FIFO reuse, no cache: a's freed blocks wait their turn
+    # No cache: the lowest free blocks, so a's freed ones, not a reuse of its prefix (nothing matched).
+    assert b.block_table == [0, 1, 2]
     assert (bm.prefix_cache_queries, bm.prefix_cache_hits) == (0, 0)
 
 
@@ -338,3 +339,18 @@ def test_scheduler_outputs_equal_with_caching_on_and_off(num_blocks):
         assert on_sched.num_preemptions > 0
     assert on_sched.blocks.num_free_blocks == num_blocks
     assert off_sched.blocks.num_free_blocks == num_blocks
+
+
+def test_the_lowest_free_blocks_are_handed_out_first():
+    # What keeps the blocks in use a compact prefix of the cache (the CPU attention reads only that).
+    bm = pool(num_blocks=8, caching=False)
+    a, b, c = (make_seq(range(i, i + n)) for i, n in ((100, 3 * BS), (200, 3 * BS), (300, 2 * BS)))
+    for s in (a, b, c):
+        bm.allocate(s, s.num_tokens)
+    assert (a.block_table, b.block_table, c.block_table) == ([0, 1, 2], [3, 4, 5], [6, 7])
+    bm.free(b)
+    bm.free(a)
+    d = make_seq(range(400, 400 + 3 * BS))
+    bm.allocate(d, d.num_tokens)
+    assert d.block_table == [0, 1, 2]
+    bm.check_invariants()
