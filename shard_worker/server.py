@@ -20,7 +20,7 @@ from common.grpc_util import SERVER_OPTIONS, check_ports_free, write_port_file
 from common.pb.tpserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from common.sampling import SamplingConfig
 from shard_worker import devices
-from shard_worker.config import WorkerConfig
+from shard_worker.config import StepThreads, WorkerConfig
 from shard_worker.metrics import WorkerMetrics
 from shard_worker.step import SequenceInit, WorkerStep
 from shard_worker.worker import Worker
@@ -84,7 +84,11 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
         # must not profile memory or allocate a cache while the old forward still runs.
         self._device_lock = threading.Lock()
         # The sequences the scheduler told this rank about, and the steps it runs (shard_worker/worker.py).
-        self.worker = Worker(runner)
+        # On CPU, torch's threads are sized per step (config.StepThreads).
+        threads = None
+        if runner.device.type == "cpu":
+            threads = StepThreads(config.threads, config.big_step_threads, torch.set_num_threads)
+        self.worker = Worker(runner, threads)
 
     def Describe(self, request, context):
         with self._device_lock, self._failing_on_error("describing its capacity"):

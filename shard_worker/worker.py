@@ -33,8 +33,10 @@ class WorkerSequence:
 
 
 class Worker:
-    def __init__(self, runner):
+    def __init__(self, runner, threads=None):
+        """threads: a config.StepThreads that sizes torch's CPU threads per step, or None."""
         self.runner = runner
+        self.threads = threads
         self.tables: BlockTables | None = None
         self.sequences: dict[int, WorkerSequence] = {}
         self._grammar_pending: dict[int, SequenceState] = {}  # rank 0: grammars not yet reported ready
@@ -115,6 +117,8 @@ class Worker:
                 raise KeyError(f"sequence {e.args[0]} was never introduced to this worker") from None
         grammar = sampler.grammar if sampler is not None else None
         before = (grammar.mask_seconds, grammar.fill_seconds) if grammar is not None else None
+        if self.threads is not None:
+            self.threads.before_step(len(step.input_ids))
         out = self.runner.execute(inputs, states)
         out.grammar_ready_seq_ids, out.grammar_errors = ready, errors
         if grammar is not None:

@@ -25,3 +25,26 @@ def test_by_default_a_worker_leaves_one_core_to_the_other_processes():
 
     assert [default_threads(c, 1) for c in (1, 2, 8)] == [1, 1, 7]
     assert [default_threads(c, 2) for c in (1, 2, 9)] == [1, 1, 4]
+
+
+def test_large_steps_take_every_core_and_small_ones_leave_one():
+    from shard_worker.config import BIG_STEP_TOKENS, StepThreads, WorkerConfig
+
+    calls: list[int] = []
+    threads = StepThreads(1, 2, calls.append)
+    sizes = [
+        1,
+        8,
+        BIG_STEP_TOKENS,
+        BIG_STEP_TOKENS - 1,
+        BIG_STEP_TOKENS // 2,
+        BIG_STEP_TOKENS // 2 - 1,
+        1,
+        200,
+    ]
+    assert [threads.before_step(n) for n in sizes] == [1, 1, 2, 2, 2, 1, 1, 2]
+    assert calls == [1, 2, 1, 2]  # set only when it changes, and hovering near the threshold keeps it
+    config = WorkerConfig(model="m")
+    assert config.big_step_threads >= config.threads >= 1
+    fixed = WorkerConfig(model="m", num_threads=3)
+    assert (fixed.threads, fixed.big_step_threads) == (3, 3)
