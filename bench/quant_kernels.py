@@ -3,6 +3,7 @@ linear that tpserve runs today, at decode shapes.
 
     python -m bench.quant_kernels [--threads 1 2] [--rows 1 8 32 64] [--shapes smollm2 llama3-8b]
                                   [--budget 0.1] [--flush-mb 96]
+                                  [--skip w8a8dnn i4dyn ...]
 
 One product y = x W^T (x float32 [M, K], y float32 [M, N], the worker's residual stream) per candidate,
 timed as the median of calls each made with the weights out of the caches (a --flush-mb buffer is read
@@ -203,6 +204,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[1])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--skip", nargs="*", default=[], choices=COLUMNS, help="candidates not to time")
     parser.add_argument("--budget", type=float, default=0.1, help="seconds of timed calls per cell")
     parser.add_argument("--flush-mb", type=int, default=96, help="read before each timed call")
     args = parser.parse_args()
@@ -225,7 +227,7 @@ def main() -> None:
     for family in args.shapes:
         for name, k, n in SHAPES[family]:
             w = torch.randn(n, k) * 0.02
-            fns = candidates(w)
+            fns = {c: f for c, f in candidates(w).items() if c not in args.skip}
             del w
             for threads in args.threads:
                 torch.set_num_threads(threads)

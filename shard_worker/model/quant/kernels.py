@@ -89,7 +89,10 @@ class PackedInt8(nn.Module):
 
     @property
     def nbytes(self) -> int:
-        return self.q.numel() + 4 * self.scale.numel()
+        """Bytes held: q and its float32 scales (bf16 copy included), plus fbgemm's copy of q once a W8A8
+        product has built it (a layer used only W8A8 could drop q: not done, dequantize() reads it)."""
+        fbgemm = self.q.numel() if self._fbgemm is not None else 0
+        return self.q.numel() + 6 * self.scale.numel() + fbgemm
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] (float32 or bfloat16) -> x W^T [..., N] in x.dtype."""
@@ -181,7 +184,7 @@ class PackedInt4(nn.Module):
         else:
             padded = F.pad(q, (0, k % 2))
             packed = (padded[:, 0::2] | (padded[:, 1::2] << 4)).contiguous()
-        self.register_buffer("packed", packed, persistent=False)
+        self.register_buffer("qweight", packed, persistent=False)
         self._kernel_scales = {}  # dtype -> [K // g, N, 2] (scale, offset), built on first use
 
     @property
@@ -191,7 +194,7 @@ class PackedInt4(nn.Module):
     @property
     def nbytes(self) -> int:
         groups = 4 * self.scale.numel() * (1 if self.zero is None else 2)
-        return self.packed.numel() + groups
+        return self.qweight.numel() + groups
 
     def _scales_and_offsets(self, dtype: torch.dtype) -> torch.Tensor:
         if dtype not in self._kernel_scales:
@@ -207,7 +210,7 @@ class PackedInt4(nn.Module):
         if not self.tinygemm or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             return F.linear(x, self.dequantize(x.dtype))
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            _rows(x), self.packed, self.kernel_group, self._scales_and_offsets(torch.bfloat16)
+            _rows(x), self.qweight, self.kernel_group, self._scales_and_offsets(torch.bfloat16)
         )
         return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
 
@@ -215,7 +218,7 @@ class PackedInt4(nn.Module):
         """q as given to pack (uint8 [N, K])."""
         n, k = self.shape
         if not self.tinygemm:
-            plain = torch.stack([self.packed & 15, self.packed >> 4], dim=-1).reshape(n, -1)
+            plain = torch.stack([self.qweight & 15, self.qweight >> 4], dim=-1).reshape(n, -1)
             return plain[:, :k].contiguous()
         # The tinygemm layout depends on the ISA's block sizes: read where each (n, k) lands by packing
         # its flat index, one hex digit at a time, through the same conversion.
@@ -229,7 +232,7 @@ class PackedInt4(nn.Module):
             where |= _nibbles(code).long() << (4 * digit)
             digit += 1
         q = torch.empty(n * k, dtype=torch.uint8)
-        q[where] = _nibbles(self.packed)
+        q[where] = _nibbles(self.qweight)
         return q.reshape(n, k)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
