@@ -140,10 +140,19 @@ def test_pack_refuses_bad_inputs():
         PackedInt8.pack(q, scale[:, 0])
 
 
+def test_int_mm_check_detects_saturation(monkeypatch):
+    # The check must be able to say no: a product that saturates like oneDNN's AVX2 path.
+    saturating = lambda a, b: (a.int() @ b.int()).clamp(-32768, 32767)  # noqa: E731
+    kernels._int_mm_exact.cache_clear()
+    monkeypatch.setattr(torch, "_int_mm", saturating)
+    assert not kernels._int_mm_exact()
+    kernels._int_mm_exact.cache_clear()
+
+
 def per_token_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """|x_q - x| <= half a step per element; steps of absmax/127 (fbgemm without VNNI: 7 bits, absmax/63),
     so |y - x W^T| <= half a step * sum |W| per row and channel, plus float32 rounding."""
-    levels = 63 if kernels._REDUCE_RANGE else 127
+    levels = 63 if kernels._reduce_range() else 127
     half_step = x.abs().amax(dim=-1, keepdim=True) / levels / 2
     return 1.01 * half_step * weight.abs().sum(dim=1) + 1e-5
 

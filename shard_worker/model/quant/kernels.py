@@ -24,8 +24,8 @@ weight repacks it for the new device (the CPU layout is the kernel's, not a plai
 
 from __future__ import annotations
 
+import functools
 import warnings
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -35,17 +35,30 @@ INT4_GROUPS = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu takes
 _ENGINES = set(torch.backends.quantized.supported_engines)
 
 
-def _has_vnni() -> bool:
+@functools.cache
+def _int_mm_exact() -> bool:
+    """Whether torch._int_mm returns exact int32 sums here. oneDNN without VNNI (AVX2 dispatch,
+    measured with ONEDNN_MAX_CPU_ISA=AVX2) saturates 16-bit pair sums: errors of ~6e4 on random rows."""
+    a = torch.full((2, 64), 127, dtype=torch.int8)
+    a[1] = -127
+    b = torch.full((64, 16), 127, dtype=torch.int8)
     try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
+        return torch.equal(torch._int_mm(a, b), a.int() @ b.int())
+    except RuntimeError:
         return False
-    return "avx512_vnni" in flags or "avx_vnni" in flags
 
 
-# fbgemm's u8 x s8 products without VNNI (vpmaddubsw) saturate 16-bit pair sums unless activations are
-# kept to 7 bits; with VNNI the full 8 bits are exact.
-_REDUCE_RANGE = not _has_vnni()
+@functools.cache
+def _reduce_range() -> bool:
+    """Whether fbgemm's dynamic linear must keep activations to 7 bits: its u8 x s8 products without
+    VNNI (vpmaddubsw) saturate 16-bit pair sums at 8 bits. Checked on a worst case once."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        qw = torch._make_per_channel_quantized_tensor(
+            torch.full((16, 64), 127, dtype=torch.int8), torch.ones(16).double(), torch.zeros(16).long(), 0
+        )
+    y = torch.ops.quantized.linear_dynamic(torch.ones(1, 64), torch.ops.quantized.linear_prepack(qw, None))
+    return not bool(((y - 127 * 64).abs() < 1).all())
 
 
 def cpu_kind() -> str:
@@ -108,17 +121,21 @@ class PackedInt8(nn.Module):
         On CPU through fbgemm's dynamic linear, which quantizes its whole input with one range: each row
         is divided by its absmax first (and the result multiplied back), and one extra row [-1, 1, 0..]
         pins that range to [-1, 1], so every row is quantized by its own absmax whatever else is in the
-        batch. Elsewhere (or without fbgemm) the same rule through torch._int_mm."""
+        batch. Elsewhere (or without fbgemm) the same rule through torch._int_mm, where it is exact."""
         rows = x.reshape(-1, x.shape[-1]).float()
         absmax = rows.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)
         packed = self._fbgemm_weight()
         if packed is not None:
             pinned = torch.cat([rows / absmax, self._pin_row], dim=0)
-            y = torch.ops.quantized.linear_dynamic(pinned, packed, _REDUCE_RANGE)[:-1] * absmax
+            y = torch.ops.quantized.linear_dynamic(pinned, packed, _reduce_range())[:-1] * absmax
         else:
             x_scale = absmax / 127
             xq = torch.round(rows / x_scale).clamp(-127, 127).to(torch.int8)
-            y = torch._int_mm(xq, self.q.t()).float() * x_scale * self.scale
+            if self.q.device.type != "cpu" or _int_mm_exact():
+                acc = torch._int_mm(xq, self.q.t()).float()
+            else:  # exact in float32 while K * 127^2 < 2^24 (K <= 1040), float32-rounded beyond
+                acc = F.linear(xq.float(), self.q.float())
+            y = acc * x_scale * self.scale
         return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
 
     def _fbgemm_weight(self):
