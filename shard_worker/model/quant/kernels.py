@@ -33,6 +33,7 @@ from torch import nn
 
 INT4_GROUPS = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu takes
 _ENGINES = set(torch.backends.quantized.supported_engines)
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @functools.cache
@@ -85,6 +86,7 @@ class PackedInt8(nn.Module):
         self.register_buffer("scale", scale, persistent=False)  # float32 [N]
         self.register_buffer("scale_bf16", scale.to(torch.bfloat16), persistent=False)
         self._fbgemm = None  # matmul_dynamic's packed weight, built on first use
+        self._fits_on = None
 
     @classmethod
     def pack(cls, q: torch.Tensor, scale: torch.Tensor) -> PackedInt8:
@@ -96,9 +98,17 @@ class PackedInt8(nn.Module):
 
     @property
     def kernel(self) -> str:
+        return "weight_int8pack_mm" if self._fits() else "dequantize"
+
+    def _fits(self) -> bool:
         # Its AVX-512 path reads K in blocks of 16 and returns garbage or crashes otherwise (measured).
-        fits = self.q.device.type == "cpu" and self.q.shape[1] % 16 == 0
-        return "weight_int8pack_mm" if fits else "dequantize"
+        # Cached per device (read per product; a property costs ~4 us a call here).
+        if self._fits_on is not self.q.device:
+            self._fits_on, self._fits_q = (
+                self.q.device,
+                self.q.device.type == "cpu" and self.q.shape[1] % 16 == 0,
+            )
+        return self._fits_q
 
     @property
     def nbytes(self) -> int:
@@ -109,7 +119,7 @@ class PackedInt8(nn.Module):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] (float32 or bfloat16) -> x W^T [..., N] in x.dtype."""
-        if self.kernel == "dequantize" or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        if not self._fits() or x.dtype not in _KERNEL_DTYPES:
             return F.linear(x, self.dequantize(x.dtype))
         y = torch.ops.aten._weight_int8pack_mm(_rows(x), self.q, self.scale_bf16)
         return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
@@ -118,13 +128,19 @@ class PackedInt8(nn.Module):
         """W8A8: each row of x quantized to int8 by its own absmax (symmetric, per token), int8 products
         summed in int32, then scaled by the row's and the channel's scales; [..., N] in x.dtype.
 
-        On CPU through fbgemm's dynamic linear, which quantizes its whole input with one range: each row
-        is divided by its absmax first (and the result multiplied back), and one extra row [-1, 1, 0..]
-        pins that range to [-1, 1], so every row is quantized by its own absmax whatever else is in the
-        batch. Elsewhere (or without fbgemm) the same rule through torch._int_mm, where it is exact."""
+        On CPU through fbgemm's dynamic linear, which quantizes its whole input with one range (the
+        span of its values and 0, 255 steps): for one row that is the row's own, a grid at least as fine
+        as absmax / 127, used as it is; for more, each row is divided by its absmax first (and the result
+        multiplied back), and one extra row [-1, 1, 0..] pins the range to [-1, 1], so every row is
+        quantized by its own absmax whatever else is in the batch (the pinning costs ~40 us a product
+        on SmolLM2's shapes, measured, which a batch of one skips). Elsewhere (or without fbgemm) the
+        per-token rule through torch._int_mm, where it is exact."""
         rows = x.reshape(-1, x.shape[-1]).float()
-        absmax = rows.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)
         packed = self._fbgemm_weight()
+        if packed is not None and rows.shape[0] == 1:  # its one range is this row's own
+            y = torch.ops.quantized.linear_dynamic(rows, packed, _reduce_range())
+            return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+        absmax = rows.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12)
         if packed is not None:
             pinned = torch.cat([rows / absmax, self._pin_row], dim=0)
             y = torch.ops.quantized.linear_dynamic(pinned, packed, _reduce_range())[:-1] * absmax
@@ -224,7 +240,7 @@ class PackedInt4(nn.Module):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] (float32 or bfloat16) -> x W^T [..., N] in x.dtype."""
-        if not self.tinygemm or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        if not self.tinygemm or x.dtype not in _KERNEL_DTYPES:
             return F.linear(x, self.dequantize(x.dtype))
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             _rows(x), self.qweight, self.kernel_group, self._scales_and_offsets(torch.bfloat16)
