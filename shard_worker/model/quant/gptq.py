@@ -67,17 +67,18 @@ def _words(values: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def act_order_permutation(g_idx: torch.Tensor, group_size: int) -> torch.Tensor | None:
-    """None when g_idx is the plain k // g; else the stable sort of K by group, which makes every group
-    contiguous. Raises ValueError when some group does not hold exactly group_size features."""
-    k = g_idx.numel()
+    """None when g_idx never decreases (groups already contiguous); else the stable sort of K by group,
+    which makes every group contiguous. Raises ValueError unless every group present holds exactly
+    group_size features (a row-parallel rank's slice of an act-order layer may name any groups)."""
     g_idx = g_idx.to(torch.int64)
-    if torch.equal(g_idx, torch.arange(k, device=g_idx.device) // group_size):
-        return None
-    counts = torch.bincount(g_idx, minlength=k // group_size)
-    if k % group_size or counts.numel() != k // group_size or bool((counts != group_size).any()):
+    counts = torch.bincount(g_idx)
+    present = counts[counts > 0]
+    if g_idx.numel() % group_size or bool((present != group_size).any()):
         raise ValueError(
             f"GPTQ g_idx does not put exactly {group_size} input features in each group: not servable"
         )
+    if bool((g_idx[1:] >= g_idx[:-1]).all()):
+        return None
     return torch.sort(g_idx, stable=True).indices
 
 
@@ -90,7 +91,8 @@ def unpack_gptq(
     checkpoint_format: str = "gptq",
 ) -> GPTQWeight:
     """GPTQ tensors (one rank's slices of them) -> GPTQWeight for PackedInt4 (+ the input permutation).
-    scales/qzeros hold the groups g_idx names (all of them, for a row-parallel rank with desc_act)."""
+    scales/qzeros rows are indexed by g_idx's values (all groups, for a row-parallel rank with desc_act;
+    without g_idx, this slice's own groups in order)."""
     if checkpoint_format not in ZERO_OFFSET:
         raise ValueError(f"GPTQ checkpoint_format {checkpoint_format!r} is not supported")
     q = unpack_rows(qweight).t()  # [N, K]
@@ -104,12 +106,13 @@ def unpack_gptq(
         )
     if g_idx is None:
         g_idx = torch.arange(k, device=q.device) // group_size
+    g_idx = g_idx.to(torch.int64)
     perm = act_order_permutation(g_idx, group_size)
     if perm is not None:
         q = q[:, perm]
-        g_idx = g_idx.to(torch.int64)[perm]
+        g_idx = g_idx[perm]
     # One (scale, zero) per contiguous group of the (permuted) K: the group of its first feature.
-    first = g_idx.to(torch.int64)[::group_size]
+    first = g_idx[::group_size]
     return GPTQWeight(q.contiguous(), scale[first].t().contiguous(), zero[first].t().contiguous(), perm)
 
 
