@@ -136,3 +136,25 @@ def test_gptq_refuses_groups_of_unequal_size():
     g_idx = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1])
     with pytest.raises(ValueError, match="exactly 4 input features"):
         act_order_permutation(g_idx, 4)
+
+
+def test_gptq_act_order_row_parallel_rank_reads_its_slice_with_all_groups():
+    # A row-parallel rank holds K/2 features of an act-order layer: its g_idx names groups anywhere,
+    # served when each group present has exactly group_size of this rank's features.
+    n, k, g = 16, 64, 16
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    scale = (torch.rand(n, k // g, generator=gen) + 0.01).half().float()  # fp16 on disk
+    zero = torch.randint(1, 16, (n, k // g), generator=gen).float()
+    g_idx = torch.tensor([0, 2] * 16 + [1, 3] * 16)  # rank 0 holds groups 0 and 2, rank 1 groups 1 and 3
+    t = pack_gptq(q, scale, zero, g, g_idx)
+    full = (q.double() - zero[:, g_idx].double()) * scale[:, g_idx].double()
+    x = torch.randn(2, k, dtype=torch.float64)
+    total = 0
+    for rank in range(2):
+        cols = slice(rank * k // 2, (rank + 1) * k // 2)
+        w = unpack_gptq(t["qweight"][rank * 4 : rank * 4 + 4], t["qzeros"], t["scales"], g, t["g_idx"][cols])
+        local = (w.q.double() - w.zero.repeat_interleave(g, 1)) * w.scale.repeat_interleave(g, 1)
+        xs = x[:, cols] if w.perm is None else x[:, cols][:, w.perm]
+        total = total + xs @ local.t()
+    torch.testing.assert_close(total, x @ full.t())
