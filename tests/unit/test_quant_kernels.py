@@ -136,6 +136,10 @@ def test_pack_refuses_bad_inputs():
         PackedInt4.pack(q, scale, zero, 48)
     with pytest.raises(ValueError, match="0..15"):
         PackedInt4.pack(q + 16, scale, zero, 32)
+    with pytest.raises(ValueError, match="0..15"):
+        PackedInt4.pack(q.to(torch.int32) - 1, scale, zero, 32)
+    widened = PackedInt4.pack(q.to(torch.int32), scale, zero, 32)  # any integer dtype holding 0..15
+    assert torch.equal(widened.unpack(), q)
     with pytest.raises(ValueError, match="int8"):
         PackedInt8.pack(q, scale[:, 0])
 

@@ -191,7 +191,7 @@ class PackedInt4(nn.Module):
     def pack(
         cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group_size: int
     ) -> PackedInt4:
-        if q.dim() != 2 or q.dtype != torch.uint8:
+        if q.dim() != 2 or q.dtype.is_floating_point or q.dtype == torch.bool:
             raise ValueError(f"PackedInt4 wants uint8 [N, K], got {q.dtype} {tuple(q.shape)}")
         n, k = q.shape
         if group_size <= 0 or k % group_size:
@@ -199,8 +199,9 @@ class PackedInt4(nn.Module):
         groups = (n, k // group_size)
         if tuple(scale.shape) != groups or (zero is not None and tuple(zero.shape) != groups):
             raise ValueError(f"PackedInt4: scale/zero must be {groups}")
-        if int(q.max()) > 15:
+        if q.numel() and (int(q.max()) > 15 or int(q.min()) < 0):
             raise ValueError("PackedInt4: values must be 0..15")
+        q = q.to(torch.uint8)
         as_f32 = {"device": q.device, "dtype": torch.float32}
         zero = None if zero is None else zero.to(**as_f32).contiguous()
         return cls(q, scale.to(**as_f32).contiguous(), zero, group_size)
