@@ -33,6 +33,41 @@ machine. A candidate 10x slower than float32 at some M is not timed at larger M 
 The AVX2-only kind of machine can be approximated on an AVX-512 one by capping both dispatchers:
 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python -m bench.quant_kernels (same memory system,
 AVX2 code paths; oneDNN then has no native bf16, so bf16 products are emulated).
+
+Figures (2026-12-03, AMD EPYC, AVX-512 with BF16 and VNNI, no AMX; 1 thread; the 2-core machine shared
+with other helpers' tests, load average 4-6: cells move 10-30% run to run, a few by 2-5x; read ratios).
+us per product, weights out of cache; ratios are speed vs the float32 / bf16 prepacked linear:
+
+    shape (K x N)      M     f32    bf16   int8 P8 (x f32, x bf16)    int4 P4 (x f32, x bf16)    W8A8 (x bf16)
+    q/o 576x576        1     277     238     276 (1.01, 0.86)          146 (1.90, 1.63)          253 (0.94)
+                       8     315     272     319 (0.99, 0.85)          211 (1.49, 1.29)          460 (0.59)
+    k/v 576x192        1     226     211     209 (1.08, 1.01)          139 (1.63, 1.52)          237 (0.89)
+    gate/up 576x3072   1     851     523     560 (1.52, 0.93)          226 (3.76, 2.31)          327 (1.60)
+                       8     844     574     906 (0.93, 0.63)          516 (1.64, 1.11)          618 (0.93)
+                      32    1707    1134    3052 (0.56, 0.37)         1794 (0.95, 0.63)         1123 (1.01)
+    down 1536x576      1     567     397     402 (1.41, 0.99)          246 (2.30, 1.61)          293 (1.36)
+    lm_head 576x49152  1   30626   16054   18293 (1.67, 0.88)         3351 (9.14, 4.79)         5769 (2.78)
+                       8   37757   21668   53108 (0.71, 0.41)        24323 (1.55, 0.89)        20969 (1.03)
+                      64  188053  102332  438527 (0.43, 0.23)       207310 (0.91, 0.49)        74176 (1.38)
+    8B q/o 4096x4096   1   21774   15155    5847 (3.72, 2.59)         1264 (17.2, 12.0)         1306 (11.6)
+                       8   27608   14394   20336 (1.36, 0.71)        16214 (1.70, 0.89)         9416 (1.53)
+    8B gate/up x28672  1   35765   17298   10959 (3.26, 1.58)         7016 (5.10, 2.47)         8149 (2.12)
+                       8   38583   17607   32557 (1.19, 0.54)        25865 (1.49, 0.68)        13125 (1.34)
+                      32  104377   45681  149318 (0.70, 0.31)       106199 (0.98, 0.43)        31932 (1.43)
+    8B down 14336x4096 1   19715   10393    4984 (3.96, 2.09)         3638 (5.42, 2.86)         3776 (2.75)
+                      64   77875   39241  114048 (0.68, 0.34)        96857 (0.80, 0.41)        24969 (1.57)
+
+Raw kernels (an earlier run with every column, M=1): _weight_int8pack_mm with float32 x 2-8x slower
+than with bf16 x, _weight_int4pack_mm_for_cpu 3-40x (so P8/P4 round x to bf16); onednn.qlinear_pointwise
+50-180x slower than float32 (it reorders per call); _dyn_quant_matmul_4bit, a reference loop off ARM,
+3-22x slower than float32; fbgemm's dynamic linear the fastest int8 product at every M (P8dyn wraps
+it per token; at M > 1 its row scaling costs ~40 us, which loses on SmolLM2's small shapes). So:
+int4 (tinygemm) wins at batch 1 everywhere (1.4-5.5x int8); int8 weight-only beats bf16 at batch 1 only
+on the 8B shapes; at M >= 8 both weight-only kernels lose to bf16 (their cost grows with M), where W8A8
+(fbgemm) is the fast int8 path.
+AVX2 dispatch (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2, same machine; fbgemm keeps its own
+dispatch, so its rows are not AVX2's), SmolLM2 shapes at M=1, x f32 (no native bf16 there): int8 P8
+1.04-1.53x, int4 P4 1.29-3.32x (lm_head); torch._int_mm gives wrong sums there (oneDNN saturates).
 """
 
 from __future__ import annotations
