@@ -4,22 +4,28 @@ PackedInt8: symmetric int8 per output channel, w[n, k] = q[n, k] * scale[n].
 PackedInt4: 4-bit in groups of group_size along K, w[n, k] = (q[n, k] - zero[n, k // g]) * scale[n, k // g]
 (zero may be non-integer: GGUF's Q4_K min offsets; None means symmetric, zero 8).
 
-Chosen by bench/quant_kernels.py (the table is in that file's header and in the kernels report), on CPU:
-  int8: aten._weight_int8pack_mm (int8 weight, bf16 activations, per-channel scale applied in the kernel);
-        it needs K % 16 == 0.
+Chosen by bench/quant_kernels.py (its header holds the table), on CPU, the same on AVX-512 and AVX2:
+  int8: aten._weight_int8pack_mm (int8 weight, bf16 activations: its float32 path is 2-8x slower;
+        per-channel scale in the kernel); it needs K % 16 == 0. At batch 1: 3.3-4.0x float32 and
+        1.6-2.6x bf16 on Llama-3-8B's shapes, 1.0-1.7x float32 and 0.86-1.0x bf16 on SmolLM2's.
   int4: aten._weight_int4pack_mm_for_cpu (the "tinygemm" layout, repacked once here by
         _convert_weight_to_int4pack_for_cpu; its form of the affine rule is w = (q - 8) * s + m, so
         m = (8 - zero) * s). It needs N % 16 == 0 and a group of 32, 64, 128 or 256 (a larger group
-        that one of them divides, per-channel included, is served by repeating its scales).
-  W8A8 (PackedInt8.matmul_dynamic): activations quantized per token to int8 (absmax / 127), int8 x int8
-        products with int32 sums, both scales applied to the result.
-Anything a kernel cannot take (another device, odd shapes) falls back to dequantize() + F.linear per call:
-correct, and as slow as it sounds; `kernel` names which one a packed weight uses.
+        that one of them divides, per-channel included, is served by repeating its scales). At batch 1
+        1.4-5.5x the int8 kernel, 1.5-12x bf16.
+  W8A8 (PackedInt8.matmul_dynamic): activations quantized per token to int8, through fbgemm's dynamic
+        linear (the fastest int8 product measured at every batch: 1.3-2.8x bf16 from 8 rows up on
+        the large shapes, where both weight-only kernels fall behind bf16, their cost growing with M).
+Activations go to the kernels in bfloat16 and results come back in x's dtype (as --linear-dtype bfloat16
+does for the unquantized layers). Anything a kernel cannot take (another device, odd shapes, float64)
+falls back to dequantize() + F.linear per call: correct, and as slow as it sounds; `kernel` names which
+one a packed weight uses.
 
 Both are nn.Modules whose tensors are non-persistent buffers: a layer holds one as an attribute (a
 submodule), `.to(device)` moves it with the model, and they stay out of state_dict and named_parameters
 (the loader fills parameters, and the packed form is derived from them after loading). Moving an int4
-weight repacks it for the new device (the CPU layout is the kernel's, not a plain one).
+weight repacks it for the new device (the CPU layout is the kernel's, not a plain one). `nbytes` is what
+one holds (not visible to vars(): it is a Module).
 """
 
 from __future__ import annotations
