@@ -14,8 +14,9 @@ Chosen by bench/quant_kernels.py (its header holds the table), on CPU, the same 
         that one of them divides, per-channel included, is served by repeating its scales). At batch 1
         1.4-5.5x the int8 kernel, 1.5-12x bf16.
   W8A8 (PackedInt8.matmul_dynamic): activations quantized per token to int8, through fbgemm's dynamic
-        linear (the fastest int8 product measured at every batch: 1.3-2.8x bf16 from 8 rows up on
-        the large shapes, where both weight-only kernels fall behind bf16, their cost growing with M).
+        linear (the fastest int8 product measured at every batch; on the large shapes 2.1-12x bf16 at
+        one row and 1.0-1.6x from 8 rows up, where both weight-only kernels fall behind bf16, their
+        cost growing with M).
 Activations go to the kernels in bfloat16 and results come back in x's dtype (as --linear-dtype bfloat16
 does for the unquantized layers). Anything a kernel cannot take (another device, odd shapes, float64)
 falls back to dequantize() + F.linear per call: correct, and as slow as it sounds; `kernel` names which
