@@ -372,7 +372,8 @@ class Engine:
         window = (
             None if self.scheduler is None else self.scheduler.admission_window(self.config.admission_window)
         )
-        stream.send(stream.message([error], window, self.load_report()))
+        share = self.routers.shares(window).get(stream)
+        stream.send(stream.message([error], share, self.load_report()))
 
     def _sequence(self, msg: scheduler_pb2.AddRequest) -> Sequence:
         # Shards lost after they were ready do not refuse a request that was already on its way: it waits
@@ -416,8 +417,10 @@ class Engine:
             self._end([(request_id, "aborted")])
 
     def queued_changed(self) -> None:
-        """A router's queue changed size: min_batch_size may stop waiting."""
+        """A router's queue changed size: min_batch_size may stop waiting, and the routers' shares of
+        the admission window follow their queues at once."""
         self._wakeup.set()
+        self._report()
 
     def _report(self, outputs=(), force_load: bool = False) -> None:
         """Sends each router its outputs, with the credit and the load when they changed."""

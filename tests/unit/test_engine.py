@@ -399,3 +399,54 @@ def test_ranks_back_unfit_to_serve_fail_the_requests_in_flight_and_the_engine_go
             assert not h.task.done()
 
     run(go())
+
+
+def test_several_routers_together_never_send_more_than_the_admission_window():
+    """The window is split among the routers' streams (each spends its share less its adds on the
+    wire). Before, every stream got the whole window, so two routers with full queues sent twice it."""
+    from router.buckets import Credits
+
+    async def go():
+        group = FakeWorkerGroup()
+        async with Harness(group, admission_window=4) as h:
+            group.gate = asyncio.Semaphore(0)  # the first step blocks: what is added after waits
+            h.engine.add(add_request("first", [3] * 4, 2), h.stream)
+            await h.wait(lambda: group.steps == 1)
+            h.engine.detach(h.stream)  # its request aborted: the window is 4 again, and two routers come
+            routers = []
+            for r in range(2):
+                stream, credits = RouterStream(), Credits()
+                routers.append(
+                    (stream, credits, [add_request(f"{r}-{i}", [4 + r] * 5, 2) for i in range(10)])
+                )
+                h.engine.attach(stream)
+            for stream, credits, _ in routers:  # connected and settled, with nothing queued yet
+                while not stream.outbox.empty():
+                    msg = stream.outbox.get_nowait()
+                    if msg.HasField("credit"):
+                        credits.update(msg.credit.window, msg.credit.adds_received)
+            for stream, _, queue in routers:  # then both fill up
+                stream.queued = len(queue)
+                h.engine.queued_changed()
+
+            async def router(stream, credits, queue):
+                while True:
+                    while queue and credits.take():
+                        h.engine.add(queue.pop(0), stream)
+                        stream.queued = len(queue)
+                        h.engine.queued_changed()
+                    msg = await stream.outbox.get()
+                    if msg.HasField("credit"):
+                        credits.update(msg.credit.window, msg.credit.adds_received)
+
+            tasks = [asyncio.create_task(router(*r)) for r in routers]
+            await asyncio.sleep(0.3)  # every credit message is read and spent by now
+            waiting = h.engine.snapshot().waiting
+            sent = sum(10 - len(q) for _, _, q in routers)
+            assert sent == waiting == 4, (sent, waiting)
+            for t in tasks:
+                t.cancel()
+            gate, group.gate = group.gate, None
+            gate.release()
+
+    run(go())
