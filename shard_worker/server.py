@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import signal
@@ -19,6 +20,7 @@ from common import metrics, security, tracing
 from common.grpc_util import SCHEDULER_METADATA_KEY, SERVER_OPTIONS, check_ports_free, write_port_file
 from common.pb.tpserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from common.sampling import SamplingConfig
+from shard_worker import config as worker_config
 from shard_worker import devices
 from shard_worker.config import StepThreads, WorkerConfig
 from shard_worker.metrics import WorkerMetrics
@@ -330,3 +332,12 @@ def serve(config: WorkerConfig) -> None:
     if failure:
         print(f"tpserve shard-worker: rank {config.rank}: {failure[0]}", file=sys.stderr)
         sys.exit(1)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`tpserve shard-worker`'s flags (common/cli.py)."""
+    worker_config.add_arguments(p)
+
+
+def main(a: argparse.Namespace) -> None:
+    serve(worker_config.from_args(a))
