@@ -26,6 +26,7 @@ import time
 from collections import deque
 
 from common import tracing
+from common.load import ReplicaLoad
 from common.pb.tpserve.internal.v1 import scheduler_pb2, worker_pb2
 from common.pb.tpserve.internal.v1.scheduler_pb2 import (
     ERROR_CODE_ALREADY_EXISTS,
@@ -445,7 +446,7 @@ class Engine:
     def snapshot(self) -> SchedulerSnapshot | None:
         return None if self.scheduler is None else self.scheduler.snapshot()
 
-    def load_report(self) -> scheduler_pb2.LoadReport:
+    def load_report(self) -> ReplicaLoad:
         """This replica's load, for the routers' choice among replicas (router/replicas.py)."""
         return load_report(
             self.snapshot(), self.config.policy.max_num_seqs, self.ready.is_set(), self._recent_steps

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable
 
+from common.load import ReplicaLoad
 from common.pb.tpserve.internal.v1 import scheduler_pb2
 
 # The heartbeat: a load report at least this often (the router's --replica-stale-s is several times it).
@@ -54,7 +55,7 @@ class RouterStream:
         self.adds_received = 0  # AddRequests read from this stream (stamped on credit and load)
         self.queued = 0  # requests the router holds in its queue for lack of credit (its QueueDepth)
         self._last_credit: tuple[int, int] | None = None
-        self._last_load: tuple | None = None
+        self._last_load: ReplicaLoad | None = None
 
     def outstanding(self) -> int:
         """How many adds the router may still send under the last credit it was given (some may be on
@@ -71,7 +72,7 @@ class RouterStream:
         self,
         outputs: list[scheduler_pb2.RequestOutput],
         window: int | None,
-        load: scheduler_pb2.LoadReport | None,
+        load: ReplicaLoad | None,
         force_load: bool = False,
     ) -> scheduler_pb2.SchedulerMessage | None:
         """One message with the outputs, the credit if it changed and the load if it changed (or
@@ -80,20 +81,10 @@ class RouterStream:
         if window is not None and (window, self.adds_received) != self._last_credit:
             self._last_credit = (window, self.adds_received)
             msg.credit.window, msg.credit.adds_received = window, self.adds_received
-        if load is not None:
-            key = (
-                load.waiting,
-                load.swapped,
-                load.running,
-                load.kv_blocks_free,
-                load.kv_blocks_total,
-                load.shards_ready,
-                round(load.step_seconds, 3),
-            )
-            if force_load or key != self._last_load:
-                self._last_load = key
-                msg.load.CopyFrom(load)
-                msg.load.adds_received = self.adds_received
+        if load is not None and (force_load or load != self._last_load):
+            self._last_load = load
+            load.fill(msg.load)
+            msg.load.adds_received = self.adds_received
         empty = not (outputs or msg.HasField("credit") or msg.HasField("load"))
         return None if empty else msg
 
@@ -147,7 +138,7 @@ class RouterStreams:
         self,
         outputs: Iterable[scheduler_pb2.RequestOutput],
         window: int | None,
-        load: scheduler_pb2.LoadReport | None,
+        load: ReplicaLoad | None,
         force_load: bool = False,
     ) -> None:
         """Sends each router its outputs of a step with its share of the credit and the load, one

@@ -18,6 +18,7 @@ PURE = [
     "scheduler.fallback",
     "router.buckets",
     "router.replicas",
+    "common.load",
     "router.stop_strings",
     "common.settings",
     "shard_worker.devices",
