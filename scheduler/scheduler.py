@@ -17,7 +17,14 @@ from collections import deque
 from common.pb.tpserve.v1.generation_pb2 import FINISH_REASON_ABORTED, FINISH_REASON_EOS, FINISH_REASON_LENGTH
 from scheduler import forks
 from scheduler.block_manager import BlockManager, blocks_for
-from scheduler.plan import Proposer, ScheduledSeq, SchedulerOutput, SchedulerSnapshot, SequenceUpdate
+from scheduler.plan import (
+    Proposer,
+    ScheduledSeq,
+    SchedulerOutput,
+    SchedulerSnapshot,
+    SequenceUpdate,
+    check_sampled,
+)
 from scheduler.policy import BATCHING_MODES, SchedulingPolicy
 from scheduler.sequence import Sequence, SequenceStatus
 from scheduler.swap import HostBlockPool
@@ -323,15 +330,12 @@ class Scheduler:
         the sequence no longer needs go back to the pool.
 
         Sequences aborted while the step ran are skipped: their tokens are dropped."""
+        check_sampled(out, sampled)  # all of it before any sequence changes
         updates = []
         tokens_of = iter(sampled)
         for item in out.scheduled:
             seq = item.seq
             tokens = next(tokens_of) if item.num_samples else []
-            if item.num_samples and not 1 <= len(tokens) <= item.num_samples:
-                raise ValueError(
-                    f"seq {seq.seq_id}: {len(tokens)} tokens for {item.num_samples} sampled positions"
-                )
             if seq.is_finished:
                 continue
             seq.prompt_logprobs_done += item.num_prompt_logprobs
