@@ -39,11 +39,11 @@ from scheduler.block_manager import BlockManager
 from scheduler.config import SchedulerConfig
 from scheduler.fallback import FallbackPolicy, ThroughputFallback
 from scheduler.metrics import SchedulerMetrics
-from scheduler.plan import SchedulerOutput, SchedulerSnapshot, check_sampled
+from scheduler.plan import SchedulerOutput, SchedulerSnapshot, split_sampled
 from scheduler.reports import StepResult, StepTotals, load_report, stats, step_outputs
 from scheduler.router_streams import LOAD_REPORT_INTERVAL_S, RouterStream, RouterStreams
 from scheduler.scheduler import Scheduler
-from scheduler.sequence import FinishReason, Sequence
+from scheduler.sequence import FinishReason, Sequence, from_request
 from scheduler.spans import RequestSpans
 from scheduler.speculation import Speculator
 from scheduler.swap import HostBlockPool
@@ -389,28 +389,11 @@ class Engine:
                 f"num_output_tokens {msg.num_output_tokens} leaves no prompt in "
                 f"{len(msg.prompt_token_ids)} tokens",
             )
-        has_grammar = msg.sampling.HasField("structured_output")
         # Another choice of the same request, with the same prompt, whose prompt blocks this one shares.
         first = self.scheduler.get(msg.fork_of) if msg.fork_of else None
         if first is not None and first.token_ids[: first.num_prompt_tokens] != list(msg.prompt_token_ids):
             first = None
-        return Sequence(
-            seq_id=self._next_seq_id,
-            request_id=msg.request_id,
-            token_ids=list(msg.prompt_token_ids),
-            # A resumed request's own outputs are outputs here too (max_new_tokens, seeded draws).
-            num_prompt_tokens=len(msg.prompt_token_ids) - msg.num_output_tokens,
-            max_new_tokens=msg.max_new_tokens,
-            stop_token_ids=frozenset(msg.stop_token_ids),
-            ignore_eos=msg.ignore_eos,
-            top_logprobs=msg.top_logprobs,
-            sampling=msg.sampling,
-            arrival_time=time.monotonic(),
-            has_grammar=has_grammar,
-            grammar_ready=not has_grammar,
-            fork_of=first,
-            prompt_logprobs=msg.prompt_logprobs if msg.want_prompt_logprobs else None,
-        )
+        return from_request(msg, self._next_seq_id, time.monotonic(), first)
 
     def abort(self, request_id: str) -> None:
         """Frees the request's blocks now; the workers forget it with the next step."""
@@ -457,18 +440,10 @@ class Engine:
 
 
 def sampled_tokens(out: SchedulerOutput, reply: worker_pb2.StepResponse) -> list[list[int]]:
-    """Rank 0's tokens, split per sampled sequence (token_counts says how many each produced). A reply
-    that does not fit the step (a group of no tokens, or of more than the sequence sampled) is the rank's
-    failure, WorkersLost, found before any sequence changes: the requests resume on the rebuilt group."""
-    counts, ids = reply.token_counts, reply.token_ids
-    if sum(counts) != len(ids):
-        raise WorkersLost(f"rank 0 answered {len(ids)} tokens but counts summing to {sum(counts)}")
-    tokens, at = [], 0
-    for n in counts:
-        tokens.append(list(ids[at : at + n]))
-        at += n
+    """Rank 0's tokens per sampled sequence. A reply that does not fit the step (a group of no tokens, or
+    of more than the sequence sampled) is the rank's failure, WorkersLost, found before any sequence
+    changes: the requests resume on the rebuilt group."""
     try:
-        check_sampled(out, tokens)
+        return split_sampled(out, reply.token_counts, reply.token_ids)
     except ValueError as e:
         raise WorkersLost(f"rank 0's reply does not fit the step: {e}") from None
-    return tokens

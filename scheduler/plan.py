@@ -99,6 +99,19 @@ def check_sampled(out: SchedulerOutput, sampled: list[list[int]]) -> None:
             )
 
 
+def split_sampled(out: SchedulerOutput, counts, ids) -> list[list[int]]:
+    """A step's sampled tokens (flat ids, and how many each sampling sequence got) per sequence, checked
+    whole (check_sampled); ValueError when they do not fit the step."""
+    if sum(counts) != len(ids):
+        raise ValueError(f"{len(ids)} tokens but counts summing to {sum(counts)}")
+    tokens, at = [], 0
+    for n in counts:
+        tokens.append(list(ids[at : at + n]))
+        at += n
+    check_sampled(out, tokens)
+    return tokens
+
+
 @dataclass
 class SequenceUpdate:
     seq: Sequence
