@@ -202,3 +202,24 @@ def activation_rounding(model_dir: Path):
                 module.register_forward_pre_hook(round_input)
 
     return prepare
+
+
+def offline_quantized(model_dir: Path, out: Path, rule: str) -> Path:
+    """The model with each linear layer's weight (not the LM head's) replaced by its quantized and
+    dequantized self, by the online rule written out independently: a scale per output row of
+    amax / 127 (int8, rounded to nearest) or amax / 448 (e4m3)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(model_dir / "model.safetensors")
+    for name, w in tensors.items():
+        if "_proj.weight" not in name:
+            continue
+        if rule == "int8":
+            s = w.abs().amax(dim=1, keepdim=True) / 127
+            tensors[name] = torch.round(w / s).clamp(-127, 127) * s
+        else:
+            s = w.abs().amax(dim=1, keepdim=True) / 448
+            tensors[name] = (w / s).to(torch.float8_e4m3fn).float() * s
+    shutil.copytree(model_dir, out)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out

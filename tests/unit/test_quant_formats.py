@@ -23,6 +23,7 @@ from tests.quant_checkpoints import (
     build_compressed,
     build_unquantized,
     dequantized_copy,
+    offline_quantized,
 )
 from tests.unit.test_model_runner import BLOCK_SIZE, BlockPool, Seq, forward_logits, plan
 
@@ -97,25 +98,6 @@ def test_a_missing_or_an_extra_tensor_is_named(checkpoints, tmp_path):
     save_file(extra, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match="input_scale matches no parameter"):
         runner(tmp_path)
-
-
-def offline_quantized(model_dir: Path, out: Path, rule: str) -> Path:
-    """The model with each linear layer's weight (not the LM head's) replaced by its quantized and
-    dequantized self, by the online rule written out independently: a scale per output row of
-    amax / 127 (int8, rounded to nearest) or amax / 448 (e4m3)."""
-    tensors = load_file(model_dir / "model.safetensors")
-    for name, w in tensors.items():
-        if "_proj.weight" not in name:
-            continue
-        if rule == "int8":
-            s = w.abs().amax(dim=1, keepdim=True) / 127
-            tensors[name] = torch.round(w / s).clamp(-127, 127) * s
-        else:
-            s = w.abs().amax(dim=1, keepdim=True) / 448
-            tensors[name] = (w / s).to(torch.float8_e4m3fn).float() * s
-    shutil.copytree(model_dir, out)
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    return out
 
 
 @pytest.mark.parametrize("rule", ["int8", "fp8"])
