@@ -11,8 +11,8 @@ matmuls (projections, MLP, LM head), attention (the compiled flex kernel), norms
 
 --matmul times only the step's matmuls (weights streamed from memory), float32 against bfloat16.
 --linear compares the worker's ways of holding a float32 model's linear layers (--linear-dtype dtype
-and bfloat16, model/loader.py's cast_linear_weights; each prepacked for oneDNN or not,
-prepack_linear_weights), in one run: execute() at each batch, alternating, and the greedy tokens float32
+and bfloat16, model/quant/unquantized.py; each prepacked for oneDNN or not),
+in one run: execute() at each batch, alternating, and the greedy tokens float32
 and bfloat16 (both prepacked) give for --prompts slices of README.md (how many of them come out identical,
 and where the others first differ).
 

@@ -21,6 +21,8 @@ DEVICES = ("cpu", "cuda")
 # shard_worker/devices.py's linear_dtype: auto is bfloat16 for float32 models on CPUs with native bf16.
 LINEAR_DTYPES = ("auto", "dtype", "bfloat16")
 LOAD_FORMATS = ("auto", "dummy")
+# shard_worker/model/quant/__init__.py: none, or an online format.
+QUANTIZATION_CHOICES = ("none", "int8", "fp8")
 # shard_worker/attention/__init__.py: auto is triton on CUDA, flex on CPU float32, reference otherwise.
 ATTENTION_BACKENDS = ("auto", "flex", "triton", "reference")
 
@@ -45,6 +47,14 @@ class WorkerConfig:
         "bf16 for each product, products back in --dtype), or auto (bfloat16 for a float32 model on a "
         "CPU with native bf16 products: AVX-512 BF16 or AMX; else dtype)",
         choices=LINEAR_DTYPES,
+        launch=True,
+    )
+    quantization: str = setting(
+        "none",
+        help="quantize an unquantized checkpoint's linear layers while it loads: int8 (weight-only, "
+        "symmetric per output channel) or fp8 (e4m3 weights, a scale per output channel); none: the "
+        "checkpoint's own format (config.json's quantization_config, if any)",
+        choices=QUANTIZATION_CHOICES,
         launch=True,
     )
     num_threads: int = setting(

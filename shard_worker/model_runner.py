@@ -22,6 +22,7 @@ from shard_worker.attention.flex import PREFILL_MIN_QUERY
 from shard_worker.cuda_graphs import CudaGraphRunner, capture_bytes, graphs_unsupported
 from shard_worker.draft import DraftModel
 from shard_worker.model.loader import load_model
+from shard_worker.model.quant.base import weight_bytes
 from shard_worker.parallel import TensorParallel
 from shard_worker.sampling import Sampler, SequenceState
 from shard_worker.sampling.grammar import GrammarCompiler
@@ -44,6 +45,7 @@ class ModelRunner:
         speculative_model: str | Path | None = None,
         linear_dtype: torch.dtype | None = None,
         prepack_linear: bool = True,
+        quantization: str | None = None,
     ):
         """load_format "auto" reads the checkpoint's weights; "dummy" fills them with small random values
         on the device from config.json alone (vLLM's name), for benchmarks at real shapes.
@@ -51,9 +53,10 @@ class ModelRunner:
         cuda_graphs: replay decode steps from graphs (shard_worker/cuda_graphs.py), captured by
         capture_cuda_graphs once the cache exists; on CPU the same path runs without capture (tests).
         speculative_model: a draft model's checkpoint (shard_worker/draft.py), or None.
-        linear_dtype: the dtype linear layers hold their weights in (model/loader.py's
-        cast_linear_weights), None for dtype. prepack_linear: on CPU, hold them in oneDNN's layout
-        (loader.prepack_linear_weights); False only to measure what that gains."""
+        linear_dtype: the dtype unquantized linear layers hold their weights in
+        (model/quant/unquantized.py), None for dtype. prepack_linear: on CPU, hold them in oneDNN's
+        layout; False only to measure what that gains. quantization: --quantization (int8, fp8: an
+        unquantized checkpoint quantized while it loads), None for the checkpoint's own format."""
         self.model_dir = Path(model_dir)
         self.dtype = dtype
         self.device = torch.device(device)
@@ -71,6 +74,7 @@ class ModelRunner:
             self._check_layers,
             linear_dtype,
             prepack_linear,
+            quantization,
         )
         self.graphs: CudaGraphRunner | None = None
         reason = graphs_unsupported(self.attention, tp.world_size, _nccl_version()) if cuda_graphs else None
@@ -103,13 +107,12 @@ class ModelRunner:
             self.sampler = Sampler(self.config.vocab_size, self.device, self.config.eos_token_ids, grammars)
 
     def describe(self) -> dict:
-        params = self.model.parameters()  # a tied weight once (one Parameter); packed ones have no data_ptr
         return {
             "model_name": self.model_dir.resolve().name,
             "vocab_size": self.config.vocab_size,
             "max_position_embeddings": self.config.max_position_embeddings,
             "eos_token_ids": list(self.config.eos_token_ids),
-            "weight_bytes": sum(p.numel() * p.element_size() for p in params),
+            "weight_bytes": weight_bytes(self.model),
             "draft_model_name": self.draft.name if self.draft is not None else "",
         }
 

@@ -287,6 +287,7 @@ def serve(config: WorkerConfig) -> None:
         cuda_graphs=config.use_cuda_graphs,
         speculative_model=config.speculative_model,
         linear_dtype=None if linear is None else getattr(torch, linear),
+        quantization=config.quantization,
     )
     if linear is not None:  # after the model loaded: a refusal is the only line a failed start writes
         log.info(

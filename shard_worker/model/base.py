@@ -69,7 +69,7 @@ class CausalLM(nn.Module):
         self.model = DecoderBody(config, tp, self.layer_class, self.norm_class)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.tie(self.model.embed_tokens)
         # One rotary module per distinct spec, and which one each layer applies.
         specs = list(dict.fromkeys(config.rotary))
         self.rotary = nn.ModuleList(RotaryEmbedding(spec) for spec in specs)

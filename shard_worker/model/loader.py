@@ -33,78 +33,81 @@ def load_model(
     check=None,
     linear_dtype: torch.dtype | None = None,
     prepack_linear: bool = True,
+    quantization: str | None = None,
 ):
     """(ModelConfig, this rank's shard of the model) for a checkpoint directory, built on the device in
     the dtype, in eval mode. load_format "auto" reads the checkpoint's weights; "dummy" fills them with
     small random values from config.json alone (vLLM's name), for benchmarks at real shapes. check(model)
-    runs before the weights load, so that a refusal does not wait for them. linear_dtype: the dtype the
-    projections, MLPs and LM head hold and multiply their weights in (cast_linear_weights), if not
-    dtype. prepack_linear: on CPU, hold them in oneDNN's layout (prepack_linear_weights)."""
+    runs before the weights load, so that a refusal does not wait for them.
+
+    Each linear layer's method (shard_worker/model/quant) comes from config.json's quantization_config,
+    or --quantization (online int8 / fp8); layers left unquantized hold their weights in linear_dtype
+    (if not dtype) and, with prepack_linear on CPU, in oneDNN's layout (quant/unquantized.py)."""
+    from shard_worker.model.quant import select_quant_config
+    from shard_worker.model.quant.base import deferred_weights
+    from shard_worker.model.quant.unquantized import UnquantizedLinearMethod
     from shard_worker.model.registry import model_class
 
     config = ModelConfig.from_pretrained(model_dir)
+    cast = linear_dtype if linear_dtype is not None and linear_dtype != dtype else None
+    unquantized = UnquantizedLinearMethod(cast, prepack_linear and device.type == "cpu")
+    raw = read_json(Path(model_dir) / "config.json").get("quantization_config")
+    try:
+        quant = select_quant_config(raw, quantization, unquantized)
+    except ValueError as e:
+        raise ValueError(f"{Path(model_dir) / 'config.json'}: {e}") from None
     with torch.device(device), _default_dtype(dtype):
-        model = model_class(config.architecture)(config, tp)
+        with deferred_weights():
+            model = model_class(config.architecture)(config, tp)
+        bind_methods(model, quant)
     if check is not None:
         check(model)
     if load_format == "dummy":
         init_dummy_weights(model)
+        process_weights(model)
     else:
         load_weights(model, model_dir, config.tie_word_embeddings)
-    if linear_dtype is not None and linear_dtype != dtype:
-        cast_linear_weights(model, linear_dtype)
-    if prepack_linear and device.type == "cpu":
-        prepack_linear_weights(model)
     return config, model.eval()
 
 
-def cast_linear_weights(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Holds the weights of the tensor-parallel linear layers and the LM head in dtype (their biases,
-    the embedding, norms, MoE experts and routers keep the model's). layers.linear.linear then rounds
-    each input to dtype for its product and returns the product in the model's dtype: on a CPU with
-    native bfloat16 products (AVX-512 BF16, AMX) that halves the bytes a decode step reads and runs the
-    products at the bf16 rate. A tied LM head gets its own copy, so the embedding stays exact."""
-    from shard_worker.model.layers.linear import ReplicatedLinear
-
-    for module in _linear_modules(model):
-        if not isinstance(module, ReplicatedLinear):  # MoE routers: small, and their logits pick experts
-            module.weight = torch.nn.Parameter(module.weight.detach().to(dtype), requires_grad=False)
-
-
-def _linear_modules(model: torch.nn.Module):
+def bind_methods(model: nn.Module, quant) -> None:
+    """Gives every linear layer and expert set its method, now that their names are known (an ignore
+    list names checkpoint modules: q_proj, not our merged qkv_proj). MoE routers and a tied LM head
+    always take the unquantized method; routers are never cast (their logits pick experts)."""
     from shard_worker.model.layers.embedding import ParallelLMHead
-    from shard_worker.model.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+    from shard_worker.model.layers.linear import LinearBase, ReplicatedLinear
+    from shard_worker.model.layers.moe import FusedMoE
+    from shard_worker.model.quant.unquantized import UnquantizedLinearMethod
 
-    kinds = (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear, ParallelLMHead)
-    return [m for m in model.modules() if isinstance(m, kinds)]
+    for prefix, module in model.named_modules():
+        if isinstance(module, FusedMoE):
+            module.set_method(quant.expert_method(module, prefix))
+        elif isinstance(module, ReplicatedLinear):
+            module.set_method(UnquantizedLinearMethod(None, quant.unquantized.prepack))
+        elif isinstance(module, ParallelLMHead) and module.tied_to is not None:
+            module.set_method(quant.unquantized)
+        elif isinstance(module, LinearBase):
+            names = checkpoint_module_names(prefix, model.packed_modules_mapping)
+            module.set_method(quant.linear_method(module, prefix, names))
 
 
-def prepack_linear_weights(model: torch.nn.Module) -> int:
-    """On CPU, reorders each linear layer's weight once into oneDNN's blocked layout, so that every
-    product reads it as oneDNN wants it instead of reordering it per call (what inductor's frozen CPU
-    graphs and vLLM's CPU linear do). A whole SmolLM2-135M decode step at one thread
-    (bench/decode_profile.py --linear, AVX-512-BF16 machine), plain / packed: float32 weights 1.9x faster
-    at batch 1, 2.0x at 8, 1.6-1.9x at 32; bfloat16 weights 1.9x, 1.15x, 1.15-1.3x. bfloat16 products
-    are bit-identical to F.linear's, float32 ones differ by float32 rounding (another summation order).
-    The packed weight replaces the plain one (no second copy); layers.linear.linear dispatches on it.
-    float32 and bfloat16 only (oneDNN's; bfloat16 where the CPU multiplies it natively), and nothing
-    when torch has no oneDNN. Returns how many it packed."""
-    if not torch.backends.mkldnn.is_available():
-        return 0
-    packable = {torch.float32}
-    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        packable.add(torch.bfloat16)
-    packed = {}  # a weight shared by two modules (tied) is packed once
-    for module in _linear_modules(model):
-        weight = module.weight
-        if weight.device.type != "cpu" or weight.dtype not in packable or weight.is_mkldnn:
-            continue
-        if id(weight) not in packed:
-            packed[id(weight)] = torch.nn.Parameter(
-                torch.ops.mkldnn._reorder_linear_weight(weight.detach()), requires_grad=False
-            )
-        module.weight = packed[id(weight)]
-    return len(packed)
+def checkpoint_module_names(prefix: str, mapping: dict) -> list[str]:
+    """The checkpoint modules a layer holds: qkv_proj's q_proj, k_proj, v_proj; a layer not merged, its
+    own name."""
+    head, _, last = prefix.rpartition(".")
+    pieces = sorted((index, piece) for piece, (merged, index) in mapping.items() if merged == last)
+    return [f"{head}.{piece}" if head else piece for _, piece in pieces] or [prefix]
+
+
+def _method_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(n, m) for n, m in model.named_modules() if getattr(m, "quant_method", None) is not None]
+
+
+def process_weights(model: nn.Module, done: set[str] | None = None) -> None:
+    """Runs each layer's process_weights_after_loading once (those not in done)."""
+    for name, module in _method_modules(model):
+        if done is None or name not in done:
+            module.quant_method.process_weights_after_loading(module)
 
 
 @contextlib.contextmanager
@@ -127,8 +130,17 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.fill_(1.0)
-        else:
+        elif getattr(param, "dummy_value", None) is not None:  # a shape record (compressed-tensors)
+            param.copy_(param.dummy_value)
+        elif param.dtype.is_floating_point and param.element_size() > 1:
             param.uniform_(-0.05, 0.05, generator=generator)
+        elif param.dtype.is_floating_point:  # float8: drawn in float32, rounded
+            values = torch.empty(param.shape, device=param.device).uniform_(-0.05, 0.05, generator=generator)
+            param.copy_(values)
+        else:  # packed integers: any bits are a valid value
+            raw = param.view(torch.uint8)
+            bits = torch.randint(0, 256, raw.shape, dtype=torch.uint8, device=raw.device, generator=generator)
+            raw.copy_(bits)
 
 
 def load_weights(model: nn.Module, model_dir: str | Path, tie_word_embeddings: bool) -> None:
@@ -147,6 +159,18 @@ def load_weights(model: nn.Module, model_dir: str | Path, tie_word_embeddings: b
             continue
         expected.update((name, p) for p in getattr(param, "checkpoint_parts", (None,)))
     loaded = set()
+    # Each layer is processed (cast, quantized, packed) as soon as its last part is filled, so that an
+    # online quantization holds one layer in full precision at a time, not the model.
+    owners = {}
+    for prefix, module in _method_modules(model):
+        for pname, _ in module.named_parameters(recurse=False):
+            owners[f"{prefix}.{pname}" if prefix else pname] = prefix
+    waiting: dict[str, set] = {}
+    for key in expected:
+        if key[0] in owners:
+            waiting.setdefault(owners[key[0]], set()).add(key)
+    modules = dict(_method_modules(model))
+    processed: set[str] = set()
     for file in files:
         with _open(file) as f:
             for ckpt_name in f.keys():  # noqa: SIM118 (safe_open objects are not iterable)
@@ -175,12 +199,17 @@ def load_weights(model: nn.Module, model_dir: str | Path, tie_word_embeddings: b
                     else:
                         _load_whole(param, source, ckpt_name)
                 loaded.update((name, p) for p in part_keys)
+                owner = owners.get(name)
+                if owner is not None and not waiting[owner] - loaded:
+                    modules[owner].quant_method.process_weights_after_loading(modules[owner])
+                    processed.add(owner)
     missing = sorted(expected - loaded, key=str)
     if missing:
         raise ValueError(
             f"checkpoint {model_dir} has no tensor {_checkpoint_name(*missing[0], mapping)} "
             f"({len(missing)} missing in all)"
         )
+    process_weights(model, processed)  # a tied LM head (filled with the embedding), and the rest
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:

@@ -1,6 +1,7 @@
-"""bfloat16 linear weights for a float32 model (--linear-dtype, model/loader.py's cast_linear_weights):
-the products run in bf16 and nothing else changes, checked against transformers doing the same; and
-oneDNN-prepacked weights on CPU (prepack_linear_weights) give the plain weights' products."""
+"""bfloat16 linear weights for a float32 model (--linear-dtype, the unquantized linear method in
+model/quant/unquantized.py): the products run in bf16 and nothing else changes, checked against
+transformers doing the same; and oneDNN-prepacked weights on CPU (the same method's prepack) give the
+plain weights' products."""
 
 from __future__ import annotations
 

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shard_worker.model.layers.linear import copy_checked, linear, new_param
+from shard_worker.model.layers.linear import LinearBase, copy_checked, new_param
+from shard_worker.model.quant.base import bind_now_or_later
 from shard_worker.parallel import TensorParallel
 
 
@@ -41,12 +42,40 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(self.forward_partial(input_ids))
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(LinearBase):
     """Output projection with the vocab split like VocabParallelEmbedding (so tied weights can be shared
-    as is); each rank computes its logit columns and rank 0 gathers the full row."""
+    as is); each rank computes its logit columns and rank 0 gathers the full row. A linear layer with a
+    method like any other; a tied head (tie) multiplies by the embedding's weight, through the
+    unquantized method (which gives it its own copy when it casts or packs)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel):
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        rows_per_rank = -(-vocab_size // tp.world_size)
+        start = tp.rank * rows_per_rank
+        rows = max(0, min(start + rows_per_rank, vocab_size) - start)
+        self._init_geometry(
+            hidden_size, (0, hidden_size), [(start, rows)], [0], [vocab_size], [rows_per_rank]
+        )
+        self.bias = None
+        self.tied_to: VocabParallelEmbedding | None = None
+        bind_now_or_later(self)
+
+    def tie(self, embedding: VocabParallelEmbedding) -> None:
+        # A plain reference, not a submodule: the embedding is the body's, named once.
+        self.__dict__["tied_to"] = embedding
+        if self.quant_method is not None:  # built by hand: the weight exists already
+            self.weight = embedding.weight
+
+    def set_method(self, method) -> None:
+        if self.tied_to is None:
+            return super().set_method(method)
+        self.quant_method = method
+        self.weight = self.tied_to.weight
 
     def forward_partial(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.weight)
+        return self.quant_method.apply(self, hidden, None)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = self.tp.gather_to_rank0(self.forward_partial(hidden), dim=-1)

@@ -20,11 +20,11 @@ it reads.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from shard_worker.model.layers.linear import ReplicatedLinear, copy_checked, divide, new_param
+from shard_worker.model.layers.linear import ReplicatedLinear, copy_checked, divide
 from shard_worker.model.layers.mlp import ACTIVATIONS
+from shard_worker.model.quant.base import bind_now_or_later
 from shard_worker.parallel import TensorParallel
 
 
@@ -55,10 +55,10 @@ def grouped_mm_supported(x: torch.Tensor, *row_sizes: int) -> bool:
 
 
 class FusedMoE(nn.Module):
-    """num_experts gated MLPs, their weights stacked: gate_up_proj [E, 2 * I / tp, H] (each expert's
-    [gate shard; up shard]) and down_proj [E, H, I / tp]. Each parameter is named like transformers'
-    stacked experts; the loader fills it one checkpoint tensor at a time, part (expert, 0 gate | 1 up)
-    and (expert, None) for down."""
+    """num_experts gated MLPs, their weights stacked and held by an expert method (quant/base.py; the
+    unquantized one: gate_up_proj [E, 2 * I / tp, H], each expert's [gate shard; up shard], and down_proj
+    [E, H, I / tp]). Each parameter is named like transformers' stacked experts; the loader fills it one
+    checkpoint tensor at a time, part (expert, 0 gate | 1 up) and (expert, None) for down."""
 
     def __init__(
         self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str, tp: TensorParallel
@@ -66,16 +66,26 @@ class FusedMoE(nn.Module):
         super().__init__()
         self.tp = tp
         self.num_experts = num_experts
+        self.hidden_size = hidden_size
         self.local_intermediate = divide(intermediate_size, tp.world_size, "expert intermediate features")
         self.act = ACTIVATIONS[activation]
-        self.gate_up_proj = new_param(num_experts, 2 * self.local_intermediate, hidden_size)
-        self.down_proj = new_param(num_experts, hidden_size, self.local_intermediate)
-        self.gate_up_proj.weight_loader = self._load_gate_up
-        self.down_proj.weight_loader = self._load_down
-        self.gate_up_proj.checkpoint_parts = tuple((e, s) for e in range(num_experts) for s in (0, 1))
-        self.down_proj.checkpoint_parts = tuple((e, None) for e in range(num_experts))
+        self.quant_method = None
+        bind_now_or_later(self)
 
-    def _load_gate_up(self, param: nn.Parameter, source, part: tuple[int, int]) -> None:
+    def default_method(self):
+        from shard_worker.model.quant.unquantized import UnquantizedExpertMethod
+
+        return UnquantizedExpertMethod()
+
+    def set_method(self, method) -> None:
+        self.quant_method = method
+        method.create_weights(
+            self, self.num_experts, self.hidden_size, self.local_intermediate, torch.get_default_dtype()
+        )
+        self.gate_up_proj.checkpoint_parts = tuple((e, s) for e in range(self.num_experts) for s in (0, 1))
+        self.down_proj.checkpoint_parts = tuple((e, None) for e in range(self.num_experts))
+
+    def load_gate_up(self, param: nn.Parameter, source, part: tuple[int, int]) -> None:
         expert, shard = part
         n = self.local_intermediate
         start = self.tp.rank * n
@@ -83,7 +93,7 @@ class FusedMoE(nn.Module):
             param.data[expert, shard * n : (shard + 1) * n], source, slice(start, start + n), "expert"
         )
 
-    def _load_down(self, param: nn.Parameter, source, part: tuple[int, None]) -> None:
+    def load_down(self, param: nn.Parameter, source, part: tuple[int, None]) -> None:
         start = self.tp.rank * self.local_intermediate
         index = (slice(None), slice(start, start + self.local_intermediate))
         copy_checked(param.data[part[0]], source, index, "expert down_proj")
@@ -96,27 +106,11 @@ class FusedMoE(nn.Module):
         order = flat.argsort(stable=True)  # (token, slot) pairs, grouped by expert
         rows = order // k  # the token of each
         counts = torch.bincount(flat, minlength=self.num_experts)
-        xs = x.index_select(0, rows)
-        if grouped_mm_supported(x, x.shape[1], self.local_intermediate):
-            offsets = counts.cumsum(0).to(torch.int32)
-            gate, up = F.grouped_mm(xs, self.gate_up_proj.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
-            ys = F.grouped_mm(self.act(gate) * up, self.down_proj.transpose(1, 2), offs=offsets)
-        else:
-            ys = self._each_active_expert(xs, counts)
+        ys = self.quant_method.apply(self, x.index_select(0, rows), counts)
         # Weighted in the weights' dtype and then cast, as transformers does (Mixtral keeps float32).
         weights = topk_weights.flatten().index_select(0, order)
         ys = (ys * weights.unsqueeze(1)).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, rows, ys)
-
-    def _each_active_expert(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        ys = torch.empty(xs.shape[0], self.down_proj.shape[1], dtype=xs.dtype, device=xs.device)
-        start = 0
-        for expert, n in enumerate(counts.tolist()):  # one host read per layer
-            if n:
-                gate, up = F.linear(xs[start : start + n], self.gate_up_proj[expert]).chunk(2, dim=-1)
-                ys[start : start + n] = F.linear(self.act(gate) * up, self.down_proj[expert])
-                start += n
-        return ys
 
 
 class SparseMoE(nn.Module):

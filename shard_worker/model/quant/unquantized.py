@@ -1,0 +1,105 @@
+"""The unquantized method: a plain [out, in] weight in the model's dtype, optionally held in bfloat16
+(--linear-dtype) and, on CPU, prepacked for oneDNN; and the plain MoE experts."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shard_worker.model.quant.base import ExpertMethod, LinearMethod, add_param, replace_param
+
+
+class UnquantizedLinearMethod(LinearMethod):
+    def __init__(self, linear_dtype: torch.dtype | None = None, prepack: bool = False):
+        """linear_dtype: the dtype the weight is held and multiplied in, if not the model's. bfloat16 on a
+        CPU with native bf16 products (AVX-512 BF16, AMX) halves the bytes a decode step reads and runs
+        the products at the bf16 rate; the input is rounded to it for the product and the product comes
+        back in the input's dtype, so the residual stream, norms, attention and KV cache keep theirs.
+        prepack: on CPU, reorder the weight once into oneDNN's blocked layout so that no product
+        reorders it per call (what inductor's frozen CPU graphs and vLLM's CPU linear do). A whole
+        SmolLM2-135M decode step at one thread (bench/decode_profile.py --linear, AVX-512-BF16 machine),
+        plain / packed: float32 weights 1.9x faster at batch 1, 2.0x at 8, 1.6-1.9x at 32; bfloat16
+        weights 1.9x, 1.15x, 1.15-1.3x. bfloat16 products are bit-identical to F.linear's, float32 ones
+        differ by float32 rounding (another summation order)."""
+        self.linear_dtype = linear_dtype
+        self.prepack = prepack
+
+    def create_weights(self, layer, input_size_per_partition, output_partition_sizes, params_dtype):
+        add_param(
+            layer,
+            "weight",
+            (sum(output_partition_sizes), input_size_per_partition),
+            params_dtype,
+            output_dim=0,
+            input_dim=1,
+        )
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        weight = layer.weight.detach()
+        if self.linear_dtype is not None and weight.dtype != self.linear_dtype:
+            # A tied LM head gets its own copy: the embedding stays exact.
+            weight = weight.to(self.linear_dtype)
+        if self.prepack and weight.device.type == "cpu" and weight.dtype in _packable_dtypes():
+            weight = torch.ops.mkldnn._reorder_linear_weight(weight)
+        if weight is not layer.weight.detach():
+            replace_param(layer, "weight", weight)
+
+    def apply(self, layer, x, bias=None):
+        return linear(x, layer.weight, bias)
+
+
+def _packable_dtypes() -> set[torch.dtype]:
+    # oneDNN's float32 and bfloat16 (where the CPU multiplies it natively); none without oneDNN.
+    if not torch.backends.mkldnn.is_available():
+        return set()
+    bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return {torch.float32, torch.bfloat16} if bf16 else {torch.float32}
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b. With W held in a narrower dtype than x, x is rounded to W's dtype for the product and
+    the product comes back in x's. W may be prepacked for oneDNN."""
+    if weight.dtype == x.dtype:
+        return _product(x, weight, bias)
+    y = _product(x.to(weight.dtype), weight, None).to(x.dtype)
+    return y if bias is None else y + bias
+
+
+def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+class UnquantizedExpertMethod(ExpertMethod):
+    """gate_up_proj [E, 2 * I / tp, H] (each expert's [gate shard; up shard]) and down_proj [E, H, I / tp],
+    named like transformers' stacked experts; one grouped matmul for gate/up and one for down over all
+    experts (F.grouped_mm), or a loop over the experts that received rows where grouped_mm does not take
+    the operands (float64, which the end-to-end tests run in)."""
+
+    def create_weights(self, layer, num_experts, hidden_size, local_intermediate, params_dtype):
+        gate_up = add_param(
+            layer, "gate_up_proj", (num_experts, 2 * local_intermediate, hidden_size), params_dtype
+        )
+        down = add_param(layer, "down_proj", (num_experts, hidden_size, local_intermediate), params_dtype)
+        gate_up.weight_loader = layer.load_gate_up
+        down.weight_loader = layer.load_down
+
+    def apply(self, layer, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The experts' outputs for rows xs sorted by expert, counts[e] rows for expert e."""
+        from shard_worker.model.layers.moe import grouped_mm_supported
+
+        if grouped_mm_supported(xs, xs.shape[1], layer.local_intermediate):
+            offsets = counts.cumsum(0).to(torch.int32)
+            gate, up = F.grouped_mm(xs, layer.gate_up_proj.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+            return F.grouped_mm(layer.act(gate) * up, layer.down_proj.transpose(1, 2), offs=offsets)
+        ys = torch.empty(xs.shape[0], layer.down_proj.shape[1], dtype=xs.dtype, device=xs.device)
+        start = 0
+        for expert, n in enumerate(counts.tolist()):  # one host read per layer
+            if n:
+                rows = slice(start, start + n)
+                gate, up = F.linear(xs[rows], layer.gate_up_proj[expert]).chunk(2, dim=-1)
+                ys[rows] = F.linear(layer.act(gate) * up, layer.down_proj[expert])
+                start += n
+        return ys
