@@ -94,3 +94,60 @@ def validate(spec: GrammarSpec) -> None:
     message = LLMatcher.validate_grammar(llguidance_grammar(spec))
     if message:
         raise GrammarError(message.strip())
+
+
+# Keywords whose value is a schema, a list of schemas, or a map of names to schemas (JSON Schema 2020-12
+# and the drafts before it): the places a nested object or array can hide.
+_ONE = ("additionalProperties", "unevaluatedProperties", "additionalItems", "unevaluatedItems", "contains")
+_ONE += ("not", "if", "then", "else", "propertyNames")
+_MANY = ("prefixItems", "anyOf", "oneOf", "allOf")
+_NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+# Siblings that may add properties an object's own additionalProperties would forbid.
+_APPLICATORS = ("allOf", "anyOf", "oneOf", "$ref", "if", "dependentSchemas")
+
+
+def strict_schema(schema, close: bool = True):
+    """schema with no properties or items beyond those it names (xgrammar's strict mode, vLLM's default
+    and what OpenAI's strict function calling requires): every object that names `properties` or
+    `patternProperties` and sets neither additionalProperties nor unevaluatedProperties gets
+    `additionalProperties: false`, every `prefixItems` (or tuple `items`) without a rule for the rest
+    admits nothing after it. What a schema sets explicitly is kept. A new schema; the given one is not
+    changed.
+
+    Left open, because closing them would forbid what the schema allows: an object that names no
+    properties ({"type": "object"}: any object), and the level at which an object's properties come from
+    several allOf members or from anyOf/oneOf beside its own (JSON Schema closes those with
+    unevaluatedProperties, which llguidance does not implement). unevaluatedProperties on an object
+    without such siblings means additionalProperties and is given to llguidance as that."""
+    if not isinstance(schema, dict):
+        return schema  # true / false
+    out = dict(schema)
+    for key in _ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = strict_schema(out[key])
+    for key in _NAMED:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: strict_schema(sub) for name, sub in out[key].items()}
+    for key in _MANY:
+        if isinstance(out.get(key), list):
+            # Members of an allOf each see part of the object: none may close it alone.
+            members_close = key != "allOf" or len(out[key]) == 1
+            out[key] = [strict_schema(sub, close=members_close) for sub in out[key]]
+    items = out.get("items")
+    if isinstance(items, dict):
+        out["items"] = strict_schema(items)
+    elif isinstance(items, list):
+        out["items"] = [strict_schema(sub) for sub in items]
+    applied = any(key in out for key in _APPLICATORS)
+    if "unevaluatedProperties" in out and "additionalProperties" not in out and not applied:
+        out["additionalProperties"] = out.pop("unevaluatedProperties")
+    if not close:
+        return out
+    names = "properties" in out or "patternProperties" in out
+    if names and not applied and "additionalProperties" not in out and "unevaluatedProperties" not in out:
+        out["additionalProperties"] = False
+    if "prefixItems" in out and "items" not in out and "unevaluatedItems" not in out:
+        out["items"] = False
+    if isinstance(out.get("items"), list) and "additionalItems" not in out:
+        out["additionalItems"] = False
+    return out

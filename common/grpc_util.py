@@ -32,6 +32,10 @@ SERVER_OPTIONS = OPTIONS + [
     ("grpc.so_reuseport", 0),
 ]
 
+# gRPC metadata naming the calling scheduler on a shard worker's Describe, InitCache and Step: a worker
+# refuses another scheduler's Describe or InitCache while one holds its step stream (worker.proto).
+SCHEDULER_METADATA_KEY = "tpserve-scheduler"
+
 
 def public_server_options(max_pending_calls: int) -> list[tuple[str, object]]:
     """SERVER_OPTIONS for a server that clients may hit with a burst of new calls (the router).

@@ -19,15 +19,13 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NoReturn
 
-from common import security, settings, tracing
+from common import security, tracing
 from common.grpc_util import check_ports_free, free_port, read_port_file, wait_for_health
-from common.security import ClientAuth, TlsFiles
-from common.settings import above, at_least, setting
-from common.tracing import TracingConfig
+from common.launch import LaunchConfig
 
 log = logging.getLogger("tpserve.launch")
 
@@ -42,53 +40,6 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
         pass
-
-
-@dataclass(frozen=True)
-class LaunchConfig:
-    """What `tpserve launch` decides itself. The processes' own settings reach them as flags: the router's,
-    the scheduler's and the workers' fields declared with launch=True (common/settings.py) are launch's
-    flags too, and their values are passed through in router_args, scheduler_args and worker_args."""
-
-    model: str  # the checkpoint, for the check below (it also travels in router_args and worker_args)
-    tp: int = setting(1, help="tensor_parallel_size: shard workers, one per device", rule=at_least(1))
-    replicas: int = setting(
-        1, help="model replicas (a scheduler and --tp workers each) behind the router", rule=at_least(1)
-    )
-    ready_file: str | None = setting(None, help="write {target, pids, http_port} as JSON here once serving")
-    startup_timeout_s: float = setting(
-        600.0, flag="--startup-timeout", help="seconds to wait for SERVING", rule=above(0)
-    )
-    max_restarts: int = setting(
-        0,
-        help="restart a dead scheduler or worker group this many times (0: a death stops the launch)",
-        rule=at_least(0),
-    )
-    host: str = "127.0.0.1"  # the router's (its --host, in router_args)
-    device: str = "cpu"  # the workers' (in worker_args), for check_machine
-    router_ports: tuple[tuple[str, int | None], ...] = ()  # (flag, port): the router's, for check_machine
-    log_level: str = "INFO"
-    log_format: str = "text"
-    scheduler_args: tuple[str, ...] = field(default_factory=tuple)  # passed through unchanged
-    router_args: tuple[str, ...] = field(default_factory=tuple)
-    worker_args: tuple[str, ...] = field(default_factory=tuple)
-    router_drain_s: float = 30.0  # the router's --drain-timeout-s: stopping waits that long for it
-    metrics_port: int | None = None  # the router's; the others bind free ports and are logged
-    tracing: TracingConfig = field(default_factory=TracingConfig)
-    tls: TlsFiles | None = None  # the router's public port
-    internal_tls: TlsFiles | None = None  # mutual TLS between every process, each given the same files
-    # How the launcher's readiness check reaches the router: like any client (health needs no API key).
-    health_auth: ClientAuth = field(default_factory=ClientAuth)
-
-    def __post_init__(self):
-        settings.validate(self)
-        if self.tls is not None and self.tls.ca and not self.health_auth.cert:
-            raise ValueError(
-                "--tls-client-ca makes clients present certificates, the launcher's readiness check too: "
-                "give it one with --tls-client-cert and --tls-client-key"
-            )
-        if not (Path(self.model) / "config.json").is_file():
-            raise ValueError(f"--model {self.model}: no config.json there (run `make model`?)")
 
 
 @dataclass

@@ -94,6 +94,16 @@ class RouterConfig:
         choices=tuple(TOOL_PARSERS),
         launch=True,
     )
+    # vLLM's structured_outputs_config key of the same name (there: its guidance backend's switch to
+    # xgrammar's strict mode); true here by default, as xgrammar, vLLM's default backend, compiles schemas.
+    disable_additional_properties: bool = setting(
+        True,
+        help="JSON Schemas (response_format, structured_outputs, guided_json, forced tool calls' parameters) "
+        "admit no properties or items beyond those they name unless they set additionalProperties; "
+        "--no-disable-additional-properties: JSON Schema's open objects (a request's "
+        "structured_outputs.disable_additional_properties still decides for it)",
+        launch=True,
+    )
     admission: AdmissionPolicy = nested(AdmissionPolicy)
     routing: RoutingPolicy = nested(RoutingPolicy)
     # Keys clients must send as `authorization: Bearer <key>`; read in serve(), so never held here.

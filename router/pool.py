@@ -32,13 +32,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from common import security
+from common.load import ReplicaLoad
 from common.pb.tpserve.internal.v1 import scheduler_pb2
 from common.pb.tpserve.internal.v1.scheduler_pb2 import ERROR_CODE_UNAVAILABLE
 from common.pb.tpserve.v1 import generation_pb2
 from common.pb.tpserve.v1.generation_pb2 import FINISH_REASON_ABORTED
 from router.buckets import AdmissionQueue
 from router.membership import Membership, Resolver, resolve_dns
-from router.replicas import ReplicaLoad, ReplicaSet, Routed, RoutingPolicy
+from router.replicas import ReplicaSet, Routed, RoutingPolicy
 from router.scheduler_link import QueueFull, SchedulerLink, SchedulerUnavailable
 from router.stats import gather_stats
 
@@ -296,16 +297,11 @@ class SchedulerPool:
     def on_load(self, link: SchedulerLink, msg: scheduler_pb2.LoadReport) -> None:
         if link.target not in self.replicas:
             return
-        load = ReplicaLoad(
-            waiting=msg.waiting,
-            swapped=msg.swapped,
-            running=msg.running,
-            kv_blocks_free=min(msg.kv_blocks_free, msg.kv_blocks_total),
-            kv_blocks_total=msg.kv_blocks_total,
-            max_num_seqs=max(1, msg.max_num_seqs),
-            step_seconds=msg.step_seconds,
-            shards_ready=msg.shards_ready,
-        )
+        try:
+            load = ReplicaLoad.from_message(msg)
+        except ValueError as e:  # no scheduler sends one; the replica goes stale if it keeps on
+            log.error("replica %s sent a load report that is not one: %s", link.target, e)
+            return
         # Requests sent since the scheduler computed the report are not in it yet.
         in_transit = max(0, link.credits.sent - msg.adds_received)
         was_up = self.replicas.is_up(link.target, time.monotonic())

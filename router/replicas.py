@@ -1,9 +1,9 @@
 """Which model replica a request goes to: load-aware routing, prefix affinity, marking down and up.
 
 The router holds one link per replica (one scheduler and its shard workers). Each scheduler reports its
-load on its stream (`ReplicaLoad`); `ReplicaSet` keeps the last report of each and picks a replica per
-request. Plain Python, no gRPC and no asyncio: the clock is an argument (`now`, from time.monotonic(),
-never going backwards), so the policy is tested without sleeping or processes.
+load on its stream (`ReplicaLoad`, common/load.py); `ReplicaSet` keeps the last report of each and picks
+a replica per request. Plain Python, no gRPC and no asyncio: the clock is an argument (`now`, from
+time.monotonic(), never going backwards), so the policy is tested without sleeping or processes.
 
 Headroom, in shares of one replica's capacity (1.0: an idle replica; below 0: work queues there):
 
@@ -45,38 +45,10 @@ from collections import OrderedDict
 from collections.abc import Collection, Hashable, Iterable
 from dataclasses import dataclass
 
+from common.load import ReplicaLoad
 from common.settings import setting
 
 _TIE = 1e-9
-
-
-@dataclass(frozen=True)
-class ReplicaLoad:
-    """One scheduler's report of its load, sent on its stream after steps and as a heartbeat when idle."""
-
-    waiting: int  # sequences the scheduler holds that are not running (not counting the router's queue)
-    running: int  # sequences in the running batch
-    kv_blocks_free: int  # KV blocks no sequence holds
-    kv_blocks_total: int  # KV blocks in the pool (0 before the shards have reported)
-    max_num_seqs: int  # the scheduler's cap on running sequences
-    step_seconds: float  # recent time per step (e.g. an average over the last few steps); 0.0 when idle
-    shards_ready: bool  # every rank connected and serving
-    swapped: int = 0  # preempted sequences swapped to host, each to come back before new ones start
-
-    def __post_init__(self):
-        for name in ("waiting", "running", "kv_blocks_free", "kv_blocks_total", "swapped"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
-        n = self.max_num_seqs
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"max_num_seqs must be an integer >= 1, got {n!r}")
-        if self.kv_blocks_free > self.kv_blocks_total:
-            raise ValueError(
-                f"kv_blocks_free ({self.kv_blocks_free}) exceeds kv_blocks_total ({self.kv_blocks_total})"
-            )
-        if not (math.isfinite(self.step_seconds) and self.step_seconds >= 0):
-            raise ValueError(f"step_seconds must be finite and >= 0, got {self.step_seconds!r}")
 
 
 def headroom(load: ReplicaLoad, pending: int, slow_step_s: float) -> float:

@@ -4,6 +4,7 @@ API when --http-port is set) to the shared request path (router/frontend.py) and
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import signal
@@ -15,6 +16,7 @@ from grpc_reflection.v1alpha import reflection
 from common import metrics, security, tracing
 from common.grpc_util import check_ports_free, public_server_options, write_port_file
 from common.pb.tpserve.v1 import generation_pb2, generation_pb2_grpc
+from router import config as router_config
 from router.auth import ApiKeyInterceptor, ApiKeys
 from router.buckets import AdmissionQueue
 from router.config import RouterConfig
@@ -109,6 +111,7 @@ async def serve(config: RouterConfig) -> None:
             drain_timeout_s=config.drain_timeout_s,
             metrics_registry=router_metrics.registry,  # /metrics on the HTTP port too, as vLLM serves it
             tool_call_parser=config.tool_call_parser,
+            strict_schemas=config.disable_additional_properties,
         )
         http_ports["http_port"] = await http.start(config.host, config.http_port)
     write_port_file(config.port_file, port, metrics_port, **http_ports)
@@ -139,3 +142,12 @@ async def serve(config: RouterConfig) -> None:
     tokenizer.close()
     if provider is not None:
         provider.shutdown()
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`tpserve router`'s flags (common/cli.py)."""
+    router_config.add_arguments(p)
+
+
+def main(a: argparse.Namespace) -> None:
+    asyncio.run(serve(router_config.from_args(a)))

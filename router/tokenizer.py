@@ -9,6 +9,7 @@ Fast (Rust) tokenizers release the GIL while they encode, so the loop keeps runn
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +35,26 @@ class NoTokenizer(ValueError):
     """The model directory has no tokenizer (a --load-format dummy benchmark): token ids only."""
 
 
+def _tokenizer_class(model_dir: str):
+    """The class tokenizer_config.json names (what AutoTokenizer would pick), imported by name: AutoTokenizer
+    itself reads config.json through transformers' model configuration code, which imports torch (4 s
+    and hundreds of MB that a router never uses). Without a name, or one transformers lacks:
+    AutoTokenizer."""
+    import transformers
+
+    config = Path(model_dir) / "tokenizer_config.json"
+    try:
+        name = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
+    except (OSError, ValueError):
+        name = None
+    if isinstance(name, str):
+        for candidate in (name, f"{name}Fast"):
+            found = getattr(transformers, candidate, None)
+            if isinstance(found, type) and hasattr(found, "from_pretrained"):
+                return found
+    return transformers.AutoTokenizer
+
+
 class Tokenizer:
     def __init__(self, hf_tokenizer, threads: int = 2):
         """hf_tokenizer None: the model came without one; prompts must be token ids, and output text
@@ -47,15 +68,13 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained(cls, model_dir: str) -> Tokenizer:
-        from transformers import AutoTokenizer
-
         if not any((Path(model_dir) / name).is_file() for name in TOKENIZER_FILES):
             log.warning(
                 "%s has no tokenizer: prompts must be token ids, and responses carry no text", model_dir
             )
             return cls(None)
         try:
-            return cls(AutoTokenizer.from_pretrained(model_dir))
+            return cls(_tokenizer_class(model_dir).from_pretrained(model_dir))
         except (OSError, ValueError, TypeError) as e:  # a start-up error: one line, not a traceback
             reason = " ".join(str(e).split())
             raise ValueError(f"--model {model_dir}: cannot read its tokenizer: {reason}") from None

@@ -26,6 +26,7 @@ import time
 from collections import deque
 
 from common import tracing
+from common.load import ReplicaLoad
 from common.pb.tpserve.internal.v1 import scheduler_pb2, worker_pb2
 from common.pb.tpserve.internal.v1.scheduler_pb2 import (
     ERROR_CODE_ALREADY_EXISTS,
@@ -38,17 +39,20 @@ from scheduler.block_manager import BlockManager
 from scheduler.config import SchedulerConfig
 from scheduler.fallback import FallbackPolicy, ThroughputFallback
 from scheduler.metrics import SchedulerMetrics
-from scheduler.plan import SchedulerOutput, SchedulerSnapshot
+from scheduler.plan import SchedulerOutput, SchedulerSnapshot, split_sampled
 from scheduler.reports import StepResult, StepTotals, load_report, stats, step_outputs
 from scheduler.router_streams import LOAD_REPORT_INTERVAL_S, RouterStream, RouterStreams
 from scheduler.scheduler import Scheduler
-from scheduler.sequence import FinishReason, Sequence
+from scheduler.sequence import FinishReason, Sequence, from_request
 from scheduler.spans import RequestSpans
 from scheduler.speculation import Speculator
 from scheduler.swap import HostBlockPool
 from scheduler.workers import WorkerGroup, WorkersLost
 
 log = logging.getLogger("tpserve.scheduler")
+
+# How long a scheduler whose ranks came back unfit to serve waits before it asks them again.
+UNFIT_RETRY_S = 5.0
 
 
 class RequestError(Exception):
@@ -101,6 +105,11 @@ class Engine:
                     # A rank that fails the same step again and again (a poisonous request) must not
                     # spin: back off; the recovery clock keeps running until a step succeeds.
                     await asyncio.sleep(1.0)
+                except ValueError as e:  # CapacityError, or ranks that do not fit the configuration
+                    if self.scheduler is None:
+                        raise  # at start-up: a misconfiguration, one line and exit 2
+                    await self._unfit_ranks(e)
+                    await asyncio.sleep(UNFIT_RETRY_S)
         finally:
             expiry.cancel()
 
@@ -270,6 +279,16 @@ class Engine:
             self.fallback.interrupt()  # recompute after a loss is not a throughput regression
         self._expiry_wakeup.set()
 
+    async def _unfit_ranks(self, error: ValueError) -> None:
+        """The ranks came back but cannot serve as they are (imbalanced memory, a cache too small for one
+        sequence): the requests in flight cannot wait on it, so each ends with UNAVAILABLE naming why (a
+        router sends it to another replica, resumed), and the scheduler keeps trying the ranks."""
+        log.error("the shard workers came back unfit to serve: %s; retrying in %.0fs", error, UNFIT_RETRY_S)
+        self._set_ready(False)
+        await self.workers.close()
+        message = f"the replica's shard workers cannot serve: {error}"
+        self._fail([s.request_id for s in self.scheduler.sequences()], ERROR_CODE_UNAVAILABLE, message)
+
     async def _expire_while_lost(self) -> None:
         """While the ranks are lost, fails each request that has waited worker_recovery_timeout_s since
         the loss or since its own arrival, whichever is later: requests that arrive during an outage
@@ -354,7 +373,8 @@ class Engine:
         window = (
             None if self.scheduler is None else self.scheduler.admission_window(self.config.admission_window)
         )
-        stream.send(stream.message([error], window, self.load_report()))
+        share = self.routers.shares(window).get(stream)
+        stream.send(stream.message([error], share, self.load_report()))
 
     def _sequence(self, msg: scheduler_pb2.AddRequest) -> Sequence:
         # Shards lost after they were ready do not refuse a request that was already on its way: it waits
@@ -369,28 +389,11 @@ class Engine:
                 f"num_output_tokens {msg.num_output_tokens} leaves no prompt in "
                 f"{len(msg.prompt_token_ids)} tokens",
             )
-        has_grammar = msg.sampling.HasField("structured_output")
         # Another choice of the same request, with the same prompt, whose prompt blocks this one shares.
         first = self.scheduler.get(msg.fork_of) if msg.fork_of else None
         if first is not None and first.token_ids[: first.num_prompt_tokens] != list(msg.prompt_token_ids):
             first = None
-        return Sequence(
-            seq_id=self._next_seq_id,
-            request_id=msg.request_id,
-            token_ids=list(msg.prompt_token_ids),
-            # A resumed request's own outputs are outputs here too (max_new_tokens, seeded draws).
-            num_prompt_tokens=len(msg.prompt_token_ids) - msg.num_output_tokens,
-            max_new_tokens=msg.max_new_tokens,
-            stop_token_ids=frozenset(msg.stop_token_ids),
-            ignore_eos=msg.ignore_eos,
-            top_logprobs=msg.top_logprobs,
-            sampling=msg.sampling,
-            arrival_time=time.monotonic(),
-            has_grammar=has_grammar,
-            grammar_ready=not has_grammar,
-            fork_of=first,
-            prompt_logprobs=msg.prompt_logprobs if msg.want_prompt_logprobs else None,
-        )
+        return from_request(msg, self._next_seq_id, time.monotonic(), first)
 
     def abort(self, request_id: str) -> None:
         """Frees the request's blocks now; the workers forget it with the next step."""
@@ -398,8 +401,10 @@ class Engine:
             self._end([(request_id, "aborted")])
 
     def queued_changed(self) -> None:
-        """A router's queue changed size: min_batch_size may stop waiting."""
+        """A router's queue changed size: min_batch_size may stop waiting, and the routers' shares of
+        the admission window follow their queues at once."""
         self._wakeup.set()
+        self._report()
 
     def _report(self, outputs=(), force_load: bool = False) -> None:
         """Sends each router its outputs, with the credit and the load when they changed."""
@@ -424,7 +429,7 @@ class Engine:
     def snapshot(self) -> SchedulerSnapshot | None:
         return None if self.scheduler is None else self.scheduler.snapshot()
 
-    def load_report(self) -> scheduler_pb2.LoadReport:
+    def load_report(self) -> ReplicaLoad:
         """This replica's load, for the routers' choice among replicas (router/replicas.py)."""
         return load_report(
             self.snapshot(), self.config.policy.max_num_seqs, self.ready.is_set(), self._recent_steps
@@ -435,15 +440,10 @@ class Engine:
 
 
 def sampled_tokens(out: SchedulerOutput, reply: worker_pb2.StepResponse) -> list[list[int]]:
-    """Rank 0's tokens, split per sampled sequence (token_counts says how many each produced)."""
-    counts, ids = reply.token_counts, reply.token_ids
-    if len(counts) != len(out.sampled) or sum(counts) != len(ids):
-        raise WorkersLost(
-            f"rank 0 answered {len(ids)} tokens in {len(counts)} groups for "
-            f"{len(out.sampled)} sampled sequences"
-        )
-    tokens, at = [], 0
-    for n in counts:
-        tokens.append(list(ids[at : at + n]))
-        at += n
-    return tokens
+    """Rank 0's tokens per sampled sequence. A reply that does not fit the step (a group of no tokens, or
+    of more than the sequence sampled) is the rank's failure, WorkersLost, found before any sequence
+    changes: the requests resume on the rebuilt group."""
+    try:
+        return split_sampled(out, reply.token_counts, reply.token_ids)
+    except ValueError as e:
+        raise WorkersLost(f"rank 0's reply does not fit the step: {e}") from None

@@ -85,6 +85,33 @@ class SchedulerSnapshot:
         return self.waiting + self.running + self.swapped
 
 
+def check_sampled(out: SchedulerOutput, sampled: list[list[int]]) -> None:
+    """Raises ValueError unless sampled has one group per sampling sequence of the step, each of 1 to
+    num_samples tokens (the proposals accepted, then one more): a reply is checked whole before any
+    sequence changes, so a malformed one leaves the state as it was."""
+    items = out.sampled
+    if len(sampled) != len(items):
+        raise ValueError(f"{len(sampled)} token groups for {len(items)} sampled sequences")
+    for item, tokens in zip(items, sampled, strict=True):
+        if not 1 <= len(tokens) <= item.num_samples:
+            raise ValueError(
+                f"seq {item.seq.seq_id}: {len(tokens)} tokens for {item.num_samples} sampled positions"
+            )
+
+
+def split_sampled(out: SchedulerOutput, counts, ids) -> list[list[int]]:
+    """A step's sampled tokens (flat ids, and how many each sampling sequence got) per sequence, checked
+    whole (check_sampled); ValueError when they do not fit the step."""
+    if sum(counts) != len(ids):
+        raise ValueError(f"{len(ids)} tokens but counts summing to {sum(counts)}")
+    tokens, at = [], 0
+    for n in counts:
+        tokens.append(list(ids[at : at + n]))
+        at += n
+    check_sampled(out, tokens)
+    return tokens
+
+
 @dataclass
 class SequenceUpdate:
     seq: Sequence

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from common.load import ReplicaLoad
 from common.pb.tpserve.internal.v1 import scheduler_pb2, worker_pb2
 from common.pb.tpserve.v1 import generation_pb2
 from scheduler.plan import SchedulerOutput, SchedulerSnapshot, SequenceUpdate
@@ -155,16 +156,22 @@ def _logprobs(
 
 def load_report(
     snap: SchedulerSnapshot | None, max_num_seqs: int, shards_ready: bool, recent_steps: Iterable[float]
-) -> scheduler_pb2.LoadReport:
+) -> ReplicaLoad:
     """The replica's load, for the routers' choice among replicas (router/replicas.py)."""
-    report = scheduler_pb2.LoadReport(max_num_seqs=max_num_seqs, shards_ready=shards_ready)
-    if snap is not None:
-        report.waiting, report.swapped, report.running = snap.waiting, snap.swapped, snap.running
-        report.kv_blocks_total, report.kv_blocks_free = snap.kv_blocks_total, snap.kv_blocks_free
-        recent = list(recent_steps)
-        if snap.in_flight and recent:
-            report.step_seconds = sum(recent) / len(recent)
-    return report
+    if snap is None:  # before the ranks first said what they hold
+        return ReplicaLoad(0, 0, 0, 0, max_num_seqs, 0.0, shards_ready)
+    recent = list(recent_steps)
+    step_seconds = round(sum(recent) / len(recent), 3) if snap.in_flight and recent else 0.0
+    return ReplicaLoad(
+        waiting=snap.waiting,
+        running=snap.running,
+        swapped=snap.swapped,
+        kv_blocks_free=snap.kv_blocks_free,
+        kv_blocks_total=snap.kv_blocks_total,
+        max_num_seqs=max_num_seqs,
+        step_seconds=step_seconds,
+        shards_ready=shards_ready,
+    )
 
 
 def stats(

@@ -4,6 +4,11 @@ what goes out on each — a step's outputs, credit and load in one message.
 Credit (how many more requests a router may send, see router/buckets.py Credits) and load reports go
 out only when they changed; the heartbeat sends the load regardless, so a router can tell a live
 replica in a long step from a dead one.
+
+The admission window is the scheduler's, not each router's: with several routers connected it is split
+among them by what they queue (`split_window`), so together they never send more than it. A router with
+nothing queued gets no share until it reports a queue (one round trip), rather than holding credit an
+idle router cannot give back.
 """
 
 from __future__ import annotations
@@ -11,10 +16,35 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable
 
+from common.load import ReplicaLoad
 from common.pb.tpserve.internal.v1 import scheduler_pb2
 
 # The heartbeat: a load report at least this often (the router's --replica-stale-s is several times it).
 LOAD_REPORT_INTERVAL_S = 0.5
+
+
+def split_window(window: int, queued: list[int], floors: list[int]) -> list[int]:
+    """Each router's share of the admission window. floors: what each may still send under the last
+    credit it was given (RouterStream.outstanding); a share never drops below it, so the routers'
+    unreceived adds never add up to more than the window. The rest goes to the requests they queue
+    beyond that, in proportion when there are more than the rest (largest remainders, then the longest
+    queues). One router alone gets the whole window, as before there were several."""
+    n = len(queued)
+    if n == 1:
+        return [window]
+    rest = window - sum(floors)
+    if rest <= 0:
+        return list(floors)
+    want = [max(0, q - f) for q, f in zip(queued, floors, strict=True)]
+    total = sum(want)
+    if total <= rest:
+        return [f + w for f, w in zip(floors, want, strict=True)]
+    extra = [rest * w // total for w in want]
+    left = rest - sum(extra)  # fewer than n
+    order = sorted(range(n), key=lambda i: (-(rest * want[i] % total), -want[i]))
+    for i in order[:left]:
+        extra[i] += 1
+    return [f + e for f, e in zip(floors, extra, strict=True)]
 
 
 class RouterStream:
@@ -25,7 +55,15 @@ class RouterStream:
         self.adds_received = 0  # AddRequests read from this stream (stamped on credit and load)
         self.queued = 0  # requests the router holds in its queue for lack of credit (its QueueDepth)
         self._last_credit: tuple[int, int] | None = None
-        self._last_load: tuple | None = None
+        self._last_load: ReplicaLoad | None = None
+
+    def outstanding(self) -> int:
+        """How many adds the router may still send under the last credit it was given (some may be on
+        the wire already): that credit's window less the adds read since it was computed."""
+        if self._last_credit is None:
+            return 0
+        window, received = self._last_credit
+        return max(0, window - (self.adds_received - received))
 
     def send(self, msg: scheduler_pb2.SchedulerMessage) -> None:
         self.outbox.put_nowait(msg)
@@ -34,7 +72,7 @@ class RouterStream:
         self,
         outputs: list[scheduler_pb2.RequestOutput],
         window: int | None,
-        load: scheduler_pb2.LoadReport | None,
+        load: ReplicaLoad | None,
         force_load: bool = False,
     ) -> scheduler_pb2.SchedulerMessage | None:
         """One message with the outputs, the credit if it changed and the load if it changed (or
@@ -43,20 +81,10 @@ class RouterStream:
         if window is not None and (window, self.adds_received) != self._last_credit:
             self._last_credit = (window, self.adds_received)
             msg.credit.window, msg.credit.adds_received = window, self.adds_received
-        if load is not None:
-            key = (
-                load.waiting,
-                load.swapped,
-                load.running,
-                load.kv_blocks_free,
-                load.kv_blocks_total,
-                load.shards_ready,
-                round(load.step_seconds, 3),
-            )
-            if force_load or key != self._last_load:
-                self._last_load = key
-                msg.load.CopyFrom(load)
-                msg.load.adds_received = self.adds_received
+        if load is not None and (force_load or load != self._last_load):
+            self._last_load = load
+            load.fill(msg.load)
+            msg.load.adds_received = self.adds_received
         empty = not (outputs or msg.HasField("credit") or msg.HasField("load"))
         return None if empty else msg
 
@@ -98,21 +126,30 @@ class RouterStreams:
                 msg.model_info.CopyFrom(model_info)
             s.send(msg)
 
+    def shares(self, window: int | None) -> dict[RouterStream, int | None]:
+        """Each connected router's share of the scheduler's admission window (split_window)."""
+        streams = sorted(self._streams, key=id)  # a stable order between calls
+        if window is None:
+            return dict.fromkeys(streams)
+        queued, floors = [s.queued for s in streams], [s.outstanding() for s in streams]
+        return dict(zip(streams, split_window(window, queued, floors), strict=True))
+
     def publish(
         self,
         outputs: Iterable[scheduler_pb2.RequestOutput],
         window: int | None,
-        load: scheduler_pb2.LoadReport | None,
+        load: ReplicaLoad | None,
         force_load: bool = False,
     ) -> None:
-        """Sends each router its outputs of a step with the credit and load, one message each.
-        Outputs of requests no router owns any more are dropped."""
-        mine: dict[RouterStream, list] = {s: [] for s in self._streams}
+        """Sends each router its outputs of a step with its share of the credit and the load, one
+        message each. Outputs of requests no router owns any more are dropped."""
+        shares = self.shares(window)
+        mine: dict[RouterStream, list] = {s: [] for s in shares}
         for out in outputs:
             stream = self._owner.get(out.request_id)
             if stream in mine:
                 mine[stream].append(out)
         for stream, outs in mine.items():
-            msg = stream.message(outs, window, load, force_load)
+            msg = stream.message(outs, shares[stream], load, force_load)
             if msg is not None:
                 stream.send(msg)

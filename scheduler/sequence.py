@@ -75,3 +75,26 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+
+def from_request(msg, seq_id: int, arrival_time: float, fork_of: Sequence | None) -> Sequence:
+    """A router's AddRequest (scheduler.proto) as a new sequence. fork_of: an earlier choice of the same
+    request with the same prompt, whose prompt blocks this one shares."""
+    has_grammar = msg.sampling.HasField("structured_output")
+    return Sequence(
+        seq_id=seq_id,
+        request_id=msg.request_id,
+        token_ids=list(msg.prompt_token_ids),
+        # A resumed request's own outputs are outputs here too (max_new_tokens, seeded draws).
+        num_prompt_tokens=len(msg.prompt_token_ids) - msg.num_output_tokens,
+        max_new_tokens=msg.max_new_tokens,
+        stop_token_ids=frozenset(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        top_logprobs=msg.top_logprobs,
+        sampling=msg.sampling,
+        arrival_time=arrival_time,
+        has_grammar=has_grammar,
+        grammar_ready=not has_grammar,
+        fork_of=fork_of,
+        prompt_logprobs=msg.prompt_logprobs if msg.want_prompt_logprobs else None,
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import signal
@@ -13,6 +14,7 @@ from common import metrics, security, tracing
 from common.grpc_util import SERVER_OPTIONS, check_ports_free, write_port_file
 from common.pb.tpserve.internal.v1 import scheduler_pb2_grpc
 from common.pb.tpserve.internal.v1.scheduler_pb2 import ERROR_CODE_INTERNAL
+from scheduler import config as scheduler_config
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
 from scheduler.router_streams import RouterStream
@@ -114,3 +116,12 @@ async def serve(config: SchedulerConfig) -> None:
     await engine.close()
     if provider is not None:
         provider.shutdown()
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`tpserve scheduler`'s flags (common/cli.py)."""
+    scheduler_config.add_arguments(p)
+
+
+def main(a: argparse.Namespace) -> None:
+    asyncio.run(serve(scheduler_config.from_args(a)))

@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
+import uuid
 from dataclasses import dataclass
 
 import grpc
 
 from common import security
-from common.grpc_util import OPTIONS
+from common.grpc_util import OPTIONS, SCHEDULER_METADATA_KEY
 from common.pb.tpserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from scheduler.capacity import Capacity, RankCapacity, settle
 from scheduler.config import SchedulerConfig
@@ -49,6 +52,9 @@ class WorkerGroup:
         self._channels: list[grpc.aio.Channel] = []
         self._streams: list = []
         self._broken: str | None = None  # why a step stream ended on its own
+        # Who this scheduler is, to its workers: the same across reconnects, another in a new process.
+        self.identity = f"{socket.gethostname()} pid {os.getpid()} ({uuid.uuid4().hex[:8]})"
+        self._metadata = ((SCHEDULER_METADATA_KEY, self.identity),)
 
     async def connect(self, on_lost=lambda: None) -> WorkerGroupInfo:
         """Describes every rank, settles the capacity, allocates the caches and opens the step streams.
@@ -70,7 +76,12 @@ class WorkerGroup:
         try:
             infos = await asyncio.gather(
                 *(
-                    s.Describe(describe, wait_for_ready=True, timeout=cfg.worker_connect_timeout_s)
+                    s.Describe(
+                        describe,
+                        wait_for_ready=True,
+                        timeout=cfg.worker_connect_timeout_s,
+                        metadata=self._metadata,
+                    )
                     for s in stubs
                 )
             )
@@ -105,12 +116,14 @@ class WorkerGroup:
                 max_model_len=capacity.max_model_len,
                 max_num_seqs=policy.max_num_seqs,
             )
-            await asyncio.gather(*(s.InitCache(init) for s in stubs))
+            await asyncio.gather(*(s.InitCache(init, metadata=self._metadata) for s in stubs))
         except (grpc.RpcError, TimeoutError) as e:
             raise WorkersLost(_detail(e)) from e
         # Steps are serialized once by the engine: the stream takes bytes as they are.
         self._streams = [
-            ch.stream_stream(STEP_METHOD, response_deserializer=worker_pb2.StepResponse.FromString)()
+            ch.stream_stream(STEP_METHOD, response_deserializer=worker_pb2.StepResponse.FromString)(
+                metadata=self._metadata
+            )
             for ch in self._channels
         ]
         self._broken = None

@@ -64,7 +64,6 @@ class DraftModel:
         self.kv_caches: list[torch.Tensor] = []
         self.host_kv_caches: list[torch.Tensor] = []
         self.block_size = 0
-        self._seqs: dict[int, _DraftSequence] = {}
         # Unseeded proposals' draws (rank 0); seeded ones take the target's (seed, position) uniforms.
         self._generator = torch.Generator(device)
         self._generator.seed()
@@ -74,8 +73,8 @@ class DraftModel:
         return self.model.num_kv_caches * per_cache
 
     def allocate(self, num_blocks: int, block_size: int) -> None:
-        """A fresh cache (with the target's): no sequence's draft KV is in it."""
-        self._seqs.clear()
+        """A fresh cache (with the target's): no sequence's draft KV is in it (the worker forgets every
+        sequence, and with them their draft progress)."""
         self.kv_caches = []  # the old one first, so that both never take memory at once
         self.kv_caches = self.model.new_kv_caches(num_blocks, block_size, self.dtype, self.device)
         self.block_size = block_size
@@ -85,10 +84,6 @@ class DraftModel:
         self.host_kv_caches = self.model.new_kv_caches(
             num_blocks, block_size, self.dtype, self.device, host=True
         )
-
-    def forget(self, seq_ids) -> None:
-        for seq_id in seq_ids:
-            self._seqs.pop(int(seq_id), None)
 
     def propose(self, inputs: StepInputs, states) -> tuple[StepInputs, list[torch.Tensor | None] | None]:
         """Runs the draft over the step's own tokens (each sequence first catching up on what it lacks)
@@ -102,7 +97,7 @@ class DraftModel:
         segments = np.split(inputs.input_ids, np.cumsum(own)[:-1])
         ids, lens = [], np.empty(len(own), dtype=np.int64)
         for i, seg in enumerate(segments):
-            catch_up = self._catch_up(int(inputs.seq_ids[i]), int(starts[i]))
+            catch_up = self._catch_up(_progress(inputs, i), int(starts[i]))
             ids += [np.asarray(catch_up, dtype=np.int64), seg]
             lens[i] = len(catch_up) + len(seg)
         hidden = self._forward(np.concatenate(ids), lens, ends, inputs.block_table)
@@ -148,9 +143,8 @@ class DraftModel:
             per_state = [torch.stack(probs[i]) if i in probs else None for i in sampled.tolist()]
         return replace(inputs, input_ids=full), per_state
 
-    def _catch_up(self, seq_id: int, start: int) -> list[int]:
+    def _catch_up(self, seq: _DraftSequence | None, start: int) -> list[int]:
         """The tokens before `start` (where the target's computed KV ends) whose draft KV is missing."""
-        seq = self._seqs.get(seq_id)
         if seq is None:
             return []  # new to the draft: computed from 0 with the target, or a prefix cached for both
         computed = min(seq.computed, start)
@@ -172,4 +166,11 @@ class DraftModel:
                 n = int(inputs.draft_counts[i])
                 tokens += drafts[proposed[i], :n].tolist()
                 computed += n - 1
-            self._seqs[int(inputs.seq_ids[i])] = _DraftSequence(computed, int(starts[i]), tokens)
+            if inputs.sequences is not None:  # kept on the worker's record of the sequence
+                inputs.sequences[i].draft = _DraftSequence(computed, int(starts[i]), tokens)
+
+
+def _progress(inputs, i: int) -> _DraftSequence | None:
+    """What the draft computed of batch row i's sequence so far (None: nothing, or a step of no real
+    sequences)."""
+    return None if inputs.sequences is None else inputs.sequences[i].draft

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import signal
@@ -16,9 +17,10 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common import metrics, security, tracing
-from common.grpc_util import SERVER_OPTIONS, check_ports_free, write_port_file
+from common.grpc_util import SCHEDULER_METADATA_KEY, SERVER_OPTIONS, check_ports_free, write_port_file
 from common.pb.tpserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from common.sampling import SamplingConfig
+from shard_worker import config as worker_config
 from shard_worker import devices
 from shard_worker.config import StepThreads, WorkerConfig
 from shard_worker.metrics import WorkerMetrics
@@ -31,6 +33,14 @@ log = logging.getLogger("tpserve.shard_worker")
 def _array(data: bytes) -> np.ndarray:
     """A packed little-endian int64 field of a StepRequest (see worker.proto)."""
     return np.frombuffer(data, dtype="<i8")
+
+
+def scheduler_of(context) -> str | None:
+    """The calling scheduler's name, from its metadata (scheduler/workers.py)."""
+    for key, value in context.invocation_metadata() or ():
+        if key == SCHEDULER_METADATA_KEY:
+            return value
+    return None
 
 
 def worker_step(req: worker_pb2.StepRequest) -> WorkerStep:
@@ -78,8 +88,10 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
         # A failure of the rank itself (not of a stream): its process group may be broken, so the rank
         # must exit for the launcher or Kubernetes to rebuild the group. serve() sets this.
         self.on_failure = lambda reason: None
-        # One scheduler drives this worker; a second stream at once would interleave steps.
+        # One scheduler drives this worker; a second stream at once would interleave steps, and a second
+        # scheduler's Describe or InitCache would drop the caches and sequences of the first.
         self._step_lock = threading.Lock()
+        self._stepping: str | None = None  # the scheduler holding the step stream (its metadata)
         # Held by each step and by Describe/InitCache: a scheduler that reconnects after a step timeout
         # must not profile memory or allocate a cache while the old forward still runs.
         self._device_lock = threading.Lock()
@@ -91,8 +103,21 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
         self.worker = Worker(runner, threads)
 
     def Describe(self, request, context):
+        self._refuse_other_scheduler(context, "describe it")
         with self._device_lock, self._failing_on_error("describing its capacity"):
             return self._describe(request)
+
+    def _refuse_other_scheduler(self, context, what: str) -> None:
+        """FAILED_PRECONDITION when a scheduler other than the caller holds the step stream: its
+        Describe would drop the KV caches, its InitCache every sequence, under the one stepping. The
+        same scheduler reconnecting (after a step timeout) goes on: the device lock orders it."""
+        holder, caller = self._stepping, scheduler_of(context)
+        if holder is not None and holder != caller:
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"scheduler {holder} is stepping this worker; {caller or 'an unnamed caller'} may not "
+                f"{what} while it does",
+            )
 
     def _describe(self, request) -> worker_pb2.DescribeResponse:
         info = self.runner.describe()
@@ -123,6 +148,7 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
         )
 
     def InitCache(self, request, context):
+        self._refuse_other_scheduler(context, "allocate its cache")
         with self._device_lock, self._failing_on_error("allocating its KV cache"):
             return self._init_cache(request)
 
@@ -155,8 +181,10 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
     def Step(self, request_iterator, context):
         if not self._step_lock.acquire(blocking=False):
             context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION, "another scheduler is already stepping this worker"
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"scheduler {self._stepping} is already stepping this worker",
             )
+        self._stepping = scheduler_of(context) or "(unnamed)"
         try:
             for req in request_iterator:
                 with self._device_lock:
@@ -170,6 +198,7 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
             self.on_failure(f"step failed: {type(e).__name__}: {e}")
             raise
         finally:
+            self._stepping = None
             self._step_lock.release()
 
     @contextlib.contextmanager
@@ -304,3 +333,12 @@ def serve(config: WorkerConfig) -> None:
     if failure:
         print(f"tpserve shard-worker: rank {config.rank}: {failure[0]}", file=sys.stderr)
         sys.exit(1)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`tpserve shard-worker`'s flags (common/cli.py)."""
+    worker_config.add_arguments(p)
+
+
+def main(a: argparse.Namespace) -> None:
+    serve(worker_config.from_args(a))

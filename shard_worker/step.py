@@ -51,6 +51,9 @@ class StepInputs:
     # [S] tokens the draft model proposes for each sequence before the forward (speculative decoding):
     # the last draft_counts[i] of its query_lens[i], not in input_ids until then. None: zeros.
     draft_counts: np.ndarray | None = None
+    # [S] the worker's record of each sequence (worker.py WorkerSequence), where the draft model keeps
+    # its progress on it; None for steps of no real sequences (warm-up, profiling).
+    sequences: list | None = None
 
     def __post_init__(self):
         for name in ("seq_ids", "query_lens", "context_lens", "sample_counts", "input_ids"):

@@ -24,12 +24,18 @@ from shard_worker.step import StepInputs, StepOutputs, WorkerStep
 
 @dataclass
 class WorkerSequence:
+    """Everything this rank holds for one sequence: forgetting it is dropping this object (and giving
+    back what it holds elsewhere: its table row, its sampler state)."""
+
     seq_id: int
+    row: int  # its block table's row (BlockTables)
     sampling: SequenceState | None  # rank 0 only
     # Prompt logprobs wanted: the prompt (every rank: they all compute the rows' logits, a collective)
     # and the alternatives per position.
     prompt: list[int] | None = None
     prompt_top: int = 0
+    grammar_pending: bool = False  # rank 0: its grammar is compiling and not yet reported ready
+    draft: object | None = None  # the draft model's progress on it (shard_worker/draft.py)
 
 
 class Worker:
@@ -39,7 +45,6 @@ class Worker:
         self.threads = threads
         self.tables: BlockTables | None = None
         self.sequences: dict[int, WorkerSequence] = {}
-        self._grammar_pending: dict[int, SequenceState] = {}  # rank 0: grammars not yet reported ready
 
     def init_cache(
         self,
@@ -53,7 +58,8 @@ class Worker:
         every sequence again: what this worker knew of the last one is dropped; then captures the decode
         graphs for up to max_num_seqs sequences over it (CUDA; they bake in its addresses). Returns the
         bytes the cache and the swap space take."""
-        self.forget(list(self.sequences))
+        if self.tables is not None:
+            self.forget(list(self.sequences))
         self.tables = BlockTables(-(-max_model_len // block_size))
         nbytes = self.runner.allocate_kv_cache(num_blocks, block_size)
         host_bytes = self.runner.allocate_host_kv_cache(num_host_blocks, block_size)
@@ -63,13 +69,11 @@ class Worker:
     def forget(self, seq_ids) -> None:
         for seq_id in seq_ids:
             seq = self.sequences.pop(int(seq_id), None)
-            self._grammar_pending.pop(int(seq_id), None)
-            if seq is not None and seq.sampling is not None:
+            if seq is None:
+                continue
+            self.tables.release(seq.row)
+            if seq.sampling is not None:
                 self.runner.sampler.release(seq.sampling)
-        if self.runner.draft is not None:  # its per-sequence state (shard_worker/draft.py)
-            self.runner.draft.forget(seq_ids)
-        if self.tables is not None:
-            self.tables.forget(seq_ids)
 
     def step(self, step: WorkerStep) -> StepOutputs:
         if self.tables is None:
@@ -79,10 +83,14 @@ class Worker:
         for init in step.new_sequences:
             self.forget([init.seq_id])  # a sequence introduced again is rebuilt from its tokens
             state = sampler.new_state(init) if sampler is not None else None
-            prompt = init.token_ids[: init.num_prompt_tokens] if init.want_prompt_logprobs else None
-            self.sequences[init.seq_id] = WorkerSequence(init.seq_id, state, prompt, init.prompt_logprobs)
-            if state is not None and init.sampling.structured is not None:
-                self._grammar_pending[init.seq_id] = state
+            self.sequences[init.seq_id] = WorkerSequence(
+                init.seq_id,
+                self.tables.take_row(),
+                state,
+                prompt=init.token_ids[: init.num_prompt_tokens] if init.want_prompt_logprobs else None,
+                prompt_top=init.prompt_logprobs,
+                grammar_pending=state is not None and init.sampling.structured is not None,
+            )
         ready, errors = self._grammars(step.grammar_wait_ms / 1000)
         # Swap out first: its device blocks may be handed to this step's tokens or swap ins.
         if step.swap_out[0]:
@@ -91,9 +99,12 @@ class Worker:
             self.runner.swap_in(*step.swap_in)
         if not len(step.seq_ids):  # only grammars to wait for (every rank answers at once)
             return StepOutputs(grammar_ready_seq_ids=ready, grammar_errors=errors)
-        block_table = self.tables.apply(
-            step.seq_ids, step.table_reset, step.new_block_counts, step.new_block_ids
-        )
+        try:
+            batch = [self.sequences[int(i)] for i in step.seq_ids]
+        except KeyError as e:
+            raise KeyError(f"sequence {e.args[0]} was never introduced to this worker") from None
+        rows = np.fromiter((seq.row for seq in batch), dtype=np.int64, count=len(batch))
+        block_table = self.tables.apply(rows, step.table_reset, step.new_block_counts, step.new_block_ids)
         inputs = StepInputs(
             seq_ids=step.seq_ids,
             query_lens=step.query_lens,
@@ -102,19 +113,13 @@ class Worker:
             input_ids=step.input_ids,
             block_table=block_table,
             draft_counts=step.draft_counts,
+            sequences=batch,
         )
         if step.prompt_logprob_counts is not None:
             self._prompt_rows(step, inputs)
         states = None
         if sampler is not None:
-            try:
-                states = [
-                    self.sequences[int(i)].sampling
-                    for i, n in zip(step.seq_ids, step.sample_counts, strict=True)
-                    if n
-                ]
-            except KeyError as e:
-                raise KeyError(f"sequence {e.args[0]} was never introduced to this worker") from None
+            states = [seq.sampling for seq, n in zip(batch, step.sample_counts, strict=True) if n]
         grammar = sampler.grammar if sampler is not None else None
         before = (grammar.mask_seconds, grammar.fill_seconds) if grammar is not None else None
         if self.threads is not None:
@@ -152,17 +157,18 @@ class Worker:
         for the first of them (a step that computes nothing, sent only to wait for grammars)."""
         ready, errors = [], []
         deadline = time.monotonic() + wait_s
-        for seq_id, state in list(self._grammar_pending.items()):
+        for seq in self.sequences.values():
+            if not seq.grammar_pending:
+                continue
             try:
                 timeout = 0.0 if ready else max(0.0, deadline - time.monotonic())
-                done = self.runner.sampler.grammar_ready(state, timeout)
+                done = self.runner.sampler.grammar_ready(seq.sampling, timeout)
             except Exception as e:  # a grammar llguidance refuses, or a model without a tokenizer
-                errors.append(
-                    (seq_id, f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e))
-                )
-                del self._grammar_pending[seq_id]
+                message = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+                errors.append((seq.seq_id, message))
+                seq.grammar_pending = False
                 continue
             if done:
-                ready.append(seq_id)
-                del self._grammar_pending[seq_id]
+                ready.append(seq.seq_id)
+                seq.grammar_pending = False
         return ready, errors

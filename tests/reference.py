@@ -19,11 +19,14 @@ def prompts(vocab_size: int) -> list[list[int]]:
     return [[rng.randrange(2, vocab_size) for _ in range(n)] for n in PROMPT_LENS]
 
 
-def hf_greedy(model_dir) -> dict[tuple[int, ...], list[int]]:
-    """Greedy continuations from transformers' own generate, in float64, EOS ignored."""
+def hf_greedy(model_dir, prepare=None) -> dict[tuple[int, ...], list[int]]:
+    """Greedy continuations from transformers' own generate, in float64, EOS ignored. prepare(model):
+    anything to do to the model first (a quantized format's activation rounding, as hooks)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
+    if prepare is not None:
+        prepare(model)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     out = {}

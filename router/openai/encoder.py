@@ -4,9 +4,10 @@ Each response belongs to a choice (GenerateResponse.index: n choices per prompt,
 each choice keeps its own state: its text offset, its tool-call parser, whether it has started. With a
 tool-call parser the chat text goes through it: content deltas and `tool_calls` deltas (each call whole,
 with its index, id, name and arguments), and finish_reason "tool_calls" once a call was made, as vLLM
-answers. `echo` puts the prompt's text (and, with logprobs, the prompt's logprobs, the first token's
-null) before a completion's own; vLLM's `prompt_logprobs` come as its {token id: {logprob, rank,
-decoded_token}} per prompt position, the first null.
+answers ("length" for a forced call that max_tokens cut: its arguments are a JSON prefix). `echo` puts
+the prompt's text (and, with logprobs, the prompt's logprobs, the first token's null) before a
+completion's own; vLLM's `prompt_logprobs` come as its {token id: {logprob, rank, decoded_token}} per
+prompt position, the first null.
 """
 
 from __future__ import annotations
@@ -152,8 +153,12 @@ class Encoder:
         return out
 
     def _finish_reason(self, c: _Choice, resp_reason: int) -> str | None:
+        """ "tool_calls" once a call was made, unless the answer stopped inside one (a forced call cut by
+        max_tokens): that keeps its own reason, so a client knows the arguments are incomplete."""
         finish = FINISH_REASONS.get(resp_reason)
-        return "tool_calls" if finish is not None and c.calls_sent else finish
+        if finish is None or not c.calls_sent or (c.parser is not None and c.parser.cut):
+            return finish
+        return "tool_calls"
 
     def _start(self, c: _Choice, index: int, resp: pb.GenerateResponse) -> tuple[str, dict, list]:
         """What a choice's first chunk adds: the echoed prompt, vLLM's prompt_logprobs field (completions),

@@ -86,7 +86,7 @@ FIELDS = (
     ),
     _s("echo", BOTH, "OpenAI", "completions: the prompt before the text (and its logprobs); chat: as vLLM"),
     _r("suffix", COMPLETIONS, "OpenAI", "fill-in-the-middle needs a model's FIM template", (None, "")),
-    _s("response_format", BOTH, "OpenAI", "text, json_object, json_schema (strict or not: always enforced)"),
+    _s("response_format", BOTH, "OpenAI", "text, json_object, json_schema (enforced, strict by default)"),
     _r("functions", CHAT, "OpenAI", "deprecated for tools", (None, [])),
     _r("function_call", CHAT, "OpenAI", "deprecated for tool_choice", (None, "none")),
     _r("store", CHAT, "OpenAI", "tpserve stores no completions", (None, False)),
@@ -130,7 +130,8 @@ FIELDS = (
         "structured_outputs",
         BOTH,
         "vLLM",
-        "json, regex, choice, grammar (Lark or GBNF), json_object; not structural_tag",
+        "json, regex, choice, grammar (Lark or GBNF), json_object, disable_additional_properties, "
+        "disable_any_whitespace; not structural_tag",
     ),
     _s("guided_json", BOTH, "vLLM", "a JSON Schema (object or text)"),
     _s("guided_regex", BOTH, "vLLM", "the whole output matches it (Rust regex syntax)"),

@@ -66,8 +66,9 @@ def _max_tokens(body: dict, name: str) -> int | None:
     return value
 
 
-def _common(body: object, request_id: str, chat: bool) -> tuple[dict, dict]:
-    """The fields both endpoints share -> (GenerateRequest keyword arguments, the rest of ApiRequest)."""
+def _common(body: object, request_id: str, chat: bool, strict: bool) -> tuple[dict, dict]:
+    """The fields both endpoints share -> (GenerateRequest keyword arguments, the rest of ApiRequest).
+    strict: the server's disable_additional_properties (JSON Schemas closed, structured.py)."""
     if not isinstance(body, dict):
         raise bad_request(None, f"the request body must be a JSON object, got {f.kind(body)}")
     f.check_fields(body, chat)
@@ -100,7 +101,7 @@ def _common(body: object, request_id: str, chat: bool) -> tuple[dict, dict]:
     min_tokens = f.integer(body, "min_tokens", 0, f.UINT32_MAX)
     if min_tokens is not None:
         sampling["min_tokens"] = min_tokens
-    structured, structured_field = parse_structured(body)
+    structured, structured_field = parse_structured(body, strict)
     kwargs = dict(
         request_id=given_id or request_id,
         sampling=pb.SamplingParams(
@@ -142,11 +143,11 @@ def _common(body: object, request_id: str, chat: bool) -> tuple[dict, dict]:
     return kwargs, rest | dict(n=n or 1, echo=f.boolean(body, "echo"), prompt_logprobs=prompt_logprobs)
 
 
-def parse_completion(body: object, request_id: str) -> ApiRequest:
+def parse_completion(body: object, request_id: str, strict: bool = True) -> ApiRequest:
     """A /v1/completions body. prompt: a string, token ids (a list of ints), or a list of several of
     either: one GenerateRequest per prompt (the first keeps the request id, prompt p gets "id/p"), whose
     choices come prompt after prompt (index p * n + i)."""
-    kwargs, rest = _common(body, request_id, chat=False)
+    kwargs, rest = _common(body, request_id, chat=False, strict=strict)
     prompts = _prompts(body.get("prompt"))
     max_tokens = _max_tokens(body, "max_tokens")
     kwargs["max_new_tokens"] = COMPLETIONS_MAX_TOKENS if max_tokens is None else max_tokens
@@ -252,17 +253,19 @@ def parse_message(m: object, where: str) -> pb.ChatMessage:
     )
 
 
-def parse_chat(body: object, request_id: str, tool_parser: str | None = None) -> ApiRequest:
+def parse_chat(
+    body: object, request_id: str, tool_parser: str | None = None, strict: bool = True
+) -> ApiRequest:
     """A /v1/chat/completions body. tool_parser: the server's --tool-call-parser (tool_choice "auto" needs
-    one)."""
-    kwargs, rest = _common(body, request_id, chat=True)
+    one); strict: the server's disable_additional_properties (schemas and tool parameters closed)."""
+    kwargs, rest = _common(body, request_id, chat=True, strict=strict)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages", "messages must be a non-empty array of {role, content}")
     kwargs["messages"] = [parse_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
     kwargs["tools"] = parse_tools(body)
     tool_choice = parse_tool_choice(body, kwargs["tools"], tool_parser)
-    schema = output_schema(kwargs["tools"], tool_choice)
+    schema = output_schema(kwargs["tools"], tool_choice, strict)
     if schema is not None:
         # "required" or a named function: the answer is the call itself, its arguments held to the
         # function's schema by a grammar.

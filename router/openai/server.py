@@ -89,7 +89,9 @@ class OpenAIServer:
         drain_timeout_s: float = 30.0,
         metrics_registry=None,
         tool_call_parser: str | None = None,
+        strict_schemas: bool = True,
     ):
+        """strict_schemas: --disable-additional-properties (JSON Schemas closed unless a request says)."""
         self.frontend = frontend
         self.keys = keys
         self.on_refused = on_refused
@@ -97,6 +99,7 @@ class OpenAIServer:
         self.draining = False
         self.metrics_registry = metrics_registry
         self.tool_call_parser = tool_call_parser
+        self.strict_schemas = strict_schemas
         # Any path naming the served directory is the served model (resolved once: it does not move).
         self._model_path = os.path.realpath(frontend.config.model)
         # Token-id prompts of long contexts are megabytes: the same bound as gRPC messages.
@@ -201,11 +204,14 @@ class OpenAIServer:
         return web.json_response(self._card(self._check_model(request.match_info["model"])))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, protocol.parse_completion)
+        return await self._generate(
+            request, lambda body, rid: protocol.parse_completion(body, rid, self.strict_schemas)
+        )
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(
-            request, lambda body, rid: protocol.parse_chat(body, rid, self.tool_call_parser)
+            request,
+            lambda body, rid: protocol.parse_chat(body, rid, self.tool_call_parser, self.strict_schemas),
         )
 
     async def tokenize(self, request: web.Request) -> web.Response:

@@ -6,12 +6,19 @@ error names the field the client used (`param`).
 
 JSON comes in the compact form (vLLM's disable_any_whitespace) unless structured_outputs says
 disable_any_whitespace: false: with any whitespace allowed, small models wander into endless newlines.
+
+A JSON Schema is strict unless relaxed (common/grammar.py strict_schema: no properties or items beyond those
+it names), as xgrammar, vLLM's default backend, compiles it: a small model held to a schema that allows any
+other key goes on adding keys until max_tokens. vLLM's own switch for its guidance backend names it:
+`disable_additional_properties`, true here unless the server's --no-disable-additional-properties or the
+request's structured_outputs.disable_additional_properties: false says otherwise.
 """
 
 from __future__ import annotations
 
 import json
 
+from common.grammar import strict_schema
 from common.pb.tpserve.v1 import generation_pb2 as pb
 from router.openai.errors import bad_request
 from router.openai.fields import kind
@@ -22,8 +29,9 @@ STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "struct
 STRUCTURED_OPTIONS = ("disable_any_whitespace", "disable_fallback", "disable_additional_properties")
 
 
-def parse_structured(body: dict) -> tuple[pb.StructuredOutput | None, str | None]:
-    """The request's structured output and the name of the field it came in (None, None: free text)."""
+def parse_structured(body: dict, strict: bool = True) -> tuple[pb.StructuredOutput | None, str | None]:
+    """The request's structured output and the name of the field it came in (None, None: free text).
+    strict: the server's disable_additional_properties (a JSON Schema is closed, strict_schema)."""
     given = [
         name for name in ("response_format", "structured_outputs", *GUIDED) if body.get(name) is not None
     ]
@@ -36,13 +44,18 @@ def parse_structured(body: dict) -> tuple[pb.StructuredOutput | None, str | None
     name = given[0]
     value = body[name]
     if name == "response_format":
-        return _response_format(value), "response_format"
+        return _response_format(value, strict), "response_format"
     if name == "structured_outputs":
-        return _structured_outputs(value)
-    return _one(name.removeprefix("guided_"), value, name), name
+        return _structured_outputs(value, strict)
+    return _one(name.removeprefix("guided_"), value, name, strict), name
 
 
-def _response_format(value) -> pb.StructuredOutput:
+def json_schema(schema: dict, strict: bool) -> str:
+    """A schema's JSON text for StructuredOutput.json_schema, closed when strict."""
+    return json.dumps(strict_schema(schema) if strict else schema)
+
+
+def _response_format(value, strict: bool) -> pb.StructuredOutput:
     if not isinstance(value, dict) or not isinstance(value.get("type"), str):
         raise bad_request("response_format", 'response_format must be an object with a "type"')
     if value["type"] == "json_object":
@@ -54,15 +67,16 @@ def _response_format(value) -> pb.StructuredOutput:
                 "response_format.json_schema",
                 'response_format.json_schema must be {"name": ..., "schema": {...}, "strict": ...}',
             )
-        # strict or not, the schema is enforced: a grammar cannot follow it loosely.
-        return pb.StructuredOutput(json_schema=json.dumps(spec["schema"]))
+        # json_schema.strict true or false, the schema is enforced (a grammar cannot follow it loosely) and
+        # closed unless the server relaxes it (vLLM ignores the field too).
+        return pb.StructuredOutput(json_schema=json_schema(spec["schema"], strict))
     raise bad_request(
         "response_format",
         f'response_format type must be "text", "json_object" or "json_schema", got {value["type"]!r}',
     )
 
 
-def _structured_outputs(value) -> tuple[pb.StructuredOutput, str]:
+def _structured_outputs(value, strict: bool) -> tuple[pb.StructuredOutput, str]:
     if not isinstance(value, dict):
         raise bad_request("structured_outputs", f"structured_outputs must be an object, got {kind(value)}")
     unknown = [k for k in value if k not in STRUCTURED_KINDS + STRUCTURED_OPTIONS]
@@ -79,16 +93,16 @@ def _structured_outputs(value) -> tuple[pb.StructuredOutput, str]:
     name = f"structured_outputs.{given[0]}"
     if given[0] == "structural_tag":
         raise bad_request(name, f"{name} is not supported by tpserve (use json, regex, choice or grammar)")
-    if value.get("disable_additional_properties"):
+    closed = value.get("disable_additional_properties")
+    if closed is not None and not isinstance(closed, bool):
         raise bad_request(
             "structured_outputs.disable_additional_properties",
-            "structured_outputs.disable_additional_properties is not supported: give the schema "
-            '"additionalProperties": false',
+            f"structured_outputs.disable_additional_properties must be a boolean, got {kind(closed)}",
         )
     out = (
         pb.StructuredOutput(json_object=True)
         if given[0] == "json_object"
-        else _one(given[0], value[given[0]], name)
+        else _one(given[0], value[given[0]], name, strict if closed is None else closed)
     )
     # vLLM's disable_any_whitespace false (said explicitly): any whitespace between JSON tokens. Unset or
     # true: the compact form. disable_fallback has nothing to do: there is one backend.
@@ -96,13 +110,18 @@ def _structured_outputs(value) -> tuple[pb.StructuredOutput, str]:
     return out, name
 
 
-def _one(what: str, value, name: str) -> pb.StructuredOutput:
+def _one(what: str, value, name: str, strict: bool) -> pb.StructuredOutput:
     """json (a schema object, or its JSON text), regex, choice (strings) or grammar (Lark or GBNF)."""
     if what == "json":
-        if isinstance(value, dict):
-            return pb.StructuredOutput(json_schema=json.dumps(value))
         if isinstance(value, str):
-            return pb.StructuredOutput(json_schema=value)
+            try:
+                value = json.loads(value)
+            except ValueError:  # the grammar check (router/sampling_checks.py) says where it breaks
+                return pb.StructuredOutput(json_schema=value)
+        if isinstance(value, dict):
+            return pb.StructuredOutput(json_schema=json_schema(value, strict))
+        if isinstance(value, bool):  # true / false are schemas too
+            return pb.StructuredOutput(json_schema=json.dumps(value))
         raise bad_request(
             name, f"{name} must be a JSON Schema (an object, or its JSON text), got {kind(value)}"
         )

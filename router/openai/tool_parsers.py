@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import string
 import uuid
 from dataclasses import dataclass, field
@@ -55,6 +56,7 @@ class ToolParser:
     """Base: content passes through, holding back whitespace that may only separate tool calls."""
 
     needs_special_tokens = False
+    cut = False  # finish() reported a call its answer stopped inside (ForcedCalls)
 
     def __init__(self):
         self._ws = ""  # whitespace-only content not sent yet: dropped if a call follows it
@@ -274,13 +276,20 @@ class MistralParser(ToolParser):
 class ForcedCalls(ToolParser):
     """tool_choice "required" or a named function: the whole answer is the call, as the grammar built from
     tools.output_schema made it: the named function's arguments object, or for "required" an array of
-    {"name", "parameters"}. Read once complete (a call is sent whole); an answer cut short (max_tokens) is
-    returned as the text it is."""
+    {"name", "parameters"}. Read once the answer ends (a call is sent whole, streamed or not). An answer cut
+    short (max_tokens) is still the calls it began: the complete ones, then the last with its arguments as
+    far as they were written (a JSON prefix), and `cut` set so the finish reason stays "length"."""
+
+    # The start of one item of "required"'s array as the grammar writes it: its name first (the schema's
+    # order), then the parameters.
+    _NAME = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*')
+    _PARAMETERS = re.compile(r',\s*"parameters"\s*:\s*')
 
     def __init__(self, name: str | None = None):
         super().__init__()
         self.name = name  # the named function; None: "required"
         self._buf = ""
+        self.cut = False  # the last call's arguments end before their JSON does
 
     def feed(self, text: str) -> Parsed:
         self._buf += text
@@ -291,12 +300,45 @@ class ForcedCalls(ToolParser):
         try:
             value = json.loads(text)
         except ValueError:
-            return Parsed(content=text)
+            return self._cut(text)
         if self.name is not None:
             return self._call(self.name, value)
         out = Parsed()
         for item in value:
             out += self._call(item["name"], item.get("parameters", {}))
+        return out
+
+    def _cut(self, text: str) -> Parsed:
+        """The calls of an answer whose JSON stops short; the text as content only where no call's name
+        was written (so there is none to report)."""
+        if self.name is not None:
+            if not text.strip():
+                return Parsed(content=text)
+            self.cut = True
+            return self._call(self.name, text.strip())
+        out, rest, decoder = Parsed(), text.lstrip(), json.JSONDecoder()
+        if not rest.startswith("["):
+            return Parsed(content=text)
+        rest = rest[1:]
+        while True:
+            try:  # a whole item, then "," or "]"
+                item, end = decoder.raw_decode(rest.lstrip())
+            except ValueError:
+                break
+            out += self._call(item["name"], item.get("parameters", {}))
+            rest = rest.lstrip()[end:].lstrip().removeprefix(",")
+        name = self._NAME.match(rest)
+        if name is not None:
+            self.cut = True
+            # The arguments as far as they go: none yet while "parameters" itself is being written.
+            arguments = self._PARAMETERS.match(rest, name.end())
+            out += self._call(
+                json.loads(name.group(1)), rest[arguments.end() :].rstrip() if arguments else ""
+            )
+        elif not out.calls:
+            return Parsed(content=text)
+        else:
+            self.cut = True  # cut between calls, or inside a name: the calls written whole
         return out
 
 

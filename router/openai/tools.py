@@ -6,6 +6,8 @@ tool calls are parsed out of its text by --tool-call-parser (tool_parsers.py) wh
 "required" and a named function constrain the output to the functions' schemas: `output_schema` gives that
 JSON Schema, which becomes the request's grammar, and the answer is the call itself (tool_parsers.py's
 ForcedCalls reads it), so a client always gets a call whose arguments follow the function's schema.
+Parameters are closed (no keys beyond those named, structured.py) unless the server relaxes schemas; the
+wrapper around them for "required" admits only its own two keys whatever the server says.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from common.grammar import strict_schema
 from common.pb.tpserve.v1 import generation_pb2 as pb
 from router.openai.errors import bad_request
 from router.openai.fields import boolean, kind
@@ -117,13 +120,16 @@ def parse_tool_choice(body: dict, tools: list[pb.Tool], parser: str | None) -> T
     return choice
 
 
-def output_schema(tools: list[pb.Tool], choice: ToolChoice) -> dict | None:
+def output_schema(tools: list[pb.Tool], choice: ToolChoice, strict: bool = True) -> dict | None:
     """The JSON Schema the answer must follow for tool_choice "required" or a named function (vLLM's): the
     function's parameters for a named one; for "required" an array of {"name", "parameters"} objects, one of
-    the tools each. None when nothing is enforced ("none", "auto")."""
+    the tools each, and nothing else in them. None when nothing is enforced ("none", "auto"). strict: the
+    parameters are closed (strict_schema)."""
 
     def parameters(t: pb.Tool) -> dict:
-        return json.loads(t.parameters_json) if t.parameters_json else {"type": "object"}
+        # No parameters given: the function takes none (OpenAI's reading), so {} once closed.
+        schema = json.loads(t.parameters_json) if t.parameters_json else {"type": "object", "properties": {}}
+        return strict_schema(schema) if strict else schema
 
     if choice.mode == FUNCTION:
         return parameters(next(t for t in tools if t.name == choice.name))
@@ -134,6 +140,7 @@ def output_schema(tools: list[pb.Tool], choice: ToolChoice) -> dict | None:
             "type": "object",
             "properties": {"name": {"type": "string", "enum": [t.name]}, "parameters": parameters(t)},
             "required": ["name", "parameters"],
+            "additionalProperties": False,
         }
         for t in tools
     ]

@@ -92,6 +92,29 @@ def test_64_concurrent_greedy_requests_give_what_each_gives_alone(stack):
     assert together[16:] == [generate(stub, **kw)[0] for kw in reqs[16:]]
 
 
+@pytest.mark.parametrize("call", ["Describe", "InitCache"])
+def test_a_second_scheduler_cannot_reset_a_worker_another_is_stepping(stack, reference, call):
+    """Before, only Step refused a second scheduler: its Describe dropped the KV caches and its InitCache
+    forgot every sequence under the scheduler stepping the worker."""
+    from common.grpc_util import SCHEDULER_METADATA_KEY
+    from common.pb.tpserve.internal.v1 import worker_pb2, worker_pb2_grpc
+
+    stub, _, info = stack
+    request = {
+        "Describe": worker_pb2.DescribeRequest(block_size=16, num_kv_blocks=8),
+        "InitCache": worker_pb2.InitCacheRequest(num_blocks=8, block_size=16, max_model_len=64),
+    }[call]
+    with grpc.insecure_channel(info["workers"][0]) as channel:
+        worker = worker_pb2_grpc.ShardWorkerStub(channel)
+        with pytest.raises(grpc.RpcError) as e:
+            getattr(worker, call)(request, metadata=((SCHEDULER_METADATA_KEY, "intruder"),), timeout=30)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "is stepping this worker" in e.value.details() and "intruder" in e.value.details()
+    prompt, expected = next(iter(reference.items()))
+    kw = dict(token_ids=list(prompt), max_new_tokens=len(expected), ignore_eos=True, sampling=GREEDY)
+    assert generate(stub, **kw)[0] == expected
+
+
 def kill_mid_load(tiny_model, reference, victim: str, *flags: str):
     """Starts the reference prompts, SIGKILLs `victim` once tokens flow, and checks every request still
     ends with exactly the reference tokens: the scheduler kept them and recomputed."""

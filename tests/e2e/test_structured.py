@@ -1,7 +1,8 @@
 """Structured outputs, tool calling and several choices through the real processes on models/smollm2
 (SmolLM2-135M-Instruct), with the official openai client, LangChain and gRPC: answers under a JSON Schema
 parse and validate (8 at once, greedy and sampled), JSON mode, a regex and a choice hold; forced tool calls
-carry arguments that validate against the function's schema, streamed or not; n choices equal single
+carry arguments that validate against the function's schema, streamed or not, a plain schema (no
+additionalProperties) included, which is strict by default; n choices equal single
 requests with the derived seeds while sharing the prompt's KV blocks; a list of prompts gets a choice each.
 One stack for the module."""
 
@@ -178,6 +179,62 @@ def test_forced_tool_calls_validate_streamed_and_not(stack, tool_choice):
             streamed += c.delta.tool_calls or []
             finish = c.finish_reason or finish
     assert finish == "tool_calls" and call_arguments(streamed) == args
+
+
+# Issue 28's shape, as a new user writes it: no additionalProperties, no length bounds. Before schemas were
+# strict, SmolLM2 went on adding keys ("unit_map", "description") until max_tokens, and the answer came
+# back as content with no tool_calls.
+PLAIN_WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+        },
+    },
+}
+QUESTIONS = [
+    "What's the weather in Lyon?",
+    "Is it cold in Oslo today?",
+    "Weather for Paris in fahrenheit please",
+]
+
+
+@pytest.mark.parametrize("question", QUESTIONS)
+def test_a_forced_call_on_a_plain_schema_is_one_call_that_validates(stack, question):
+    http, *_ = stack
+    kw = dict(
+        model="smollm2",
+        messages=[{"role": "user", "content": question}],
+        tools=[PLAIN_WEATHER],
+        tool_choice="required",
+        max_tokens=80,
+        temperature=0,
+    )
+    # The strict reading of the schema: the keys it names and no others.
+    strict = PLAIN_WEATHER["function"]["parameters"] | {"additionalProperties": False}
+    whole = http.chat.completions.create(**kw).choices[0]
+    assert whole.finish_reason == "tool_calls", whole.message.content
+    [call] = whole.message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), strict)
+    if question != QUESTIONS[0]:
+        return  # streamed once (the unit tests hold the encoder's two paths together; this costs seconds)
+    streamed, finish = [], None
+    for chunk in http.chat.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            assert not c.delta.content
+            streamed += c.delta.tool_calls or []
+            finish = c.finish_reason or finish
+    assert finish == "tool_calls" and [(c.function.name, c.function.arguments) for c in streamed] == [
+        (call.function.name, call.function.arguments)
+    ]
 
 
 def test_a_tool_result_in_the_history_and_auto_on_a_plain_question(stack):

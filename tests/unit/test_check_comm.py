@@ -7,7 +7,7 @@ import argparse
 import kubernetes_validate
 import yaml
 
-from common.cli import build_parser
+from common.cli import parse_args
 from shard_worker.comm_check import Sample, bus_bandwidth, sizes, verdict
 from tests.conftest import ROOT
 
@@ -41,6 +41,6 @@ def test_the_job_manifest_is_valid_and_its_command_parses():
     (job,) = [d for d in yaml.safe_load_all((ROOT / "k8s" / "jobs" / "check-comm.yaml").read_text()) if d]
     kubernetes_validate.validate(job, kubernetes_validate.utils.latest_version(), strict=True)
     container = job["spec"]["template"]["spec"]["containers"][0]
-    a = build_parser().parse_args(container["args"])
+    a = parse_args(container["args"])
     assert isinstance(a, argparse.Namespace) and a.command == "check-comm"
     assert a.world_size == container["resources"]["limits"]["nvidia.com/gpu"] and a.device == "cuda"

@@ -447,7 +447,7 @@ def _tpserve(pod: dict, objects) -> Process:
     argv = _argv(container, pod, objects)
     assert argv[0] == "tpserve", argv
     try:
-        ns = cli.build_parser().parse_args(argv[1:])
+        ns = cli.parse_args(argv[1:])
     except SystemExit:
         pytest.fail(f"{pod['metadata']['name']}: the CLI rejects {argv[1:]} (see stderr)")
     # from_args validates like the process does at start-up (TLS files: readable PEM).

@@ -24,7 +24,10 @@ def test_structured_outputs_and_several_choices_are_read_into_the_request():
         },
         "r",
     )
-    assert json.loads(chat.generate.sampling.structured_output.json_schema) == schema
+    # Closed: no properties beyond "a" (test_strict_schemas.py).
+    assert json.loads(chat.generate.sampling.structured_output.json_schema) == schema | {
+        "additionalProperties": False
+    }
     assert chat.generate.n == 3 and chat.num_choices == 3
     assert chat.params["sampling.structured_output.json_schema"] == "response_format"
     cases = {

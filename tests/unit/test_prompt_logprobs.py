@@ -105,3 +105,23 @@ def test_prompt_logprobs_skip_the_prefix_cache(worker):
     got = run(worker, sched, builder)
     assert cached.num_cached_tokens == 12 and asking.num_cached_tokens == 0
     assert len(got) == len(PROMPT) - 1 and all(not lp.top for lp in got)
+
+
+def test_a_forgotten_sequence_leaves_nothing_behind_on_the_worker(worker):
+    """One record per sequence on the worker (its table row, sampler state, prompt, grammar flag, draft
+    progress): when the scheduler says forget, or a new cache comes, all of it goes at once."""
+    sched = Scheduler(SchedulingPolicy(max_model_len=256), BlockManager(64, BS), [1])
+    builder = StepBuilder()
+    for i in range(3):
+        sched.add(
+            Sequence(i, f"r{i}", list(PROMPT), len(PROMPT), 2 + 3 * i, ignore_eos=True, prompt_logprobs=0)
+        )
+    for _ in range(4):  # r0 finishes; the others go on
+        out = sched.schedule()
+        reply = response(worker, builder.build(out))
+        sched.update(out, sampled_tokens(out, reply))
+    response(worker, builder.build(sched.schedule()))  # carries r0's forget
+    assert sorted(worker.sequences) == [1, 2] and worker.tables.rows_in_use == 2
+    assert worker.tables.table(worker.sequences[1].row)  # its blocks, in its own row
+    worker.init_cache(64, BS, 0, 256)  # a new scheduler session
+    assert not worker.sequences and worker.tables.rows_in_use == 0

@@ -4,7 +4,7 @@ this keeps the documentation from drifting away from it)."""
 import re
 
 from common import settings
-from common.launcher import LaunchConfig
+from common.launch import LaunchConfig
 from router.config import RouterConfig
 from scheduler.config import SchedulerConfig
 from shard_worker.config import WorkerConfig

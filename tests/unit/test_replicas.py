@@ -5,7 +5,8 @@ from collections import Counter
 
 import pytest
 
-from router.replicas import ReplicaLoad, ReplicaSet, Routed, RoutingPolicy, headroom, slot_headroom
+from common.load import ReplicaLoad
+from router.replicas import ReplicaSet, Routed, RoutingPolicy, headroom, slot_headroom
 
 SHORT, LONG = 20, 1500
 
@@ -285,3 +286,18 @@ def test_a_replica_waiting_for_its_shards_that_goes_silent_is_expired():
     rs.report("b", load(), 4.5)
     assert rs.expire(4.5) == ["a"]
     assert rs.stats(4.5)[0].reason == "stale"
+
+
+def test_a_load_travels_as_a_load_report_and_comes_back_equal():
+    from common.pb.tpserve.internal.v1 import scheduler_pb2
+
+    load = ReplicaLoad(
+        waiting=3, running=5, kv_blocks_free=7, kv_blocks_total=64, max_num_seqs=128, step_seconds=0.034,
+        shards_ready=True, swapped=2,
+    )  # fmt: skip
+    msg = scheduler_pb2.LoadReport()
+    load.fill(msg)
+    assert ReplicaLoad.from_message(msg) == load
+    msg.kv_blocks_free = 65  # more free than there are: no scheduler sends that
+    with pytest.raises(ValueError, match="kv_blocks_free"):
+        ReplicaLoad.from_message(msg)

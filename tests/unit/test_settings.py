@@ -6,7 +6,7 @@ import argparse
 import pytest
 
 from common import settings
-from common.cli import build_parser
+from common.cli import parse_args
 from router.config import RouterConfig
 from scheduler.config import SchedulerConfig
 from scheduler.scheduler import SchedulingPolicy
@@ -41,7 +41,7 @@ def test_a_bad_value_is_refused_naming_the_flag():
 def test_launch_takes_every_launch_flag_and_passes_each_to_its_process():
     argv = ["launch", "--model", "m", "--max-num-seqs", "7", "--bucket-edges", "10,20", "--dtype", "float64"]
     argv += ["--enable-prefix-caching", "--replica-stale-s", "1.5", "--swap-space", "2"]
-    a = build_parser().parse_args(argv)
+    a = parse_args(argv)
     for cls in (SchedulerConfig, RouterConfig, WorkerConfig):
         child = settings.to_argv(a, cls)
         extra = {SchedulerConfig: ["--worker", "h:1"], RouterConfig: ["--scheduler", "h:2"]}.get(cls, [])

@@ -1,0 +1,74 @@
+"""The quantized products and quantization rules that more than one format uses.
+
+Rules (what an online quantization computes, and what a test quantizing offline must compute too):
+    int8, symmetric per output channel: scale = amax(|w_row|) / 127, q = round(w / scale)
+    fp8 e4m3, per output channel (or per tensor): scale = amax / 448, q = (w / scale) in e4m3
+Dynamic activations (W8A8): per token, scale = amax(|x_row|) / 127 (int8) or / 448 (fp8), vLLM's rule.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+# Float dtypes the weight-only kernels take (quant/kernels.py); others (float64 tests, float16) run
+# their reference: dequantize, then F.linear.
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _amax(w: torch.Tensor, per_channel: bool) -> torch.Tensor:
+    a = w.abs().amax(dim=-1, keepdim=True) if per_channel else w.abs().amax().reshape(1, 1)
+    return a.float().clamp(min=torch.finfo(torch.float32).tiny)
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 [N, K], scale float32 [N])."""
+    scale = _amax(w, True) / 127.0
+    q = torch.round(w.float() / scale).clamp_(-127, 127).to(torch.int8)
+    return q, scale.reshape(-1)
+
+
+def quantize_fp8(w: torch.Tensor, per_channel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q e4m3 [N, K], scale float32 [N] or [1])."""
+    scale = _amax(w, per_channel) / FP8_MAX
+    q = (w.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale.reshape(-1)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """q [N, K] times a scale per row ([N]) or for all ([1])."""
+    return (q.to(torch.float32) * scale.reshape(-1, 1)).to(dtype)
+
+
+def weight_only(packed, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A PackedInt8 / PackedInt4 product; other float dtypes through the dequantized weight."""
+    y = packed.matmul(x) if x.dtype in KERNEL_DTYPES else F.linear(x, packed.dequantize(x.dtype))
+    return y if bias is None else y + bias
+
+
+def int8_w8a8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias) -> torch.Tensor:
+    """x W^T with W = q * scale (int8 per channel) and x quantized to int8 per token on the fly: the
+    integer product summed in int32 (torch._int_mm on CPU and CUDA), then both scales applied."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    sx = _amax(x2, True) / 127.0
+    xq = torch.round(x2.float() / sx).clamp_(-127, 127).to(torch.int8)
+    if x.device.type == "cpu" or (x.device.type == "cuda" and x2.shape[0] > 16):
+        acc = torch._int_mm(xq, q.t()).float()
+    else:  # _int_mm wants more than 16 rows on CUDA: exact in float32 up to 2^24 per sum
+        acc = F.linear(xq.float(), q.float())
+    y = (acc * sx * scale.reshape(1, -1)).to(x.dtype).reshape(*shape[:-1], -1)
+    return y if bias is None else y + bias
+
+
+def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias, dynamic_act: bool):
+    """x W^T with W = q * scale (e4m3, scale per row or one), by dequantizing W to x's dtype (every
+    device: no fp8 matmul is used). dynamic_act: x is first rounded to e4m3 per token (a W8A8
+    checkpoint's activations, as its producer calibrated it)."""
+    if dynamic_act:
+        x2 = x.reshape(-1, x.shape[-1])
+        sx = _amax(x2, True) / FP8_MAX
+        x = ((x2.float() / sx).clamp_(-FP8_MAX, FP8_MAX).to(FP8).float() * sx).to(x.dtype).reshape(x.shape)
+    return F.linear(x, dequantize(q, scale, x.dtype), bias)

@@ -1,0 +1,143 @@
+"""Quantized checkpoints and online quantization on the ModelRunner: each compressed-tensors scheme,
+written by compressed-tensors itself, gives the logits (and greedy tokens) of transformers running the
+same model with its weights dequantized by an independent routine (and the scheme's dynamic activation
+rounding as hooks); --quantization int8 / fp8 give what the same model quantized offline by the same
+rule gives; and the loader reads every tensor of each format, none unread, none missing."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from shard_worker.model_runner import ModelRunner
+from shard_worker.parallel import TensorParallel
+from tests.quant_checkpoints import (
+    SCHEMES,
+    activation_rounding,
+    build_compressed,
+    build_unquantized,
+    dequantized_copy,
+    offline_quantized,
+)
+from tests.unit.test_model_runner import BLOCK_SIZE, BlockPool, Seq, forward_logits, plan
+
+torch.set_flush_denormal(True)
+IDS = [0] + [(131 + i * 97) % 1000 + 2 for i in range(40)]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    made: dict[str, Path] = {}
+
+    def get(scheme: str) -> Path:
+        if scheme not in made:
+            made[scheme] = build_compressed(scheme, tmp_path_factory.mktemp(scheme))
+        return made[scheme]
+
+    return get
+
+
+def runner(model_dir: Path, quantization: str | None = None, dtype=torch.float32) -> ModelRunner:
+    r = ModelRunner(model_dir, dtype, torch.device("cpu"), TensorParallel(), quantization=quantization)
+    r.allocate_kv_cache(16, BLOCK_SIZE)
+    return r
+
+
+def our_logits(r: ModelRunner) -> torch.Tensor:
+    return forward_logits(r, plan(BlockPool(16), [(Seq(0, IDS, len(IDS)), len(IDS))]))
+
+
+def hf_logits(model_dir: Path, prepare=None, dtype=torch.float32) -> torch.Tensor:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    if prepare is not None:
+        prepare(model)
+    with torch.no_grad():
+        return model(torch.tensor([IDS])).logits[0]
+
+
+def assert_same_predictions(got: torch.Tensor, want: torch.Tensor, atol: float) -> None:
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    torch.testing.assert_close(got, want, rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_compressed_tensors_gives_transformers_logits_on_the_dequantized_weights(
+    scheme, checkpoints, tmp_path
+):
+    model = checkpoints(scheme)
+    # Weight-only schemes in float32 (the int8 / int4 kernels' path). Rounding activations (W8A8) makes
+    # a last-bit difference between two implementations' inputs a whole quantum where it flips one
+    # rounding, so those compare in float64, where both round the same values.
+    rounds_activations = SCHEMES[scheme][1] is not None
+    dtype = torch.float64 if rounds_activations else torch.float32
+    want = hf_logits(dequantized_copy(model, tmp_path / "dequantized"), activation_rounding(model), dtype)
+    r = runner(model, dtype=dtype)
+    # The layers hold their on-disk form's kernel layout, not float weights.
+    qkv = r.model.model.layers[0].self_attn.qkv_proj
+    assert not (hasattr(qkv, "weight") and qkv.weight.dtype == torch.float32)
+    assert r.model.lm_head.weight.dtype == dtype  # in the ignore list
+    assert_same_predictions(our_logits(r), want, atol=1e-3 if dtype == torch.float32 else 1e-4)
+
+
+def test_a_missing_or_an_extra_tensor_is_named(checkpoints, tmp_path):
+    model = checkpoints("w4a16_asym")
+    tensors = load_file(model / "model.safetensors")
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        shutil.copy(model / name, tmp_path / name)
+    victim = "model.layers.1.self_attn.k_proj.weight_zero_point"
+    save_file({n: t for n, t in tensors.items() if n != victim}, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=f"has no tensor {victim}"):
+        runner(tmp_path)
+    extra = {**tensors, "model.layers.0.mlp.up_proj.input_scale": torch.ones(1)}
+    save_file(extra, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="input_scale matches no parameter"):
+        runner(tmp_path)
+
+
+@pytest.mark.parametrize("rule", ["int8", "fp8"])
+def test_online_quantization_equals_the_model_quantized_offline_by_the_same_rule(rule, tmp_path):
+    model = build_unquantized(tmp_path / "model")
+    want = our_logits(runner(offline_quantized(model, tmp_path / "offline", rule)))
+    r = runner(model, quantization=rule)
+    qkv = r.model.model.layers[0].self_attn.qkv_proj
+    assert "weight" not in dict(qkv.named_parameters())  # no full-precision copy kept
+    assert r.model.lm_head.weight.dtype == torch.float32
+    got = our_logits(r)
+    assert_same_predictions(got, want, atol=1e-3)
+    # ... which is not the unquantized model's.
+    assert (got - our_logits(runner(model))).abs().max() > 1e-3
+
+
+def test_online_quantization_of_an_already_quantized_checkpoint_is_refused(checkpoints):
+    with pytest.raises(ValueError, match="--quantization int8: the checkpoint is already quantized"):
+        runner(checkpoints("w8a16"), quantization="int8")
+
+
+def test_refused_schemes_name_what_is_refused(checkpoints, tmp_path):
+    model = checkpoints("w8a16")
+    config = json.loads((model / "config.json").read_text())
+    for name in ("tokenizer.json", "tokenizer_config.json", "model.safetensors"):
+        shutil.copy(model / name, tmp_path / name)
+    group = config["quantization_config"]["config_groups"]["group_0"]
+    cases = [
+        ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes' is not supported"),
+        ({"config_groups": {"g": {**group, "format": "marlin-24"}}}, "format 'marlin-24' is not supported"),
+        ({"config_groups": {"g": {**group, "weights": {**group["weights"], "num_bits": 3}}}}, "int3 weights"),
+        (
+            {"config_groups": {"g": {**group, "input_activations": {"num_bits": 8, "dynamic": False}}}},
+            "static are not supported",
+        ),
+        ({"kv_cache_scheme": {"num_bits": 8}}, "kv_cache_scheme is not supported"),
+    ]
+    for change, message in cases:
+        qc = {**config["quantization_config"], **change}
+        (tmp_path / "config.json").write_text(json.dumps({**config, "quantization_config": qc}))
+        with pytest.raises(ValueError, match=message) as e:
+            runner(tmp_path)
+        assert "\n" not in str(e.value) and str(tmp_path / "config.json") in str(e.value)
