@@ -16,24 +16,14 @@ The LM head and MoE routers stay unquantized (neither format quantizes them by d
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from shard_worker.model.quant import products
 from shard_worker.model.quant.awq import unpack_awq
 from shard_worker.model.quant.base import LinearMethod, QuantConfig, add_param
 from shard_worker.model.quant.gptq import ZERO_OFFSET, unpack_gptq
 from shard_worker.model.quant.kernels import PackedInt4
 
 PACK = 8  # 4-bit values per int32
-
-
-def _product(packed: PackedInt4, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The kernel for the dtypes it takes (float32, bfloat16); others (float64 tests) through the
-    dequantized weight."""
-    if x.dtype in (torch.float32, torch.bfloat16):
-        y = packed.matmul(x)
-    else:
-        y = F.linear(x, packed.dequantize(x.dtype))
-    return y if bias is None else y + bias
 
 
 def _bits(name: str, qc: dict) -> None:
@@ -101,7 +91,7 @@ class AWQLinearMethod(LinearMethod):
         del layer.qweight, layer.qzeros, layer.scales
 
     def apply(self, layer, x, bias=None):
-        return _product(layer.packed, x, bias)
+        return products.weight_only(layer.packed, x, bias)
 
 
 class GPTQConfig(QuantConfig):
@@ -188,4 +178,4 @@ class GPTQLinearMethod(LinearMethod):
     def apply(self, layer, x, bias=None):
         if layer.act_order is not None:
             x = x.index_select(-1, layer.act_order)
-        return _product(layer.packed, x, bias)
+        return products.weight_only(layer.packed, x, bias)
