@@ -155,7 +155,8 @@ class PackedInt8(nn.Module):
         else:
             x_scale = absmax / 127
             xq = torch.round(rows / x_scale).clamp(-127, 127).to(torch.int8)
-            if self.q.device.type != "cpu" or _int_mm_exact():
+            cpu = self.q.device.type == "cpu"
+            if (cpu and _int_mm_exact()) or (not cpu and xq.shape[0] > 16):  # CUDA's wants > 16 rows
                 acc = torch._int_mm(xq, self.q.t()).float()
             else:  # exact in float32 while K * 127^2 < 2^24 (K <= 1040), float32-rounded beyond
                 acc = F.linear(xq.float(), self.q.float())
