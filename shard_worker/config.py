@@ -15,6 +15,7 @@ from common import metrics, security, settings, tracing
 from common.security import TlsFiles
 from common.settings import at_least, setting
 from common.tracing import TracingConfig
+from shard_worker.startup import DEFAULT_COMPILE_CACHE_DIR
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 DEVICES = ("cpu", "cuda")
@@ -83,6 +84,12 @@ class WorkerConfig:
         launch=True,
     )
     enforce_eager: bool = setting(False, help="run every step eagerly: no CUDA graphs", launch=True)
+    compile_cache_dir: str = setting(
+        DEFAULT_COMPILE_CACHE_DIR,
+        help="where compiled kernels (torch.compile: inductor's FX graph and AOT autograd caches) are kept "
+        "across starts, so a restart loads them instead of compiling; empty: no on-disk cache",
+        launch=True,
+    )
     metrics_port: int | None = None
     tracing: TracingConfig = TracingConfig()
     internal_tls: TlsFiles | None = None  # mutual TLS: only a scheduler with a certificate gets in

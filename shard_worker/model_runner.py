@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from common.sampling import SamplingConfig
 from shard_worker.attention import Attention, StepBatch, select_backend
 from shard_worker.attention.flex import PREFILL_MIN_QUERY
 from shard_worker.cuda_graphs import CudaGraphRunner, capture_bytes, graphs_unsupported
@@ -26,7 +27,7 @@ from shard_worker.parallel import TensorParallel
 from shard_worker.sampling import Sampler, SequenceState
 from shard_worker.sampling.grammar import GrammarCompiler
 from shard_worker.sampling.rows import prompt_logprobs, sampled_rows, step_proposals
-from shard_worker.step import StepInputs, StepOutputs
+from shard_worker.step import SequenceInit, StepInputs, StepOutputs
 
 log = logging.getLogger("tpserve.shard_worker")
 
@@ -129,11 +130,13 @@ class ModelRunner:
         max_num_seqs: int,
         max_model_len: int | None = None,
     ) -> int:
-        """KV blocks this rank can hold, after running the worst step the scheduler can form with these
-        limits (max_num_seqs: the scheduler's sequence cap; max_model_len: None or 0 for the model's
-        max_position_embeddings). The step also compiles the attention kernels, so start-up pays
-        for that, not a request. It runs a forward pass with collectives, so every rank must profile at the
-        same time."""
+        """KV blocks this rank can hold. On CUDA, after running the worst step the scheduler can form with
+        these limits (max_num_seqs: the scheduler's sequence cap; max_model_len: None or 0 for the model's
+        max_position_embeddings), whose memory peak the cache must leave room for; the step also compiles
+        the attention kernels. It runs a forward pass with collectives, so every rank must profile at the
+        same time. On CPU the cache is the host budget cpu_kv_cache_gib, and nothing runs (a worst step
+        at SmolLM2's 8192 positions took a minute there, to measure a peak the budget does not use):
+        call warm_up before serving."""
         # A scheduler reconnecting to a live worker profiles again: drop the old caches first, or their
         # memory would count against the new ones (InitCache always follows and allocates afresh).
         self.kv_caches = []
@@ -146,7 +149,6 @@ class ModelRunner:
             max_model_len or self.config.max_position_embeddings, self.config.max_position_embeddings
         )
         if self.device.type != "cuda":
-            self._dummy_step(block_size, max_num_batched_tokens, max_num_seqs, max_model_len)
             budget = int(cpu_kv_cache_gib * 2**30)
         else:
             memory = CudaMemory(self.device)
@@ -316,16 +318,42 @@ class ModelRunner:
             )
 
     def warm_up(self, block_size: int) -> None:
-        """Compiles the attention kernels with a step of a decode and a prompt (one of each tiling), so no
-        request pays for it. profile_num_blocks does this; a worker given its KV capacity instead of
-        profiling it should call this before serving."""
+        """Runs the steps a first request brings, so that none of it compiles or initialises on a
+        request's path: a prompt (block tiles) beside a decode (one-token tiles), sampled greedily and by
+        a draw; then one sequence's short prompt, then its decode (the in-order one-token layout). Flex
+        compiles each tiling once with dynamic shapes, so later sizes reuse these kernels.
+        profile_num_blocks does this on CUDA; a worker that does not profile calls this before serving."""
         max_len = self.config.max_position_embeddings
         prompt_len = min(PREFILL_MIN_QUERY + block_size, max_len)
-        step, num_blocks = synthetic_step(
-            [(1, min(block_size + 1, max_len)), (prompt_len, prompt_len)], block_size
-        )
-        with self._scratch_cache(num_blocks, block_size), torch.inference_mode():
-            self.execute(step)
+        short = min(PREFILL_MIN_QUERY - 1, max_len)
+        steps = [
+            [(1, min(block_size + 1, max_len)), (prompt_len, prompt_len)],
+            [(short, short)],
+            [(1, min(short + 1, max_len))],
+        ]
+        configs = [SamplingConfig(temperature=0.0), SamplingConfig(temperature=0.7, top_p=0.9, top_k=50)]
+        for lens in steps:
+            step, num_blocks = synthetic_step(lens, block_size, sample=True)
+            with self._scratch_cache(num_blocks, block_size), torch.inference_mode():
+                states = None
+                if self.sampler is not None:
+                    # A prompt (q == c) has sampled nothing yet; a decode has sampled its last token.
+                    states = [
+                        self.sampler.new_state(
+                            SequenceInit(
+                                seq_id=i,
+                                sampling=configs[i % len(configs)],
+                                top_logprobs=0,
+                                token_ids=[0] * c,
+                                num_prompt_tokens=c if q == c else c - 1,
+                                num_sampled=0 if q == c else 1,
+                            )
+                        )
+                        for i, (q, c) in enumerate(lens)
+                    ]
+                self.execute(step, states)
+                for state in states or ():
+                    self.sampler.release(state)
 
     def _dummy_step(
         self,
@@ -397,8 +425,11 @@ def worst_step(
     return synthetic_step([(1, max_model_len)] * decodes + [(q, max_model_len) for q in chunks], block_size)
 
 
-def synthetic_step(lens: list[tuple[int, int]], block_size: int) -> tuple[StepInputs, int]:
-    """A step of (query_len, context_len) sequences of token 0, sampling nothing, and the blocks it uses.
+def synthetic_step(
+    lens: list[tuple[int, int]], block_size: int, sample: bool = False
+) -> tuple[StepInputs, int]:
+    """A step of (query_len, context_len) sequences of token 0, sampling nothing (with sample, each
+    samples its last position), and the blocks it uses.
     The sequences' cached blocks are one shared prefix (attention reads the cache in place, so sharing
     changes nothing it does, and the cache stays small); the blocks a sequence writes are its own."""
     shared = -(-max(c for _, c in lens) // block_size)
@@ -413,7 +444,7 @@ def synthetic_step(lens: list[tuple[int, int]], block_size: int) -> tuple[StepIn
         seq_ids=range(len(lens)),
         query_lens=[q for q, _ in lens],
         context_lens=[c for _, c in lens],
-        sample_counts=[0] * len(lens),
+        sample_counts=[int(sample)] * len(lens),
         input_ids=[0] * sum(q for q, _ in lens),
         block_table=StepInputs.pad_tables(tables),
     )
