@@ -24,6 +24,8 @@ LINEAR_DTYPES = ("auto", "dtype", "bfloat16")
 LOAD_FORMATS = ("auto", "dummy")
 # shard_worker/attention/__init__.py: auto is triton on CUDA, flex on CPU float32, reference otherwise.
 ATTENTION_BACKENDS = ("auto", "flex", "triton", "reference")
+# shard_worker/attention/kv_dtype.py: auto is --dtype.
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,14 @@ class WorkerConfig:
         launch=True,
     )
     enforce_eager: bool = setting(False, help="run every step eagerly: no CUDA graphs", launch=True)
+    kv_cache_dtype: str = setting(
+        "auto",
+        help="the KV cache's elements (vLLM's names): auto (--dtype), bfloat16, fp8_e4m3 (scaled by the "
+        "checkpoint's per-layer k_scale/v_scale, else 1) or fp8_e5m2; stored rounded, read in --dtype. "
+        "CPU only",
+        choices=KV_CACHE_DTYPES,
+        launch=True,
+    )
     compile_cache_dir: str = setting(
         DEFAULT_COMPILE_CACHE_DIR,
         help="where compiled kernels (torch.compile: inductor's FX graph and AOT autograd caches) are kept "

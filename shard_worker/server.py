@@ -20,6 +20,7 @@ from common.grpc_util import SERVER_OPTIONS, check_ports_free, write_port_file
 from common.pb.tpserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from common.sampling import SamplingConfig
 from shard_worker import devices
+from shard_worker.attention.kv_dtype import kv_cache_dtype
 from shard_worker.config import StepThreads, WorkerConfig
 from shard_worker.metrics import WorkerMetrics
 from shard_worker.startup import StartupPhases, compile_counts, configure_compile_cache
@@ -128,7 +129,12 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
             eos_token_ids=info["eos_token_ids"],
             num_kv_blocks=num_blocks,
             weight_bytes=info["weight_bytes"],
-            device=f"{self.runner.device} {str(self.runner.dtype).removeprefix('torch.')}",
+            device=f"{self.runner.device} {str(self.runner.dtype).removeprefix('torch.')}"
+            + (
+                f", KV cache {str(self.runner.kv_dtype)[6:]}"
+                if self.runner.kv_dtype != self.runner.dtype
+                else ""
+            ),
             kv_block_bytes=self.runner.kv_block_bytes(request.block_size),
             draft_model_name=info["draft_model_name"],
             startup_phases=[
@@ -280,6 +286,7 @@ def serve(config: WorkerConfig) -> None:
             cuda_graphs=config.use_cuda_graphs,
             speculative_model=config.speculative_model,
             linear_dtype=None if linear is None else getattr(torch, linear),
+            kv_cache_dtype=kv_cache_dtype(config.kv_cache_dtype, getattr(torch, config.dtype)),
         )
     if linear is not None:  # after the model loaded: a refusal is the only line a failed start writes
         log.info(
