@@ -270,11 +270,10 @@ def serve(config: WorkerConfig) -> None:
 
     torch.set_num_threads(config.threads)
     cache_dir = configure_compile_cache(config.compile_cache_dir)  # before anything compiles
-    log.info("rank %d: compile cache %s", config.rank, cache_dir or "off (--compile-cache-dir '')")
     device = select_device(config)
     tp = init_tensor_parallel(config.rank, config.world_size, config.dist_init, device)
     linear = devices.linear_dtype(config.linear_dtype, device.type, config.dtype, devices.cpu_flags())
-    phases = StartupPhases(config.rank)
+    phases = StartupPhases(config.rank, cache_dir)
     with phases.phase("load_weights"):
         runner = ModelRunner(
             config.model,

@@ -59,8 +59,9 @@ def compile_counts() -> tuple[int, int]:
 class StartupPhases:
     """The phases of this rank's start-up, in order, each logged with its time as it ends."""
 
-    def __init__(self, rank: int):
-        self.rank = rank
+    def __init__(self, rank: int, cache_dir: Path | None = None):
+        """cache_dir: the compile cache in use (None: off), for the log."""
+        self.rank, self.cache_dir = rank, cache_dir
         # name -> seconds, in the order phases first ran (a scheduler that reconnects sizes and warms
         # again: the new times replace the old).
         self.seconds: dict[str, float] = {}
@@ -78,4 +79,5 @@ class StartupPhases:
 
     def compile_note(self) -> str:
         compiled, cached = compile_counts()
-        return f"{compiled} graph(s) compiled, {cached} loaded from the compile cache"
+        where = self.cache_dir or "off: --compile-cache-dir ''"
+        return f"{compiled} graph(s) compiled, {cached} loaded from the compile cache ({where})"
