@@ -97,7 +97,8 @@ class WorkerConfig:
     compile_cache_dir: str = setting(
         DEFAULT_COMPILE_CACHE_DIR,
         help="where compiled kernels (torch.compile: inductor's FX graph and AOT autograd caches) are kept "
-        "across starts, so a restart loads them instead of compiling; empty: no on-disk cache",
+        "across starts, so a restart loads them instead of compiling; empty: a fresh temporary directory "
+        "each start (nothing reused)",
         launch=True,
     )
     metrics_port: int | None = None

@@ -10,8 +10,11 @@ process environment is the one place to put it.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import shutil
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,25 +27,24 @@ DEFAULT_COMPILE_CACHE_DIR = "~/.cache/tpserve/compile"
 
 
 def configure_compile_cache(directory: str) -> Path | None:
-    """Points inductor's caches at directory (created if missing); "" turns the on-disk caches off, so
-    every start compiles. Returns the directory used, or None."""
-    import torch._functorch.config as functorch_config
-    import torch._inductor.config as inductor_config
-
-    if not directory:
-        inductor_config.fx_graph_cache = False
-        functorch_config.enable_autograd_cache = False
-        return None
-    path = Path(directory).expanduser().resolve()
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:  # a read-only home, say: serving without the cache beats not serving
-        log.warning("--compile-cache-dir %s: %s; compiling without an on-disk cache", directory, e)
-        return configure_compile_cache("")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
-    inductor_config.fx_graph_cache = True
-    functorch_config.enable_autograd_cache = True
-    return path
+    """Points inductor's caches (FX graph and AOT autograd, both on by default) at directory, created if
+    missing; "" gives this process a fresh temporary directory instead, so nothing is reused across
+    starts. Returns the directory used, or None for "". Through the environment, not torch's config
+    attributes: in torch 2.13 those are context variables, set for the calling thread only, and the
+    worker compiles in a gRPC thread."""
+    if directory:
+        path = Path(directory).expanduser().resolve()
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # a read-only home, say: serving without the cache beats not serving
+            log.warning("--compile-cache-dir %s: %s; compiling without an on-disk cache", directory, e)
+            return configure_compile_cache("")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+        return path
+    scratch = tempfile.mkdtemp(prefix="tpserve-compile-")
+    atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = scratch
+    return None
 
 
 def compile_counts() -> tuple[int, int]:
@@ -51,7 +53,7 @@ def compile_counts() -> tuple[int, int]:
 
     inductor = counters["inductor"]
     cached = int(inductor["fxgraph_cache_hit"])
-    # Misses and bypasses are compiles; with the cache off neither is counted, so dynamo's graphs count.
+    # Misses and bypasses (graphs inductor cannot cache) are compiles; dynamo's graph count bounds them.
     missed = int(inductor["fxgraph_cache_miss"] + inductor["fxgraph_cache_bypass"])
     return max(missed, int(counters["stats"]["unique_graphs"]) - cached), cached
 
