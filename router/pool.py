@@ -41,7 +41,7 @@ from router.buckets import AdmissionQueue
 from router.membership import Membership, Resolver, resolve_dns
 from router.replicas import ReplicaSet, Routed, RoutingPolicy
 from router.scheduler_link import QueueFull, SchedulerLink, SchedulerUnavailable
-from router.slo import NO_OBJECTIVES, Objectives, SloEstimator
+from router.slo import NO_OBJECTIVES, Objectives, SloEstimator, ttft_budget_ms
 from router.stats import gather_stats
 
 log = logging.getLogger("tpserve.router")
@@ -69,6 +69,7 @@ class _Request:
     objectives: Objectives = NO_OBJECTIVES  # what it was promised (router/slo.py)
     sent_at: float = 0.0  # time.monotonic() when it was last sent to a replica
     first_seen: bool = False  # a token came from the replica it was last sent to
+    predicted_ttft: float | None = None  # what the SLO estimate said when it arrived
 
     def resumed(self) -> scheduler_pb2.AddRequest:
         """The request as it goes to its next scheduler: the prompt plus what it already generated."""
@@ -208,25 +209,23 @@ class SchedulerPool:
         return time.monotonic() - self._unready_since < self._queued_timeout_s
 
     def submit(self, add: scheduler_pb2.AddRequest, objectives: Objectives = NO_OBJECTIVES) -> asyncio.Queue:
-        """Queues the request for admission; its outputs arrive on the returned queue. SloRefused when it
-        cannot meet its TTFT objective."""
+        """Queues the request; its outputs come on the returned queue. SloRefused: it would miss its TTFT."""
         if not self.accepting:
             raise SchedulerUnavailable("no replica is ready")
         now = time.monotonic()
-        if objectives.ttft_s is not None:  # SloRefused when it would miss it, behind those that go first
-            ahead = self.admission.stats(now)[: self.admission.bucket_of(len(add.prompt_token_ids)) + 1]
-            loads = self._loads(now)
-            free = sum(self.links[t].credits.available for t in loads if t in self.links)
-            self.slo.check(objectives, loads, sum(b.waiting for b in ahead), free)
+        # Its TTFT behind those that leave the queue first; SloRefused when that misses its objective.
+        ahead = self.admission.stats(now)[: self.admission.bucket_of(len(add.prompt_token_ids)) + 1]
+        loads = self._loads(now)
+        free = sum(self.links[t].credits.available for t in loads if t in self.links)
+        predicted = self.slo.check(objectives, loads, sum(b.waiting for b in ahead), free)
         if not self.admission.push(add.request_id, len(add.prompt_token_ids), now, add.request_id):
             raise QueueFull(f"{len(self.admission)} requests are already waiting; try again later")
         key = None
         info = self.model_info
         if self.replicas.policy.prefix_affinity and info is not None:
             key = prefix_key(add.prompt_token_ids, self._prefix_blocks * info.block_size)
-        req = _Request(
-            add, now, asyncio.Queue(), key, prompt=tuple(add.prompt_token_ids), objectives=objectives
-        )
+        req = _Request(add, now, asyncio.Queue(), key, prompt=tuple(add.prompt_token_ids))
+        req.objectives, req.predicted_ttft = objectives, predicted
         self._requests[add.request_id] = req
         self._pump()
         return req.queue
@@ -261,7 +260,7 @@ class SchedulerPool:
         """The request ended normally: stop routing to it."""
         self._requests.pop(request_id, None)
 
-    def _loads(self, now: float) -> dict[str, ReplicaLoad]:
+    def _loads(self, now: float) -> dict[str, ReplicaLoad]:  # the up replicas'
         return {s.replica: s.load for s in self.replicas.stats(now) if s.up and s.load is not None}
 
     # ---- admission and the choice ----
@@ -270,7 +269,7 @@ class SchedulerPool:
         """Sends queued requests while some replica has credit, each to the best replica with credit."""
         now = time.monotonic()
         while len(self.admission):
-            loads = self._loads(now)  # the up replicas; those stepping past their TPOT objectives wait
+            loads = self._loads(now)  # those stepping past their requests' TPOT objectives wait
             allowed = {
                 t
                 for t, link in self.links.items()
@@ -291,8 +290,7 @@ class SchedulerPool:
             req.routed = Routed(target, len(req.add.prompt_token_ids), req.prefix_key, req.attempts)
             req.sent_at, req.first_seen = now, False
             self.slo.sent(target, req.add.request_id, req.objectives)
-            if req.objectives.ttft_s is not None:  # the scheduler's deadline: what is left of it
-                req.add.ttft_budget_ms = max(1, round((req.objectives.ttft_s - now + req.arrival) * 1000))
+            req.add.ttft_budget_ms = ttft_budget_ms(req.objectives, now - req.arrival)  # the scheduler's
             self.on_admit(req.add, now - req.arrival)
             link.send(req.add)
         self._report_queued()
@@ -355,6 +353,8 @@ class SchedulerPool:
         if out.token_ids and not req.first_seen:
             req.first_seen = True
             self.slo.first_token(link.target, now - req.sent_at)
+            if req.predicted_ttft and len(req.generated) == len(out.token_ids):  # not a resume
+                self.slo.observed_ttft(req.predicted_ttft, now - req.arrival)
         if out.finish_reason or out.error:
             self._requests.pop(out.request_id, None)
             self.slo.ended(link.target, out.request_id, None if out.error else now - req.sent_at)

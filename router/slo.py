@@ -20,6 +20,9 @@ Admission (`SloEstimator.refusal`). When a request arrives the router predicts i
   under light load it is optimistic, and grows towards the truth as the batch fills (self-correcting; a
   rate measured from completions would instead learn the offered load and refuse ever more).
 - Nothing measured yet (no request has finished): admitted, as nothing says it will miss.
+- The model is crude (credit round trips, the router's own loop and other processes on the host slow the
+  drain), so the prediction is scaled by `bias`: the recent ratio (an EWMA, within [0.5, 4]) of each
+  request's actual TTFT at the router to what was predicted for it when it arrived.
 A request whose prediction exceeds its objective is refused at once, with the prediction in the reason and
 `retry_after_s` (the time for the queue ahead to drain to where it would fit).
 
@@ -102,6 +105,14 @@ def resolve(
 NO_OBJECTIVES = Objectives()
 
 
+def ttft_budget_ms(objectives: Objectives, waited_s: float) -> int:
+    """What is left of the TTFT objective after waiting waited_s in the router (at least 1 ms; 0: none):
+    the scheduler's deadline for the first token is its arrival there plus this."""
+    if objectives.ttft_s is None:
+        return 0
+    return max(1, round((objectives.ttft_s - waited_s) * 1000))
+
+
 class SloRefused(Exception):
     """The request would miss its TTFT objective: refused at once (RESOURCE_EXHAUSTED, HTTP 429)."""
 
@@ -121,6 +132,12 @@ class SloEstimator:
     def __init__(self, policy: SloPolicy | None = None):
         self.policy = policy or SloPolicy()
         self._replicas: dict[str, _Rates] = {}
+        self.bias = 1.0  # actual TTFT / predicted, recently
+
+    def observed_ttft(self, predicted_s: float, actual_s: float) -> None:
+        """A request's TTFT at the router, and what predict_ttft said when it arrived."""
+        if predicted_s > 0:
+            self.bias = min(4.0, max(0.5, self._ewma(self.bias, actual_s / predicted_s)))
 
     def _rates(self, replica: str) -> _Rates:
         return self._replicas.setdefault(replica, _Rates())
@@ -170,19 +187,17 @@ class SloEstimator:
             return None
         ahead += sum(load.waiting for load in loads.values())
         wait = max(0, ahead + 1 - free_slots) / rate
-        return wait + min(firsts), wait
+        return (wait + min(firsts)) * self.bias, wait * self.bias
 
     def check(
         self, objectives: Objectives, loads: dict[str, ReplicaLoad], ahead: int, free_slots: int
-    ) -> None:
-        """Raises SloRefused when the request cannot meet its TTFT objective if queued now behind `ahead`
-        requests; passes when it can, has no objective, no replica is up (the pool's own wait-for-a-replica
-        rule applies) or nothing is measured yet."""
-        if objectives.ttft_s is None or not loads:
-            return
-        predicted = self.predict_ttft(loads, ahead, free_slots)
-        if predicted is None or predicted[0] <= objectives.ttft_s:
-            return
+    ) -> float | None:
+        """The request's predicted TTFT if queued now behind `ahead` requests (None: nothing measured yet,
+        or no replica up: the pool's own wait-for-a-replica rule applies). Raises SloRefused when that
+        exceeds its TTFT objective."""
+        predicted = self.predict_ttft(loads, ahead, free_slots) if loads else None
+        if objectives.ttft_s is None or predicted is None or predicted[0] <= objectives.ttft_s:
+            return predicted and predicted[0]
         ttft, wait = predicted
         # Time until the queue has drained enough for the prediction to fit (at least the excess).
         retry = max(ttft - objectives.ttft_s, 0.001)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import pytest
 
 from common.load import ReplicaLoad
-from router.slo import NO_OBJECTIVES, Objectives, SloEstimator, SloPolicy, SloRefused, resolve
+from router.slo import NO_OBJECTIVES, Objectives, SloEstimator, SloPolicy, SloRefused, resolve, ttft_budget_ms
 from scheduler.slack import admission_order, slack
 
 
@@ -144,3 +144,22 @@ def test_no_starvation_of_an_admitted_request_under_a_stream_of_higher_priority_
         t + step_s <= i * step_s + 3.0
         for i, t in ((int(n[4:]), t) for n, t in served_at.items() if n != "low")
     )
+
+
+def test_the_prediction_learns_from_the_ttfts_it_got_wrong():
+    est = measured()
+    for _ in range(30):  # requests took twice what was predicted for them
+        est.observed_ttft(1.0, 2.0)
+    ttft, _ = est.predict_ttft({"a": load()}, ahead=1, free_slots=0)
+    assert ttft == pytest.approx(2.4, rel=0.01)  # 1.2 s, doubled
+    with pytest.raises(SloRefused):
+        est.check(Objectives(ttft_s=1.5), {"a": load()}, ahead=1, free_slots=0)
+    for _ in range(30):
+        est.observed_ttft(1.0, 100.0)  # bounded: one stall does not shut admission for good
+    assert est.bias == 4.0
+
+
+def test_the_scheduler_gets_what_is_left_of_the_ttft_objective():
+    assert ttft_budget_ms(Objectives(ttft_s=1.0), 0.25) == 750
+    assert ttft_budget_ms(Objectives(ttft_s=1.0), 2.0) == 1  # overdue: due at once, never "none"
+    assert ttft_budget_ms(NO_OBJECTIVES, 0.25) == 0
