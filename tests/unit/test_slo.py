@@ -163,3 +163,29 @@ def test_the_scheduler_gets_what_is_left_of_the_ttft_objective():
     assert ttft_budget_ms(Objectives(ttft_s=1.0), 0.25) == 750
     assert ttft_budget_ms(Objectives(ttft_s=1.0), 2.0) == 1  # overdue: due at once, never "none"
     assert ttft_budget_ms(NO_OBJECTIVES, 0.25) == 0
+
+
+def test_a_refusal_is_http_429_with_retry_after():
+    import grpc
+
+    from router.frontend import RequestFailed
+    from router.openai.errors import from_failure
+    from router.openai.server import _error
+
+    failure = RequestFailed(
+        grpc.StatusCode.RESOURCE_EXHAUSTED, "cannot meet the TTFT objective", retry_after_s=3
+    )
+    response = _error(from_failure(failure, {}))
+    assert response.status == 429 and response.headers["Retry-After"] == "3"
+    assert b"cannot meet the TTFT objective" in response.body
+
+
+def test_openai_bodies_carry_objectives_and_priority():
+    from router.openai.protocol import parse_completion
+
+    body = {"model": "m", "prompt": "hi", "priority": -2, "ttft_objective_ms": 500, "tpot_objective_ms": 0}
+    g = parse_completion(body, "id").generates[0]
+    assert (g.priority, g.ttft_objective_ms, g.tpot_objective_ms) == (-2, 500, 0)
+    assert g.HasField("tpot_objective_ms")  # 0 sent: no objective, not the server's default
+    g = parse_completion({"model": "m", "prompt": "hi"}, "id").generates[0]
+    assert not g.HasField("ttft_objective_ms") and g.priority == 0
