@@ -189,3 +189,19 @@ def test_openai_bodies_carry_objectives_and_priority():
     assert g.HasField("tpot_objective_ms")  # 0 sent: no objective, not the server's default
     g = parse_completion({"model": "m", "prompt": "hi"}, "id").generates[0]
     assert not g.HasField("ttft_objective_ms") and g.priority == 0
+
+
+def test_the_scheduler_admits_by_priority_then_deadline():
+    from scheduler.block_manager import BlockManager
+    from scheduler.scheduler import Scheduler, SchedulingPolicy
+    from scheduler.sequence import Sequence
+
+    sched = Scheduler(SchedulingPolicy(max_num_seqs=2, max_model_len=1024), BlockManager(64, 16))
+    for i, (priority, deadline) in enumerate([(0, None), (1, 5.0), (-1, None), (0, 2.0)]):
+        sched.add(Sequence(i, f"r{i}", [10 + i] * 5, 5, 4, priority=priority, ttft_deadline=deadline))
+    out = sched.schedule(now=0.0)
+    assert [s.request_id for s in out.admitted] == [
+        "r2",
+        "r3",
+    ]  # priority -1; then priority 0 with a deadline
+    assert [s.request_id for s in sched.waiting] == ["r0", "r1"]  # the queue itself keeps arrival order
