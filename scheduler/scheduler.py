@@ -15,16 +15,9 @@ import dataclasses
 from collections import deque
 
 from common.pb.tpserve.v1.generation_pb2 import FINISH_REASON_ABORTED, FINISH_REASON_EOS, FINISH_REASON_LENGTH
-from scheduler import forks
+from scheduler import forks, plan
 from scheduler.block_manager import BlockManager, blocks_for
-from scheduler.plan import (
-    Proposer,
-    ScheduledSeq,
-    SchedulerOutput,
-    SchedulerSnapshot,
-    SequenceUpdate,
-    check_sampled,
-)
+from scheduler.plan import Proposer, ScheduledSeq, SchedulerOutput, SchedulerSnapshot, SequenceUpdate
 from scheduler.policy import BATCHING_MODES, SchedulingPolicy
 from scheduler.sequence import Sequence, SequenceStatus
 from scheduler.slack import admission_order
@@ -331,7 +324,7 @@ class Scheduler:
         the sequence no longer needs go back to the pool.
 
         Sequences aborted while the step ran are skipped: their tokens are dropped."""
-        check_sampled(out, sampled)  # all of it before any sequence changes
+        plan.check_sampled(out, sampled)  # all of it before any sequence changes
         updates = []
         tokens_of = iter(sampled)
         for item in out.scheduled:
@@ -396,12 +389,9 @@ class Scheduler:
         self, now: float, queued: int, admission_depth: int | None = None
     ) -> float | None:
         """min_batch_size: before a batch starts from nothing, the time until which to wait for requests
-        the router holds (`queued`) that this scheduler would take now, so that the first step does not
-        carry one or two sequences of a burst; None: step now.
-
-        Never delays sequences already running (or swapped out, waiting to come back), never waits for
-        requests it would grant no credit to, and never for more than can join (the batch target is at
-        most max_num_seqs and the admission depth). Waits at most batch_wait_timeout_ms per batch."""
+        the router holds (`queued`) that this scheduler would take now (None: step now). Never delays
+        running or swapped sequences, never waits for requests it would grant no credit to or for more
+        than can join (max_num_seqs, the admission depth), and at most batch_wait_timeout_ms a batch."""
         p = self.policy
         target = min(p.min_batch_size, p.max_num_seqs, admission_depth or p.max_num_seqs)
         depth = admission_depth or p.max_num_seqs
