@@ -78,7 +78,8 @@ def test_at_three_times_the_sustainable_load_requests_are_refused_at_once_or_ser
     summary = (
         f"sustained {sustained:.1f} req/s, offered {len(results)} in {OFFER_S:.0f} s: {dict(counts)}; "
         f"served TTFT max {max((r['ttft'] for r in served), default=0):.3f} s, "
-        f"TPOT max {max((r['tpot'] for r in served), default=0):.3f} s"
+        f"TPOT max {max((r['tpot'] for r in served), default=0):.3f} s; "
+        f"refused after at most {max((r['after'] for r in refused), default=0):.3f} s"
     )
     print(summary)
     assert set(counts) <= {"OK", "RESOURCE_EXHAUSTED"}, summary  # none admitted fails
