@@ -2,8 +2,9 @@
 every request with the server's default objectives is either refused at once (RESOURCE_EXHAUSTED naming
 the objective) or served within its objectives; none that was admitted fails.
 
-The sustainable rate is measured first, in the same run (a closed batch without objectives: requests
-that send 0 opt out of the server's defaults). Latencies are measured per request at the client.
+The sustainable rate is measured first, in the same run, after a warm-up (a closed batch without
+objectives: requests that send 0 opt out of the server's defaults). Latencies are measured per request
+at the client.
 Tolerance, for this noisy shared 2-core machine: an admitted request's TTFT may exceed its objective by
 half again plus 250 ms (the estimate is of a queue whose service rate others' processes change under
 it), its TPOT by double; a refusal must come within 1 s of the call (the router answers before queuing).
@@ -55,9 +56,11 @@ async def one(stub, i: int, objectives: bool) -> dict:
 async def run(target: str) -> tuple[float, list[dict]]:
     async with grpc.aio.insecure_channel(target) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
-        # What the stack sustains: a closed batch of 16 requests, no objectives.
+        # A warm-up batch (the first steps of each shape compile), then what the stack sustains: a closed
+        # batch of 32 requests, no objectives.
+        await asyncio.gather(*(one(stub, i, objectives=False) for i in range(8)))
         start = time.perf_counter()
-        calib = await asyncio.gather(*(one(stub, i, objectives=False) for i in range(16)))
+        calib = await asyncio.gather(*(one(stub, i, objectives=False) for i in range(32)))
         assert all(r["code"] == "OK" for r in calib), calib
         sustained = len(calib) / (time.perf_counter() - start)
         # Three times that, Poisson arrivals, each request with the server's default objectives.
