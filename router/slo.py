@@ -21,8 +21,8 @@ Admission (`SloEstimator.refusal`). When a request arrives the router predicts i
   rate measured from completions would instead learn the offered load and refuse ever more).
 - Nothing measured yet (no request has finished): admitted, as nothing says it will miss.
 - The model is crude (credit round trips, the router's own loop and other processes on the host slow the
-  drain), so the prediction is scaled by `bias`: the recent ratio (an EWMA, within [0.5, 4]) of each
-  request's actual TTFT at the router to what was predicted for it when it arrived.
+  drain), so the prediction is scaled by `bias`: the recent ratio (an EWMA, within [0.5, 4]; quick to rise,
+  slow to fall) of each request's actual TTFT at the router to what was predicted for it when it arrived.
 A request whose prediction exceeds its objective is refused at once, with the prediction in the reason and
 `retry_after_s` (the time for the queue ahead to drain to where it would fit).
 
@@ -137,7 +137,11 @@ class SloEstimator:
     def observed_ttft(self, predicted_s: float, actual_s: float) -> None:
         """A request's TTFT at the router, and what predict_ttft said when it arrived."""
         if predicted_s > 0:
-            self.bias = min(4.0, max(0.5, self._ewma(self.bias, actual_s / predicted_s)))
+            # Fast up, slow down: a request learns it was late only at its first token, while more are
+            # admitted on the old figure, so underestimates are corrected at once and trust comes back slowly.
+            ratio = actual_s / predicted_s
+            alpha = 0.5 if ratio > self.bias else 0.05
+            self.bias = min(4.0, max(0.5, self.bias + alpha * (ratio - self.bias)))
 
     def _rates(self, replica: str) -> _Rates:
         return self._replicas.setdefault(replica, _Rates())

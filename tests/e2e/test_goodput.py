@@ -23,10 +23,10 @@ from common.pb.tpserve.v1 import generation_pb2 as pb
 from common.pb.tpserve.v1 import generation_pb2_grpc
 from tests.conftest import launch
 
-TOKENS = 16
+TOKENS = 32
 TTFT_MS, TPOT_MS = 1000, 250
 FLAGS = (
-    "--max-num-seqs", "4", "--admission-window", "4",
+    "--max-num-seqs", "2", "--admission-window", "2",
     "--slo-ttft-ms", str(TTFT_MS), "--slo-tpot-ms", str(TPOT_MS),
 )  # fmt: skip
 TTFT_TOLERANCE_S = TTFT_MS / 1000 * 1.5 + 0.25
