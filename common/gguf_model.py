@@ -61,6 +61,7 @@ def model_dir(model: str, tokenizer: str | None = None) -> str:
     work = Path(tempfile.mkdtemp(prefix=f".{path.stem}-", dir=out.parent))
     try:
         _write(path, tokenizer, work)
+        work.chmod(0o755)  # mkdtemp's 0700 would keep other users of the cache out
         try:
             work.rename(out)
         except OSError:  # another process got there first: its copy is the same

@@ -18,6 +18,7 @@ and a merged layer (qkv_proj, gate_up_proj) whose parts are not all 4-bit. F32 /
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 
 import numpy as np
@@ -177,7 +178,16 @@ def hf_names(quant: GGUFConfig, hf_config) -> tuple[dict[str, str], object]:
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=hf_config.to_dict())
     with torch.device("meta"):
         hf_model = AutoModelForCausalLM.from_config(hf_config)
-    return get_gguf_hf_weights_map(hf_model, processor), processor
+    # transformers asks gguf for the (same) name table once per submodule, each built from scratch:
+    # 30 s for SmolLM2's 397 modules. One table, built once, for this call.
+    import gguf
+
+    original = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original)
+    try:
+        return get_gguf_hf_weights_map(hf_model, processor), processor
+    finally:
+        gguf.get_tensor_name_map = original
 
 
 def gguf_tensors(
