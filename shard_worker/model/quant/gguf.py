@@ -143,19 +143,21 @@ class GGUFConfig(QuantConfig):
 
 
 class GGUFInt4Method(LinearMethod):
-    """qweight uint8 [N, K] (values 0..15), scales / zeros float32 [N, K / 32]: sliced by rows and groups
-    for tensor parallelism like any checkpoint's, then packed once into a PackedInt4."""
+    """qweight uint8 [N, K / 2] (two 4-bit values a byte, the even column's low: any bits are valid, which
+    --load-format dummy relies on), scales / zeros float32 [N, K / 32]: sliced by rows and groups for
+    tensor parallelism like any checkpoint's, then packed once into a PackedInt4."""
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, params_dtype):
         k, n = input_size_per_partition, sum(output_partition_sizes)
         if k % GROUP:
             raise ValueError(f"gguf: {k} input features per rank are not whole blocks of {GROUP}")
-        add_param(layer, "qweight", (n, k), torch.uint8, output_dim=0, input_dim=1)
+        add_param(layer, "qweight", (n, k // 2), torch.uint8, output_dim=0, input_dim=1, input_per=2)
         for name in ("scales", "zeros"):
             add_param(layer, name, (n, k // GROUP), torch.float32, output_dim=0, input_dim=1, input_per=GROUP)
 
     def process_weights_after_loading(self, layer) -> None:
-        q, scale, zero = layer.qweight.detach(), layer.scales.detach(), layer.zeros.detach()
+        nibbles, scale, zero = layer.qweight.detach(), layer.scales.detach(), layer.zeros.detach()
+        q = torch.stack([nibbles & 15, nibbles >> 4], dim=-1).reshape(nibbles.shape[0], -1)
         layer.packed = PackedInt4.pack(q, scale, zero, GROUP)
         del layer.qweight, layer.scales, layer.zeros
 
@@ -214,7 +216,8 @@ def gguf_tensors(
             module = mapping[name].removesuffix(".weight")
             if module in kept:
                 q, scale, zero = unpack_int4(type_name, tensor.data, shape)
-                yield f"{module}.qweight", torch.from_numpy(q[rows])
+                q = q[rows]
+                yield f"{module}.qweight", torch.from_numpy(q[:, 0::2] | (q[:, 1::2] << 4))
                 yield f"{module}.scales", torch.from_numpy(scale[rows])
                 yield f"{module}.zeros", torch.from_numpy(zero[rows])
                 continue
