@@ -3,6 +3,8 @@ dequantization; the layers each file's types give; refusals."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -66,3 +68,29 @@ def test_model_dir_refusals(tmp_path):
         model_dir(str(tmp_path), tokenizer=str(tmp_path))
     with pytest.raises(ValueError, match="no such file"):
         model_dir(str(tmp_path / "missing.gguf"))
+
+
+@pytest.mark.parametrize("own_tokenizer", [True, False])
+def test_model_dir_of_a_gguf_file(tiny_model, tmp_path, monkeypatch, own_tokenizer):
+    """config.json from the file's metadata (+ the gguf quantization_config), the tokenizer from the
+    file or --tokenizer; the directory is reused for the same file."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from tests.gguf_files import write_tiny_gguf
+
+    monkeypatch.setenv("TPSERVE_CACHE", str(tmp_path / "cache"))
+    file = write_tiny_gguf(tiny_model, tmp_path / "tiny.gguf")
+    tokenizer = None if own_tokenizer else str(tiny_model)
+    out = model_dir(str(file), tokenizer)
+    assert out.endswith("/tiny") and model_dir(str(file), tokenizer) == out
+    config, original = (json.loads((p / "config.json").read_text()) for p in (Path(out), tiny_model))
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert config["quantization_config"] == {"quant_method": "gguf", "file": str(file.resolve())}
+    for key in ("hidden_size", "num_hidden_layers", "num_key_value_heads", "vocab_size", "eos_token_id"):
+        assert config[key] == original[key], key
+    text = "The quick brown fox, café 東京 42."
+    theirs = AutoTokenizer.from_pretrained(tiny_model)(text).input_ids
+    assert AutoTokenizer.from_pretrained(out)(text).input_ids == theirs
+    assert model_dir(out, str(tiny_model)) == out  # launch passes --tokenizer on with the directory
