@@ -1,6 +1,6 @@
 """Where one decode step's time goes inside the worker: ModelRunner.execute on the real model, by op class.
 
-    python -m bench.decode_profile [--model models/smollm2] [--batch 1 8 32] [--context 160]
+    python -m bench.decode_profile [--model models/smollm2|x.gguf] [--batch 1 8 32] [--context 160]
                                    [--threads 2] [--steps 30] [--top] [--matmul]
 
 Builds a worker's ModelRunner (one rank, float32, flex attention), fills a KV cache, and times decode steps
@@ -48,6 +48,7 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from common import gguf_model
 from common.sampling import SamplingConfig
 from shard_worker.model.config import ModelConfig
 from shard_worker.model_runner import ModelRunner
@@ -333,6 +334,7 @@ def main() -> None:
     )
     p.add_argument("--new-tokens", type=int, default=64, help="--linear: greedy tokens per prompt")
     a = p.parse_args()
+    a.model = gguf_model.model_dir(a.model)  # a .gguf file: served from the file (common/gguf_model.py)
     torch.set_num_threads(a.threads)
     if a.linear:
         compare_linear(a)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, replace
 
-from common import metrics, security, settings, tracing
+from common import gguf_model, metrics, security, settings, tracing
 from common.security import TlsFiles
 from common.settings import above, at_least, nested, setting
 from common.tracing import TracingConfig
@@ -22,7 +22,12 @@ from router.slo import SloPolicy
 
 @dataclass(frozen=True)
 class RouterConfig:
-    model: str = setting(help="checkpoint directory (for the tokenizer and chat template)", launch=True)
+    model: str = setting(
+        help="checkpoint directory (for the tokenizer and chat template), or a .gguf file", launch=True
+    )
+    tokenizer: str | None = setting(
+        None, help="with a .gguf --model: the tokenizer's directory (default: the file's own)", launch=True
+    )
     # The replicas: schedulers' HOST:PORT, or a NAME:PORT whose addresses are the schedulers (a
     # Kubernetes headless Service), re-resolved every dns_interval_s. One of the two.
     schedulers: tuple[str, ...] = setting(
@@ -121,6 +126,8 @@ class RouterConfig:
 
     def __post_init__(self):
         settings.validate(self)
+        # A .gguf file becomes a directory of its config and tokenizer (common/gguf_model.py).
+        object.__setattr__(self, "model", gguf_model.model_dir(self.model, self.tokenizer))
         if bool(self.schedulers) == bool(self.scheduler_dns):
             raise ValueError("give --scheduler (repeatable) or --scheduler-dns, not both and not neither")
         for target in (*self.schedulers, *([self.scheduler_dns] if self.scheduler_dns else [])):

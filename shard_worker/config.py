@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from common import metrics, security, settings, tracing
+from common import gguf_model, metrics, security, settings, tracing
 from common.security import TlsFiles
 from common.settings import at_least, setting
 from common.tracing import TracingConfig
@@ -32,7 +32,10 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e4m3", "fp8_e5m2")
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    model: str = setting(help="Hugging Face checkpoint directory", launch=True)
+    model: str = setting(help="Hugging Face checkpoint directory, or a .gguf file", launch=True)
+    tokenizer: str | None = setting(
+        None, help="with a .gguf --model: the tokenizer's directory (default: the file's own)", launch=True
+    )
     rank: int = setting(0, help="this worker's rank in the tensor-parallel group", rule=at_least(0))
     world_size: int = setting(1, help="tensor-parallel size", rule=at_least(1))
     # host:port of rank 0's torch.distributed store; needed when world_size > 1.
@@ -117,6 +120,8 @@ class WorkerConfig:
 
     def __post_init__(self):
         settings.validate(self)
+        # A .gguf file becomes a directory of its config and tokenizer (common/gguf_model.py).
+        object.__setattr__(self, "model", gguf_model.model_dir(self.model, self.tokenizer))
         if self.speculative_model and not (Path(self.speculative_model) / "config.json").is_file():
             raise ValueError(f"--speculative-model {self.speculative_model}: no config.json there")
         if not self.rank < self.world_size:
