@@ -212,7 +212,7 @@ def fill_weights(model: nn.Module, tensors, model_dir, tie_word_embeddings: bool
         if tie_word_embeddings and ckpt_name == "lm_head.weight":
             continue  # shared with the embedding, which is loaded from its own tensor
         if ckpt_name.endswith(KV_SCALES):
-            _load_kv_scale(model, ckpt_name, source[:], file_name)
+            _load_kv_scale(model, ckpt_name, source[...], file_name)  # [...]: a scalar too
             continue
         name, part = param_name(ckpt_name, mapping)
         if name not in params:
