@@ -71,12 +71,6 @@ class RouterConfig:
         rule=at_least(1),
         launch=True,
     )
-    prefix_affinity_blocks: int = setting(
-        4,
-        help="the prefix --prefix-affinity compares, in KV blocks",
-        rule=at_least(1),
-        launch=True,
-    )
     replica_wait_timeout_s: float = setting(
         60.0,
         help="while no replica is up (a scheduler restarting), requests wait this long for one, then get "

@@ -3,8 +3,8 @@
 Requests wait in ONE length-bucketed AdmissionQueue (router/buckets.py: short first, aged ones never
 starved, a bound answered with RESOURCE_EXHAUSTED). A request is bound to a replica only when it leaves
 the queue: whenever some replica has credit, the next request is popped and ReplicaSet.choose picks among
-the replicas that have credit (router/replicas.py: most headroom, short ones to the least loaded, prefix
-affinity). So a busy replica never holds requests an idle one could start.
+the replicas that have credit (router/replicas.py: the prefix each replica caches, known exactly from its
+KV events, against its load). So a busy replica never holds requests an idle one could start.
 
 Failover and resume. A replica whose stream breaks, or whose reports stop for stale_after_s (checked every
 check_s; the scheduler reports at least every 0.5 s), is marked down and its stream dropped (the
@@ -25,13 +25,14 @@ Which replicas exist is router/membership.py's to say; GetStats across them is r
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from common import security
+from common.block_hash import block_hashes, matchable_blocks
+from common.kv_events import KvEvents
 from common.load import ReplicaLoad
 from common.pb.tpserve.internal.v1 import scheduler_pb2
 from common.pb.tpserve.internal.v1.scheduler_pb2 import ERROR_CODE_UNAVAILABLE
@@ -47,21 +48,11 @@ from router.stats import gather_stats
 log = logging.getLogger("tpserve.router")
 
 
-def prefix_key(prompt: list[int], num_tokens: int) -> str | None:
-    """Identifies a prompt's first num_tokens tokens (whole KV blocks, so the scheduler's prefix cache
-    can hit); None for shorter prompts."""
-    if len(prompt) < num_tokens:
-        return None
-    data = b"".join(t.to_bytes(4, "little") for t in prompt[:num_tokens])
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
-
-
 @dataclass
 class _Request:
     add: scheduler_pb2.AddRequest
     arrival: float  # time.monotonic() at the router: kept through failover, so its queue age is true
     queue: asyncio.Queue  # the servicer's: RequestOutputs, then the end
-    prefix_key: str | None
     routed: Routed | None = None  # where it runs; None while it waits in the admission queue
     attempts: int = 0  # replicas it was sent to
     prompt: tuple[int, ...] = ()  # the client's prompt
@@ -70,6 +61,20 @@ class _Request:
     sent_at: float = 0.0  # time.monotonic() when it was last sent to a replica
     first_seen: bool = False  # a token came from the replica it was last sent to
     predicted_ttft: float | None = None  # what the SLO estimate said when it arrived
+    # The chained hashes of the blocks a prefix cache may serve (common/block_hash.py), for the
+    # cache-aware choice; computed when it is first routed, extended when it resumes with more tokens.
+    hashes: list[bytes] = field(default_factory=list)
+
+    def block_hashes(self, block_size: int) -> list[bytes]:
+        """The hashes of the prompt's blocks a scheduler may take from its prefix cache (none when it
+        wants prompt logprobs: the scheduler then computes every token)."""
+        if self.add.want_prompt_logprobs:
+            return []
+        ids = self.add.prompt_token_ids
+        n = matchable_blocks(len(ids), block_size)
+        if len(self.hashes) < n:
+            self.hashes = block_hashes(ids, block_size, n, known=self.hashes)
+        return self.hashes[:n]
 
     def resumed(self) -> scheduler_pb2.AddRequest:
         """The request as it goes to its next scheduler: the prompt plus what it already generated."""
@@ -95,7 +100,6 @@ class SchedulerPool:
         dns: str | None = None,  # NAME:PORT, re-resolved every dns_interval_s
         resolver: Resolver = resolve_dns,
         dns_interval_s: float = 5.0,
-        prefix_blocks: int = 4,  # --prefix-affinity: the key covers this many KV blocks of the prompt
         retry_s: float = 0.5,
         check_s: float = 0.5,
         replica_wait_timeout_s: float = 60.0,
@@ -117,7 +121,6 @@ class SchedulerPool:
             resolver=resolver,
             interval_s=dns_interval_s,
         )
-        self._prefix_blocks = prefix_blocks
         self._retry_s = retry_s
         self._check_s = check_s
         self._tls = tls
@@ -220,11 +223,7 @@ class SchedulerPool:
         predicted = self.slo.check(objectives, loads, sum(b.waiting for b in ahead), free)
         if not self.admission.push(add.request_id, len(add.prompt_token_ids), now, add.request_id):
             raise QueueFull(f"{len(self.admission)} requests are already waiting; try again later")
-        key = None
-        info = self.model_info
-        if self.replicas.policy.prefix_affinity and info is not None:
-            key = prefix_key(add.prompt_token_ids, self._prefix_blocks * info.block_size)
-        req = _Request(add, now, asyncio.Queue(), key, prompt=tuple(add.prompt_token_ids))
+        req = _Request(add, now, asyncio.Queue(), prompt=tuple(add.prompt_token_ids))
         req.objectives, req.predicted_ttft = objectives, predicted
         self._requests[add.request_id] = req
         self._pump()
@@ -281,13 +280,18 @@ class SchedulerPool:
             if not allowed:
                 break
             req = self._requests[self.admission.pop(now)]
+            hashes, block_size = [], 16
+            info = self.model_info
+            if self.replicas.policy.routing_policy == "cache_aware" and info is not None:
+                block_size = info.block_size
+                hashes = req.block_hashes(block_size)
             target = self.replicas.choose(
-                len(req.add.prompt_token_ids), req.prefix_key, now=now, allowed=allowed
+                len(req.add.prompt_token_ids), hashes, now=now, allowed=allowed, block_size=block_size
             )
             link = self.links[target]
             link.credits.take()
             req.attempts += 1
-            req.routed = Routed(target, len(req.add.prompt_token_ids), req.prefix_key, req.attempts)
+            req.routed = Routed(target, len(req.add.prompt_token_ids), req.attempts)
             req.sent_at, req.first_seen = now, False
             self.slo.sent(target, req.add.request_id, req.objectives)
             req.add.ttft_budget_ms = ttft_budget_ms(req.objectives, now - req.arrival)  # the scheduler's
@@ -334,6 +338,10 @@ class SchedulerPool:
         if not was_up:
             self._update_health()
             self._pump()
+
+    def on_kv_events(self, link: SchedulerLink, msg: scheduler_pb2.KvEvents) -> None:
+        if link.target in self.replicas:
+            self.replicas.kv_events(link.target, KvEvents.from_message(msg))
 
     def on_credit(self, link: SchedulerLink) -> None:
         self._pump()

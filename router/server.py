@@ -84,7 +84,6 @@ async def serve(config: RouterConfig) -> None:
         schedulers=config.schedulers,
         dns=config.scheduler_dns,
         dns_interval_s=config.dns_interval_s,
-        prefix_blocks=config.prefix_affinity_blocks,
         retry_s=config.scheduler_retry_s,
         replica_wait_timeout_s=config.replica_wait_timeout_s,
         tls=config.internal_tls,

@@ -408,14 +408,16 @@ class Engine:
         self._report()
 
     def _report(self, outputs=(), force_load: bool = False) -> None:
-        """Sends each router its outputs, with the credit and the load when they changed."""
-        window = load = None
+        """Sends each router its outputs, with the credit and the load when they changed, and what the
+        prefix cache stored and evicted since the last report (a snapshot to a router that needs one)."""
+        window = load = kv = cached = None
         if self.scheduler is not None:
             window = self.scheduler.admission_window(self.config.admission_window)
             load = self.load_report()
+            kv, cached = self.scheduler.blocks.events.take(), self.scheduler.blocks.cached_hashes
         elif force_load:
             load = self.load_report()
-        self.routers.publish(outputs, window, load, force_load)
+        self.routers.publish(outputs, window, load, force_load, kv, cached)
 
     async def heartbeat(self) -> None:
         """Reports the load every LOAD_REPORT_INTERVAL_S whatever happens, from its own task: the step
