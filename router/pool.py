@@ -28,10 +28,8 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from common import security
-from common.block_hash import block_hashes, matchable_blocks
 from common.kv_events import KvEvents
 from common.load import ReplicaLoad
 from common.pb.tpserve.internal.v1 import scheduler_pb2
@@ -39,6 +37,7 @@ from common.pb.tpserve.internal.v1.scheduler_pb2 import ERROR_CODE_UNAVAILABLE
 from common.pb.tpserve.v1 import generation_pb2
 from common.pb.tpserve.v1.generation_pb2 import FINISH_REASON_ABORTED
 from router.buckets import AdmissionQueue
+from router.in_flight import InFlight
 from router.membership import Membership, Resolver, resolve_dns
 from router.replicas import ReplicaSet, Routed, RoutingPolicy
 from router.scheduler_link import QueueFull, SchedulerLink, SchedulerUnavailable
@@ -46,47 +45,6 @@ from router.slo import NO_OBJECTIVES, Objectives, SloEstimator, ttft_budget_ms
 from router.stats import gather_stats
 
 log = logging.getLogger("tpserve.router")
-
-
-@dataclass
-class _Request:
-    add: scheduler_pb2.AddRequest
-    arrival: float  # time.monotonic() at the router: kept through failover, so its queue age is true
-    queue: asyncio.Queue  # the servicer's: RequestOutputs, then the end
-    routed: Routed | None = None  # where it runs; None while it waits in the admission queue
-    attempts: int = 0  # replicas it was sent to
-    prompt: tuple[int, ...] = ()  # the client's prompt
-    generated: list[int] = field(default_factory=list)  # every token the client has been sent
-    objectives: Objectives = NO_OBJECTIVES  # what it was promised (router/slo.py)
-    sent_at: float = 0.0  # time.monotonic() when it was last sent to a replica
-    first_seen: bool = False  # a token came from the replica it was last sent to
-    predicted_ttft: float | None = None  # what the SLO estimate said when it arrived
-    # The chained hashes of the blocks a prefix cache may serve (common/block_hash.py), for the
-    # cache-aware choice; computed when it is first routed, extended when it resumes with more tokens.
-    hashes: list[bytes] = field(default_factory=list)
-
-    def block_hashes(self, block_size: int) -> list[bytes]:
-        """The hashes of the prompt's blocks a scheduler may take from its prefix cache (none when it
-        wants prompt logprobs: the scheduler then computes every token)."""
-        if self.add.want_prompt_logprobs:
-            return []
-        ids = self.add.prompt_token_ids
-        n = matchable_blocks(len(ids), block_size)
-        if len(self.hashes) < n:
-            self.hashes = block_hashes(ids, block_size, n, known=self.hashes)
-        return self.hashes[:n]
-
-    def resumed(self) -> scheduler_pb2.AddRequest:
-        """The request as it goes to its next scheduler: the prompt plus what it already generated."""
-        add = scheduler_pb2.AddRequest()
-        add.CopyFrom(self.add)
-        del add.prompt_token_ids[:]
-        add.prompt_token_ids.extend(self.prompt)
-        add.prompt_token_ids.extend(self.generated)
-        add.num_output_tokens = len(self.generated)
-        if self.generated:  # the client has its prompt logprobs already (they come before any token)
-            add.want_prompt_logprobs = False
-        return add
 
 
 class SchedulerPool:
@@ -125,7 +83,7 @@ class SchedulerPool:
         self._check_s = check_s
         self._tls = tls
         self.links: dict[str, SchedulerLink] = {}
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, InFlight] = {}
         self._ready = False
         # While no replica is ready, queued requests wait this long (like the schedulers' own recovery
         # timeout) and then get UNAVAILABLE: every accepted request ends, even if no replica returns.
@@ -223,7 +181,7 @@ class SchedulerPool:
         predicted = self.slo.check(objectives, loads, sum(b.waiting for b in ahead), free)
         if not self.admission.push(add.request_id, len(add.prompt_token_ids), now, add.request_id):
             raise QueueFull(f"{len(self.admission)} requests are already waiting; try again later")
-        req = _Request(add, now, asyncio.Queue(), prompt=tuple(add.prompt_token_ids))
+        req = InFlight(add, now, asyncio.Queue(), prompt=tuple(add.prompt_token_ids))
         req.objectives, req.predicted_ttft = objectives, predicted
         self._requests[add.request_id] = req
         self._pump()
@@ -376,7 +334,7 @@ class SchedulerPool:
 
     # ---- failover ----
 
-    def _move(self, req: _Request, target: str, reason: str) -> str:
+    def _move(self, req: InFlight, target: str, reason: str) -> str:
         """Takes a request off a replica that lost it: back in the queue (resumed where it stopped if it
         had streamed tokens) while it has attempts left, else it ends with UNAVAILABLE. Returns what
         happened: "resent", "resumed" or "failed"."""

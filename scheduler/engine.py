@@ -7,14 +7,12 @@ publish what the step did.
         updates = self.scheduler.update(out, sampled_tokens(out, replies[0]))
         self._publish(StepResult(...))        # routers, traces, metrics, the static fallback, totals
 
-Every request ends through `_end`, whatever the reason (finished, aborted, failed, expired): its last
-output goes to its router, then its span ends and its router's credit comes back. Everything the loop
-touches runs on one asyncio loop, so there are no locks. The ranks sit behind a small interface
-(workers.py's WorkerGroup: connect, step, close, and a `lost` event for a stream that ends while the
-loop is idle), so the engine can be driven by a fake group in unit tests. The jobs around the loop have
-their own modules: the capacity the ranks agree on (capacity.py), the routers' streams with credit and
-load (router_streams.py), the traces (spans.py), the metrics (metrics.py), what the replica reports
-(reports.py).
+Every request ends through `_end`, whatever the reason: its last output goes to its router, then its
+span ends and its router's credit comes back. Everything runs on one asyncio loop: no locks. The ranks
+sit behind a small interface (workers.py's WorkerGroup: connect, step, close, and a `lost` event), so a
+fake group drives the engine in unit tests. Around the loop: the capacity the ranks agree on
+(capacity.py), the routers' streams with credit, load and KV events (router_streams.py), traces
+(spans.py), metrics (metrics.py), what the replica reports (reports.py).
 """
 
 from __future__ import annotations

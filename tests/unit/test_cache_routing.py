@@ -12,7 +12,7 @@ from common.kv_events import KvEvents
 from common.load import ReplicaLoad
 from common.pb.tpserve.internal.v1 import scheduler_pb2
 from router.cache_index import CacheIndex
-from router.pool import _Request
+from router.in_flight import InFlight
 from router.replicas import ReplicaSet, RoutingPolicy
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
@@ -112,13 +112,13 @@ def test_the_index_is_bounded_and_counts_what_it_drops():
 
 def test_a_request_wanting_prompt_logprobs_has_no_cacheable_prefix():
     add = scheduler_pb2.AddRequest(request_id="r", prompt_token_ids=PROMPT)
-    req = _Request(add, 0.0, None)
+    req = InFlight(add, 0.0, None)
     assert req.block_hashes(BS) == block_hashes(PROMPT, BS)  # 131 tokens: 8 blocks, the last one's too
     assert req.block_hashes(BS)[:1] == HASHES[:1]
     add.prompt_token_ids[:] = PREFIX  # 128 tokens: the last block holds the last token, never matched
-    assert len(_Request(add, 0.0, None).block_hashes(BS)) == 7
+    assert len(InFlight(add, 0.0, None).block_hashes(BS)) == 7
     add.want_prompt_logprobs = True
-    assert _Request(add, 0.0, None).block_hashes(BS) == []
+    assert InFlight(add, 0.0, None).block_hashes(BS) == []
 
 
 def test_the_routers_index_equals_the_schedulers_cache_after_every_step():
