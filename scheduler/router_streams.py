@@ -10,9 +10,10 @@ out only when they changed; the heartbeat sends the load regardless, so a router
 replica in a long step from a dead one.
 
 The admission window is the scheduler's, not each router's: with several routers connected it is split
-among them by what they queue (`split_window`), so together they never send more than it. A router with
-nothing queued gets no share until it reports a queue (one round trip), rather than holding credit an
-idle router cannot give back.
+among them by what they queue (`split_window`). A router with nothing queued gets no share until it
+reports a queue (one round trip), and what it was granted before is not kept for it: an idle router
+that once had the whole window must not starve the others (it cannot give credit back). So the routers
+together send at most the window, plus, once, whatever an idle router still sends under an old credit.
 """
 
 from __future__ import annotations
@@ -140,7 +141,9 @@ class RouterStreams:
         streams = sorted(self._streams, key=id)  # a stable order between calls
         if window is None:
             return dict.fromkeys(streams)
-        queued, floors = [s.queued for s in streams], [s.outstanding() for s in streams]
+        queued = [s.queued for s in streams]
+        # What a router with a queue may have on the wire stays its; an idle one's old credit does not.
+        floors = [s.outstanding() if s.queued else 0 for s in streams]
         return dict(zip(streams, split_window(window, queued, floors), strict=True))
 
     def publish(

@@ -128,3 +128,29 @@ def test_several_routers_together_never_send_more_than_the_admission_window():
             gate.release()
 
     run(go())
+
+
+def test_an_idle_router_holding_old_credit_does_not_starve_a_new_one():
+    """A router alone gets the whole window; when a second router connects and queues while the first
+    stays idle, the second gets the window (the first's unused old credit is not kept for it). Before,
+    the first's credit was reserved forever and a router added later never sent anything."""
+    from router.buckets import Credits
+
+    async def go():
+        async with Harness(admission_window=4) as h:  # h.stream: the first router, idle, granted 4
+            await h.wait(lambda: any(m.HasField("credit") and m.credit.window == 4 for m in h.messages))
+            second, credits = RouterStream(), Credits()
+            h.engine.attach(second)
+            second.queued = 1
+            h.engine.queued_changed()
+            window = 0
+            while not second.outbox.empty():
+                msg = second.outbox.get_nowait()
+                if msg.HasField("credit"):
+                    credits.update(msg.credit.window, msg.credit.adds_received)
+                    window = msg.credit.window
+            assert window >= 1 and credits.take()
+            h.engine.add(add_request("from-second", [3] * 4, 2), second)
+            await h.wait(lambda: h.engine.snapshot().in_flight == 0)
+
+    run(go())
