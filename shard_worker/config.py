@@ -15,6 +15,7 @@ from common import metrics, security, settings, tracing
 from common.security import TlsFiles
 from common.settings import at_least, setting
 from common.tracing import TracingConfig
+from shard_worker.startup import DEFAULT_COMPILE_CACHE_DIR
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 DEVICES = ("cpu", "cuda")
@@ -25,6 +26,8 @@ LOAD_FORMATS = ("auto", "dummy")
 QUANTIZATION_CHOICES = ("none", "int8", "fp8")
 # shard_worker/attention/__init__.py: auto is triton on CUDA, flex on CPU float32, reference otherwise.
 ATTENTION_BACKENDS = ("auto", "flex", "triton", "reference")
+# shard_worker/attention/kv_dtype.py: auto is --dtype.
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,21 @@ class WorkerConfig:
         launch=True,
     )
     enforce_eager: bool = setting(False, help="run every step eagerly: no CUDA graphs", launch=True)
+    kv_cache_dtype: str = setting(
+        "auto",
+        help="the KV cache's elements (vLLM's names): auto (--dtype), bfloat16, fp8_e4m3 (scaled by the "
+        "checkpoint's per-layer k_scale/v_scale, else 1) or fp8_e5m2; stored rounded, read in --dtype. "
+        "CPU only",
+        choices=KV_CACHE_DTYPES,
+        launch=True,
+    )
+    compile_cache_dir: str = setting(
+        DEFAULT_COMPILE_CACHE_DIR,
+        help="where compiled kernels (torch.compile: inductor's FX graph and AOT autograd caches) are kept "
+        "across starts, so a restart loads them instead of compiling; empty: a fresh temporary directory "
+        "each start (nothing reused)",
+        launch=True,
+    )
     metrics_port: int | None = None
     tracing: TracingConfig = TracingConfig()
     internal_tls: TlsFiles | None = None  # mutual TLS: only a scheduler with a certificate gets in

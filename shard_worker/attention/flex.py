@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from shard_worker.attention.backend import AttentionBackend, AttentionContext, StepBatch
+from shard_worker.attention.kv_dtype import load
 
 # A sequence with at least this many query tokens in a step is tiled by blocks; shorter ones one token per
 # tile. Measured on CPU, 32 sequences at context 2048, one-token vs block tiles: 8-token queries 148 vs
@@ -127,8 +128,11 @@ class FlexBackend(AttentionBackend):
             ref = ReferenceBackend(self.device, self.dtype)
             return ref.attend(layer, q, kv_cache, AttentionContext(ref, md.batch, ref.prepare(md.batch)))
         # The cache's used prefix as one sequence of slots per KV head: views, no copy.
-        keys = kv_cache[0, :num_blocks].view(1, num_blocks * block_size, kvh, d).permute(0, 2, 1, 3)
-        values = kv_cache[1, :num_blocks].view(1, num_blocks * block_size, kvh, d).permute(0, 2, 1, 3)
+        # A cache narrower than the model's dtype is read as the model's: its used prefix upcast (a copy).
+        keys = load(kv_cache[0, :num_blocks], q.dtype, layer.k_scale)
+        values = load(kv_cache[1, :num_blocks], q.dtype, layer.v_scale)
+        keys = keys.view(1, num_blocks * block_size, kvh, d).permute(0, 2, 1, 3)
+        values = values.view(1, num_blocks * block_size, kvh, d).permute(0, 2, 1, 3)
         out = None
         for t in tilings:
             n = t.tokens.shape[0]

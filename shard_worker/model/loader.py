@@ -16,10 +16,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from shard_worker.attention.layer import Attention
 from shard_worker.model.config import ModelConfig, read_json
 
 # Checkpoint tensors with no parameter behind them (old checkpoints saved rotary buffers).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+KV_SCALES = (".k_scale", ".v_scale")
 # A sharded checkpoint's map from tensor name to the file that holds it.
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -178,6 +180,9 @@ def load_weights(model: nn.Module, model_dir: str | Path, tie_word_embeddings: b
                     continue
                 if tie_word_embeddings and ckpt_name == "lm_head.weight":
                     continue  # shared with the embedding, which is loaded from its own tensor
+                if ckpt_name.endswith(KV_SCALES):
+                    _load_kv_scale(model, ckpt_name, f.get_tensor(ckpt_name), file.name)
+                    continue
                 name, part = param_name(ckpt_name, mapping)
                 if name not in params:
                     raise ValueError(f"{file.name}: tensor {ckpt_name} matches no parameter of the model")
@@ -210,6 +215,17 @@ def load_weights(model: nn.Module, model_dir: str | Path, tie_word_embeddings: b
             f"({len(missing)} missing in all)"
         )
     process_weights(model, processed)  # a tied LM head (filled with the embedding), and the rest
+
+
+def _load_kv_scale(model: nn.Module, ckpt_name: str, tensor: torch.Tensor, file: str) -> None:
+    """A layer's fp8 KV scale (vLLM's checkpoint names: `...self_attn.k_scale`, `...self_attn.v_scale`),
+    a scalar for the layer's every head, set on its Attention module."""
+    prefix, attr = ckpt_name.rsplit(".", 1)
+    modules = dict(model.named_modules())
+    layer = modules.get(prefix + ".attn")
+    if not isinstance(layer, Attention) or tensor.numel() != 1:
+        raise ValueError(f"{file}: tensor {ckpt_name} is not one layer's scalar KV scale")
+    setattr(layer, attr, float(tensor.float()))
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:
