@@ -29,6 +29,7 @@ CPU float32 only (see FlexBackend.unsupported).
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass, field
 from itertools import accumulate
 
@@ -60,14 +61,26 @@ ONE_TOKEN_TILE_CAPACITY = 4096
 RECOMPILE_LIMIT = 64
 
 
-@functools.cache
+# Threads whose compiler settings are set (below). torch 2.13 keeps dynamo's and fx's settings per thread,
+# and a worker warms up in one gRPC thread and steps in another: set only where the first call ran, a
+# step thread would compile with duck shapes on and fall back to eager flex after 8 recompiles.
+_configured = threading.local()
+
+
 def _compiled_flex():
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    torch._dynamo.config.fail_on_recompile_limit_hit = True
-    # Sizes that happen to be equal on the first call must not be fused into one symbol. Set for the
-    # process, not patched around each call: the patch cost 3% of a batch-1 decode step (30 layers), and
-    # this is the only graph a worker compiles.
-    fx_config.use_duck_shape = False
+    if not getattr(_configured, "done", False):
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        torch._dynamo.config.fail_on_recompile_limit_hit = True
+        # Sizes that happen to be equal on the first call must not be fused into one symbol. Set for the
+        # thread, not patched around each call: the patch cost 3% of a batch-1 decode step (30 layers),
+        # and this is the only graph a worker compiles.
+        fx_config.use_duck_shape = False
+        _configured.done = True
+    return _compiled()
+
+
+@functools.cache
+def _compiled():
     return torch.compile(flex_attention, dynamic=True)
 
 
