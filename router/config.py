@@ -17,6 +17,7 @@ from common.tracing import TracingConfig
 from router.buckets import AdmissionPolicy
 from router.openai.tool_parsers import PARSERS as TOOL_PARSERS
 from router.replicas import RoutingPolicy
+from router.slo import SloPolicy
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,7 @@ class RouterConfig:
     )
     admission: AdmissionPolicy = nested(AdmissionPolicy)
     routing: RoutingPolicy = nested(RoutingPolicy)
+    slo: SloPolicy = nested(SloPolicy)
     # Keys clients must send as `authorization: Bearer <key>`; read in serve(), so never held here.
     api_key_file: str | None = setting(
         None,
@@ -125,6 +127,7 @@ class RouterConfig:
             host, _, port = target.rpartition(":")
             if not host or not port.isdigit():
                 raise ValueError(f"--scheduler and --scheduler-dns take HOST:PORT, got {target!r}")
+        self.slo.check(len(self.admission.bucket_edges) + 1)
         if len(set(self.schedulers)) != len(self.schedulers):
             raise ValueError(f"--scheduler given twice for the same address: {self.schedulers}")
 

@@ -159,6 +159,14 @@ class RouterMetrics:
             "restarted) one where they stopped.",
             registry=r,
         )
+        # Goodput (router/slo.py): a request with objectives that finished counts as met when its TTFT and
+        # TPOT were within them, else missed; refused ones are in tpserve_requests_failed.
+        self.slo = Counter(
+            "tpserve_requests_slo",
+            "Finished requests with latency objectives, by length bucket, priority and outcome (met/missed).",
+            ["bucket", "priority", "outcome"],
+            registry=r,
+        )
         self.failed = Counter(
             "tpserve_requests_failed",
             "Requests answered with an error, by gRPC status code.",

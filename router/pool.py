@@ -41,6 +41,7 @@ from router.buckets import AdmissionQueue
 from router.membership import Membership, Resolver, resolve_dns
 from router.replicas import ReplicaSet, Routed, RoutingPolicy
 from router.scheduler_link import QueueFull, SchedulerLink, SchedulerUnavailable
+from router.slo import NO_OBJECTIVES, Objectives, SloEstimator, ttft_budget_ms
 from router.stats import gather_stats
 
 log = logging.getLogger("tpserve.router")
@@ -65,6 +66,10 @@ class _Request:
     attempts: int = 0  # replicas it was sent to
     prompt: tuple[int, ...] = ()  # the client's prompt
     generated: list[int] = field(default_factory=list)  # every token the client has been sent
+    objectives: Objectives = NO_OBJECTIVES  # what it was promised (router/slo.py)
+    sent_at: float = 0.0  # time.monotonic() when it was last sent to a replica
+    first_seen: bool = False  # a token came from the replica it was last sent to
+    predicted_ttft: float | None = None  # what the SLO estimate said when it arrived
 
     def resumed(self) -> scheduler_pb2.AddRequest:
         """The request as it goes to its next scheduler: the prompt plus what it already generated."""
@@ -95,8 +100,10 @@ class SchedulerPool:
         check_s: float = 0.5,
         replica_wait_timeout_s: float = 60.0,
         tls: security.TlsFiles | None = None,
+        slo: SloEstimator | None = None,
     ):
         self.admission = admission
+        self.slo = slo or SloEstimator()  # latency objectives: the admission estimate, decode gating
         self.replicas = ReplicaSet(policy)
         self.on_ready = on_ready
         self.on_admit = lambda add, waited_s: None  # the servicer's metrics hook
@@ -201,11 +208,16 @@ class SchedulerPool:
             return False
         return time.monotonic() - self._unready_since < self._queued_timeout_s
 
-    def submit(self, add: scheduler_pb2.AddRequest) -> asyncio.Queue:
-        """Queues the request for admission; its outputs arrive on the returned queue."""
+    def submit(self, add: scheduler_pb2.AddRequest, objectives: Objectives = NO_OBJECTIVES) -> asyncio.Queue:
+        """Queues the request; its outputs come on the returned queue. SloRefused: it would miss its TTFT."""
         if not self.accepting:
             raise SchedulerUnavailable("no replica is ready")
         now = time.monotonic()
+        # Its TTFT behind those that leave the queue first; SloRefused when that misses its objective.
+        ahead = self.admission.stats(now)[: self.admission.bucket_of(len(add.prompt_token_ids)) + 1]
+        loads = self._loads(now)
+        free = sum(self.links[t].credits.available for t in loads if t in self.links)
+        predicted = self.slo.check(objectives, loads, sum(b.waiting for b in ahead), free)
         if not self.admission.push(add.request_id, len(add.prompt_token_ids), now, add.request_id):
             raise QueueFull(f"{len(self.admission)} requests are already waiting; try again later")
         key = None
@@ -213,6 +225,7 @@ class SchedulerPool:
         if self.replicas.policy.prefix_affinity and info is not None:
             key = prefix_key(add.prompt_token_ids, self._prefix_blocks * info.block_size)
         req = _Request(add, now, asyncio.Queue(), key, prompt=tuple(add.prompt_token_ids))
+        req.objectives, req.predicted_ttft = objectives, predicted
         self._requests[add.request_id] = req
         self._pump()
         return req.queue
@@ -226,6 +239,8 @@ class SchedulerPool:
             self._report_queued()
         elif req.routed is not None and req.routed.replica in self.links:
             self.links[req.routed.replica].abort(request_id)
+        if req.routed is not None:
+            self.slo.ended(req.routed.replica, request_id, None)
 
     async def drain(self, timeout_s: float) -> None:
         """Waits up to timeout_s for the requests in flight to end; those left end with
@@ -245,16 +260,23 @@ class SchedulerPool:
         """The request ended normally: stop routing to it."""
         self._requests.pop(request_id, None)
 
+    def _loads(self, now: float) -> dict[str, ReplicaLoad]:  # the up replicas'
+        return {s.replica: s.load for s in self.replicas.stats(now) if s.up and s.load is not None}
+
     # ---- admission and the choice ----
 
     def _pump(self) -> None:
         """Sends queued requests while some replica has credit, each to the best replica with credit."""
         now = time.monotonic()
         while len(self.admission):
+            loads = self._loads(now)  # those stepping past their requests' TPOT objectives wait
             allowed = {
                 t
                 for t, link in self.links.items()
-                if link.connected and link.credits.available > 0 and self.replicas.is_up(t, now)
+                if link.connected
+                and link.credits.available > 0
+                and self.slo.takes_decode(t, loads.get(t))
+                and t in loads
             }
             if not allowed:
                 break
@@ -266,6 +288,9 @@ class SchedulerPool:
             link.credits.take()
             req.attempts += 1
             req.routed = Routed(target, len(req.add.prompt_token_ids), req.prefix_key, req.attempts)
+            req.sent_at, req.first_seen = now, False
+            self.slo.sent(target, req.add.request_id, req.objectives)
+            req.add.ttft_budget_ms = ttft_budget_ms(req.objectives, now - req.arrival)  # the scheduler's
             self.on_admit(req.add, now - req.arrival)
             link.send(req.add)
         self._report_queued()
@@ -324,8 +349,15 @@ class SchedulerPool:
             return
         req.generated.extend(out.token_ids)
         req.queue.put_nowait(out)
+        now = time.monotonic()
+        if out.token_ids and not req.first_seen:
+            req.first_seen = True
+            self.slo.first_token(link.target, now - req.sent_at)
+            if req.predicted_ttft and len(req.generated) == len(out.token_ids):  # not a resume
+                self.slo.observed_ttft(req.predicted_ttft, now - req.arrival)
         if out.finish_reason or out.error:
             self._requests.pop(out.request_id, None)
+            self.slo.ended(link.target, out.request_id, None if out.error else now - req.sent_at)
 
     def on_lost(self, link: SchedulerLink, reason: str) -> None:
         if link.target not in self.replicas:
@@ -357,6 +389,7 @@ class SchedulerPool:
             req.add = req.resumed()
             outcome = "resumed"
             self.on_resume(req.add.request_id)
+        self.slo.ended(target, req.add.request_id, None)
         req.routed = None
         self.admission.requeue(req.add.request_id, len(req.prompt), req.arrival, req.add.request_id)
         return outcome

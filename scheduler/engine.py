@@ -171,6 +171,7 @@ class Engine:
         if self.fallback is not None:
             self._observe_fallback(len(result.replies[0].token_ids))
         self._recent_steps.append(result.seconds)
+        self.scheduler.step_s = result.seconds
         self.totals.add(result, self.metrics)
         ended = [
             (u.seq.request_id, FinishReason.Name(u.seq.finish_reason).lower())

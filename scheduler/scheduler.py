@@ -20,6 +20,7 @@ from scheduler.block_manager import BlockManager, blocks_for
 from scheduler.plan import Proposer, ScheduledSeq, SchedulerOutput, SchedulerSnapshot, SequenceUpdate
 from scheduler.policy import BATCHING_MODES, SchedulingPolicy
 from scheduler.sequence import Sequence, SequenceStatus
+from scheduler.slack import admission_order
 from scheduler.swap import HostBlockPool
 
 __all__ = ["BATCHING_MODES", "Scheduler", "SchedulingPolicy"]
@@ -56,6 +57,7 @@ class Scheduler:
         # The mode in force: the policy's, unless the static fallback switched it at run time.
         self.batching = policy.batching
         self._batch_wait_since: float | None = None
+        self.step_s = 0.0  # the last step's time (the engine's): slack's prediction of a prefill
 
     # ---- requests in and out ----
 
@@ -204,10 +206,9 @@ class Scheduler:
             self._static_batch = {s.seq_id for s in list(self.waiting)[: self.policy.static_batch_size]}
 
         # Sequences whose grammar is still compiling, or choices waiting for their first choice's prompt
-        # blocks, are passed over (they hold nothing); everyone else is served first come, first served.
-        for seq in [
-            s for s in self.waiting if s.grammar_ready and not forks.waits(s, self.blocks.block_size)
-        ]:
+        # blocks, are passed over (they hold nothing); the others go by priority and slack (slack.py).
+        ready = [s for s in self.waiting if s.grammar_ready and not forks.waits(s, self.blocks.block_size)]
+        for seq in admission_order(ready, now, self.step_s, self.policy.max_num_batched_tokens):
             if budget <= 0 or len(self.running) >= self.policy.max_num_seqs:
                 break
             if static and seq.seq_id not in self._static_batch:

@@ -63,6 +63,10 @@ class Sequence:
     # The proposer's own state for this sequence (speculative decoding: its n-gram index, its recent
     # acceptance), kept here so that it goes with the sequence.
     proposer_state: Any = None
+    # vLLM's priority (lower first) and when its first token is due (monotonic; None: no TTFT objective):
+    # the waiting queue's order (scheduler/slack.py).
+    priority: int = 0
+    ttft_deadline: float | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -97,4 +101,6 @@ def from_request(msg, seq_id: int, arrival_time: float, fork_of: Sequence | None
         grammar_ready=not has_grammar,
         fork_of=fork_of,
         prompt_logprobs=msg.prompt_logprobs if msg.want_prompt_logprobs else None,
+        priority=msg.priority,
+        ttft_deadline=arrival_time + msg.ttft_budget_ms / 1000 if msg.ttft_budget_ms else None,
     )
