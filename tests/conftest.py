@@ -81,13 +81,3 @@ def smollm2_stack():
     flags += ("--tool-call-parser", "hermes")
     with launch(SMOLLM2, *flags, startup_timeout=600) as (target, info):
         yield target, info
-
-
-def pytest_collection_modifyitems(config, items):
-    """`make test` runs two pytest-xdist workers (--dist loadgroup): a module's tests stay together on one
-    worker, so its module-scoped stack starts once, and every module the session's SmolLM2 stack serves
-    goes to the same worker, so that 40-50 s start happens once. Without xdist the marks do nothing."""
-    smollm2_files = {item.nodeid.split("::")[0] for item in items if "smollm2_stack" in item.fixturenames}
-    for item in items:
-        path = item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group("smollm2" if path in smollm2_files else path))
