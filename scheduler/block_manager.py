@@ -51,6 +51,11 @@ def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
     return hashlib.sha256(parent + struct.pack(f"<{len(token_ids)}q", *token_ids)).digest()
 
 
+def lora_root(lora_name: str) -> bytes:
+    """Where a sequence's hash chain starts: nothing for the base model, its adapter's digest otherwise."""
+    return hashlib.sha256(b"lora\0" + lora_name.encode()).digest() if lora_name else b""
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         if num_blocks <= 0 or block_size <= 0:
@@ -115,7 +120,10 @@ class BlockManager:
         hashes = self._seq_hashes.setdefault(seq.seq_id, [])
         bs = self.block_size
         for i in range(len(hashes), num_full_blocks):
-            hashes.append(hash_block(hashes[-1] if hashes else b"", seq.token_ids[i * bs : (i + 1) * bs]))
+            # The chain starts from the sequence's LoRA adapter: KV computed under one adapter is never
+            # another's (nor the base model's, whose chain starts from nothing).
+            root = hashes[-1] if hashes else lora_root(seq.lora_name)
+            hashes.append(hash_block(root, seq.token_ids[i * bs : (i + 1) * bs]))
         return hashes[:num_full_blocks]
 
     def _cached_blocks_for(self, seq: Sequence, num_cached_tokens: int) -> list[int]:

@@ -31,6 +31,7 @@ from common.pb.tpserve.internal.v1 import scheduler_pb2, worker_pb2
 from common.pb.tpserve.internal.v1.scheduler_pb2 import (
     ERROR_CODE_ALREADY_EXISTS,
     ERROR_CODE_INVALID_ARGUMENT,
+    ERROR_CODE_NOT_FOUND,
     ERROR_CODE_UNAVAILABLE,
 )
 from common.pb.tpserve.v1 import generation_pb2
@@ -383,6 +384,8 @@ class Engine:
             raise RequestError(ERROR_CODE_UNAVAILABLE, "shard workers are not ready")
         if self.scheduler.has_request(msg.request_id):
             raise RequestError(ERROR_CODE_ALREADY_EXISTS, f"request_id {msg.request_id!r} is in flight")
+        if msg.lora_name and msg.lora_name not in self.config.lora_names:
+            raise RequestError(ERROR_CODE_NOT_FOUND, f"LoRA adapter {msg.lora_name!r} is not served here")
         if msg.num_output_tokens >= len(msg.prompt_token_ids):
             raise RequestError(
                 ERROR_CODE_INVALID_ARGUMENT,

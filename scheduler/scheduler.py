@@ -185,6 +185,8 @@ class Scheduler:
         prefix cache): they continue where they were. Returns the budget left."""
         while self.swapped and budget > 0 and len(self.running) < self.policy.max_num_seqs:
             seq = self.swapped[0]
+            if not self._lora_fits(seq):
+                break
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             reserve = self._watermark_blocks if self.running else 0
             if not self.blocks.can_allocate(seq, seq.num_computed_tokens + num_new, reserve):
@@ -212,6 +214,9 @@ class Scheduler:
 
         # Sequences whose grammar is still compiling, or choices waiting for their first choice's prompt
         # blocks, are passed over (they hold nothing); everyone else is served first come, first served.
+        # A sequence whose LoRA adapter would be one more than max_loras in the step is passed over too;
+        # then only base-model sequences go past it, so the running adapters drain and it comes next.
+        lora_blocked = False
         for seq in [
             s for s in self.waiting if s.grammar_ready and not forks.waits(s, self.blocks.block_size)
         ]:
@@ -219,6 +224,9 @@ class Scheduler:
                 break
             if static and seq.seq_id not in self._static_batch:
                 break
+            if seq.lora_name and (lora_blocked or not self._lora_fits(seq)):
+                lora_blocked = True
+                continue
             # A waiting sequence holds no blocks and has computed nothing: a choice forked from another
             # shares that one's computed prompt blocks; otherwise its longest cached prefix (whole blocks,
             # never its last token) is reused; only the rest is computed.
@@ -246,6 +254,13 @@ class Scheduler:
             out.admitted.append(seq)
             out.scheduled.append(self._scheduled(seq, num_new))
             budget -= num_new
+
+    def _lora_fits(self, seq: Sequence) -> bool:
+        """Whether running seq keeps the step within max_loras distinct adapters."""
+        if not seq.lora_name:
+            return True
+        running = {s.lora_name for s in self.running if s.lora_name}
+        return seq.lora_name in running or len(running) < self.policy.max_loras
 
     def _scheduled(self, seq: Sequence, num_new: int, drafts: list[int] = ()) -> ScheduledSeq:
         start = seq.num_computed_tokens

@@ -63,6 +63,7 @@ class Sequence:
     # The proposer's own state for this sequence (speculative decoding: its n-gram index, its recent
     # acceptance), kept here so that it goes with the sequence.
     proposer_state: Any = None
+    lora_name: str = ""  # the LoRA adapter it runs on; "": the base model
 
     @property
     def num_tokens(self) -> int:
@@ -97,4 +98,5 @@ def from_request(msg, seq_id: int, arrival_time: float, fork_of: Sequence | None
         grammar_ready=not has_grammar,
         fork_of=fork_of,
         prompt_logprobs=msg.prompt_logprobs if msg.want_prompt_logprobs else None,
+        lora_name=msg.lora_name,
     )

@@ -76,6 +76,7 @@ def sequence_init(msg: worker_pb2.SequenceInit) -> SequenceInit:
         stop_token_ids=tuple(msg.stop_token_ids),
         want_prompt_logprobs=msg.want_prompt_logprobs,
         prompt_logprobs=msg.prompt_logprobs,
+        lora_name=msg.lora_name,
     )
 
 
@@ -288,6 +289,7 @@ def serve(config: WorkerConfig) -> None:
         speculative_model=config.speculative_model,
         linear_dtype=None if linear is None else getattr(torch, linear),
         quantization=config.quantization,
+        lora=(config.lora_modules, config.max_lora_rank) if config.enable_lora else None,
     )
     if linear is not None:  # after the model loaded: a refusal is the only line a failed start writes
         log.info(
