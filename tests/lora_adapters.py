@@ -42,9 +42,9 @@ def set_rank_in_config(adapter_dir, rank: int) -> None:
     path.write_text(json.dumps(config))
 
 
-def hf_lora_greedy(model_dir, adapter_dir) -> dict[tuple[int, ...], list[int]]:
-    """tests/reference.py's prompts, greedy in float64 through transformers with the adapter applied by
-    peft (None: the base model)."""
+def hf_lora_greedy(model_dir, adapter_dir, lens=None) -> dict[tuple[int, ...], list[int]]:
+    """tests/reference.py's prompts (those of these lengths; None: all), greedy in float64 through
+    transformers with the adapter applied by peft (None: the base model)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -55,6 +55,8 @@ def hf_lora_greedy(model_dir, adapter_dir) -> dict[tuple[int, ...], list[int]]:
     model.generation_config.pad_token_id = 0
     out = {}
     for ids in prompts(model.config.vocab_size):
+        if lens is not None and len(ids) not in lens:
+            continue
         gen = model.generate(
             input_ids=torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False, min_new_tokens=MAX_NEW
         )
