@@ -101,6 +101,10 @@ class Frontend:
         parent: the caller's trace context (W3C traceparent), if any."""
         start = time.perf_counter()
         span = self._tracer.start_span("tpserve.Generate", context=parent, kind=SpanKind.SERVER)
+        lora = request.lora_name if request.lora_name in self.config.lora_names else ""
+        if lora:
+            self.metrics.lora_requests.labels(lora_name=lora).inc()
+            self.metrics.lora_in_flight.labels(lora_name=lora).inc()
         try:
             # Closing this generator (the caller went away) closes the inner one at once, whose cleanup
             # aborts the request, rather than leaving that to the event loop's finalizer.
@@ -113,6 +117,8 @@ class Frontend:
             raise
         finally:
             span.end()
+            if lora:
+                self.metrics.lora_in_flight.labels(lora_name=lora).dec()
 
     # ---- the path ----
 

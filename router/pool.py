@@ -212,6 +212,8 @@ class SchedulerPool:
         info = self.model_info
         if self.replicas.policy.prefix_affinity and info is not None:
             key = prefix_key(add.prompt_token_ids, self._prefix_blocks * info.block_size)
+            if key is not None and add.lora_name:  # a replica caches a prefix per adapter
+                key = f"{add.lora_name}:{key}"
         req = _Request(add, now, asyncio.Queue(), key, prompt=tuple(add.prompt_token_ids))
         self._requests[add.request_id] = req
         self._pump()

@@ -94,6 +94,12 @@ def test_adapters_and_base_in_one_batch_serve_transformers_peft_tokens(tiny_mode
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(_post(f"{http}/completions", body | {"model": "nope"}), timeout=60)
         assert e.value.code == 404 and "nope" in e.value.read().decode()
+        with urllib.request.urlopen(f"http://127.0.0.1:{info['http_port']}/metrics", timeout=10) as r:
+            metrics = r.read().decode()
+        served = 2 * len(LENS) + 1  # two rounds of the prompts, and the completion
+        assert f'tpserve_lora_requests_total{{lora_name="sql"}} {served}.0' in metrics
+        assert 'tpserve_lora_requests_in_flight{lora_name="chat"} 0.0' in metrics
+        assert "nope" not in metrics
 
 
 def _post(url: str, body: dict) -> urllib.request.Request:
