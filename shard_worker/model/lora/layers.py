@@ -113,9 +113,10 @@ class LoRALinearMethod(LinearMethod):
         batch = _batch.get()
         if batch is None:
             return y
-        flat = x.reshape(-1, x.shape[-1])
-        delta = lora_delta(flat, self.lora_a, self.lora_b, batch).to(y.dtype)
-        return y.reshape(-1, y.shape[-1]).index_add(0, batch.order, delta).reshape(y.shape)
+        delta = lora_delta(x.reshape(-1, x.shape[-1]), self.lora_a, self.lora_b, batch)
+        # In place: the base product is this call's own fresh tensor.
+        y.view(-1, y.shape[-1]).index_add_(0, batch.order, delta.to(y.dtype))
+        return y
 
 
 def stack_layer(layer, placed: list[dict[int, tuple]], max_rank: int, dtype, device):
