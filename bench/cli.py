@@ -2,6 +2,7 @@
 
 tpserve bench --target HOST:PORT [--workload chat|mixed] [--num-requests N] [--request-rate R|inf]
               [--burstiness B] [--max-concurrency C] [--seed S] [--slo-ttft-ms X] [--slo-tpot-ms Y]
+              [--goodput ttft:X tpot:Y]
               [--out FILE.json] [--ready-file F]
 """
 
@@ -71,6 +72,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--slo-ttft-ms", type=float, default=None, help="goodput counts requests with TTFT under this"
     )
     p.add_argument("--slo-tpot-ms", type=float, default=None, help="... and TPOT under this")
+    p.add_argument(
+        "--goodput",
+        nargs="+",
+        metavar="KEY:MS",
+        default=None,
+        help="`vllm bench serve --goodput`'s form of the same: ttft:MS and/or tpot:MS",
+    )
     p.add_argument("--timeout", type=float, default=None, help="deadline per request, seconds")
     p.add_argument("--name", default="tpserve", help="the run's name in the table and the JSON")
     p.add_argument(
@@ -92,6 +100,7 @@ def main(a: argparse.Namespace) -> int:
 
     try:
         spec = workload_from_args(a)
+        apply_goodput(a)
         if a.burstiness <= 0:
             raise ValueError(f"--burstiness must be > 0, got {a.burstiness}")
         pids = json.loads(Path(a.ready_file).read_text())["pids"] if a.ready_file else None
@@ -136,6 +145,18 @@ def main(a: argparse.Namespace) -> int:
         meta = {"target": a.target, "spec": dataclasses.asdict(spec), "args": _jsonable(args)}
         write_json(a.out, [run], {run["name"]: extra}, meta)
     return 0 if extra["failed"] == 0 else 1
+
+
+def apply_goodput(a: argparse.Namespace) -> None:
+    """--goodput ttft:MS tpot:MS (vLLM's) into --slo-ttft-ms / --slo-tpot-ms; ValueError for another key."""
+    for item in a.goodput or ():
+        key, _, ms = item.partition(":")
+        if key not in ("ttft", "tpot") or not ms:
+            raise ValueError(f"--goodput takes ttft:MS and tpot:MS, got {item!r}")
+        value = float(ms)
+        if not value > 0:
+            raise ValueError(f"--goodput {key} must be > 0 ms, got {ms}")
+        setattr(a, f"slo_{key}_ms", value)
 
 
 def _jsonable(d: dict) -> dict:

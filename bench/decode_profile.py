@@ -1,6 +1,6 @@
 """Where one decode step's time goes inside the worker: ModelRunner.execute on the real model, by op class.
 
-    python -m bench.decode_profile [--model models/smollm2] [--batch 1 8 32] [--context 160]
+    python -m bench.decode_profile [--model models/smollm2|x.gguf] [--batch 1 8 32] [--context 160]
                                    [--threads 2] [--steps 30] [--top] [--matmul]
 
 Builds a worker's ModelRunner (one rank, float32, flex attention), fills a KV cache, and times decode steps
@@ -10,6 +10,8 @@ matmuls (projections, MLP, LM head), attention (the compiled flex kernel), norms
 (the elementwise ops between matmuls), sampling, and everything else (indexing, step metadata).
 
 --matmul times only the step's matmuls (weights streamed from memory), float32 against bfloat16.
+--quant: float32, bf16, online int8 and fp8 linear weights (--quantization), execute() at each batch and
+teacher-forced NLL per token on fixed 256-token slices of README.md (figures: the README's table).
 --linear compares the worker's ways of holding a float32 model's linear layers (--linear-dtype dtype
 and bfloat16, model/quant/unquantized.py; each prepacked for oneDNN or not),
 in one run: execute() at each batch, alternating, and the greedy tokens float32
@@ -46,6 +48,7 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from common import gguf_model
 from common.sampling import SamplingConfig
 from shard_worker.model.config import ModelConfig
 from shard_worker.model_runner import ModelRunner
@@ -247,6 +250,54 @@ def compare_linear(a) -> None:
     )
 
 
+def compare_quant(a) -> None:
+    """--quant: execute() at each batch for float32, bfloat16 and online int8 / fp8 linear weights
+    (alternating, in one run), then teacher-forced NLL per token of each on fixed slices of README.md."""
+    from transformers import AutoTokenizer
+
+    variants = {
+        "float32": dict(linear_dtype=None),
+        "bfloat16": dict(linear_dtype=torch.bfloat16),
+        # The LM head is not quantized; in bf16, as the worker's --linear-dtype auto holds it on this CPU.
+        "int8": dict(quantization="int8", linear_dtype=torch.bfloat16),
+        "fp8": dict(quantization="fp8", linear_dtype=torch.bfloat16),
+    }
+    runners = {
+        name: ModelRunner(a.model, torch.float32, torch.device("cpu"), TensorParallel(), **kw)
+        for name, kw in variants.items()
+    }
+    per_seq = -(-a.context // BLOCK_SIZE)
+    for runner in runners.values():
+        runner.allocate_kv_cache(1 + max(a.batch) * per_seq, BLOCK_SIZE)
+        runner.warm_up(BLOCK_SIZE)
+    print(f"threads {a.threads}, context {a.context}: execute() median ms (weights MB)")
+    print(
+        "batch  " + "  ".join(f"{n:>8} ({runners[n].describe()['weight_bytes'] / 1e6:.0f})" for n in runners)
+    )
+    for b in a.batch:
+        ms = {name: [] for name in runners}
+        for _ in range(3):  # alternating, so all see the same background load
+            for name, runner in runners.items():
+                runner.allocate_kv_cache(1 + max(a.batch) * per_seq, BLOCK_SIZE)
+                ms[name].append(measure(runner, b, a.context, a.steps // 3 or 1)["execute ms"])
+        print(f"{b:5d}  " + "  ".join(f"{statistics.median(ms[n]):12.1f} ms" for n in runners), flush=True)
+    text = AutoTokenizer.from_pretrained(a.model)(Path("README.md").read_text())["input_ids"]
+    nll = {name: 0.0 for name in runners}
+    total = 0
+    for start in range(0, a.prompts * 256, 256):  # fixed 256-token slices
+        tokens = text[start : start + 256]
+        target = torch.tensor(tokens[1:])[:, None]
+        total += len(tokens) - 1
+        for name, runner in runners.items():
+            logits = _position_logits(runner, tokens)[:-1]
+            nll[name] -= float(torch.log_softmax(logits.double(), -1).gather(1, target).sum())
+    base = nll["float32"] / total
+    print(
+        f"teacher-forced NLL per token over {total} tokens of README.md: "
+        + ", ".join(f"{n} {v / total:.4f} ({100 * (v / total / base - 1):+.2f}%)" for n, v in nll.items())
+    )
+
+
 def _position_logits(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
     """Every position's logits for one sequence, prefilled in one step."""
     from shard_worker.attention import StepBatch
@@ -275,12 +326,21 @@ def main() -> None:
     p.add_argument(
         "--linear", action="store_true", help="float32 against bfloat16 linear weights: speed, tokens"
     )
-    p.add_argument("--prompts", type=int, default=16, help="--linear: greedy prompts compared")
+    p.add_argument(
+        "--quant", action="store_true", help="float32, bf16, online int8 and fp8 linear weights: speed, NLL"
+    )
+    p.add_argument(
+        "--prompts", type=int, default=16, help="--linear: greedy prompts compared (--quant: slices)"
+    )
     p.add_argument("--new-tokens", type=int, default=64, help="--linear: greedy tokens per prompt")
     a = p.parse_args()
+    a.model = gguf_model.model_dir(a.model)  # a .gguf file: served from the file (common/gguf_model.py)
     torch.set_num_threads(a.threads)
     if a.linear:
         compare_linear(a)
+        return
+    if a.quant:
+        compare_quant(a)
         return
     if a.matmul:
         config = ModelConfig.from_pretrained(a.model)

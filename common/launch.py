@@ -58,7 +58,8 @@ class LaunchConfig:
                 "--tls-client-ca makes clients present certificates, the launcher's readiness check too: "
                 "give it one with --tls-client-cert and --tls-client-key"
             )
-        if not (Path(self.model) / "config.json").is_file():
+        # A .gguf file: each process reads it (common/gguf_model.py).
+        if not self.model.endswith(".gguf") and not (Path(self.model) / "config.json").is_file():
             raise ValueError(f"--model {self.model}: no config.json there (run `make model`?)")
 
 

@@ -1,10 +1,10 @@
 """`tpserve launch`: the whole stack on one machine, as separate OS processes.
 
 Starts `--replicas` model replicas (each: one shard worker per rank and a scheduler) and one router in
-front of them, each binding a free port and
-reporting it through a file (no race over "free" ports), waits until the router's health is SERVING,
-then watches them: a child that dies takes the stack down with an error naming it; SIGINT/SIGTERM
-stop every child, router first so clients see the drain before the workers go.
+front of them, each binding a free port and reporting it through a file (no race over "free" ports),
+waits until the router's health is SERVING (logging each phase's time), then watches them: a child
+that dies takes the stack down with an error naming it; SIGINT/SIGTERM stop every child, router first
+so clients see the drain before the workers go.
 """
 
 from __future__ import annotations
@@ -34,12 +34,10 @@ PR_SET_PDEATHSIG = 1
 
 def _die_with_parent() -> None:
     """Children get SIGTERM if the launcher itself is killed, so no orphan holds a port or a GPU."""
-    try:
-        import ctypes
+    import ctypes
 
+    with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
 
 
 @dataclass
@@ -62,8 +60,7 @@ class Interrupted(Exception):
 class Stack:
     def __init__(self, config: LaunchConfig, stopping: threading.Event | None = None):
         self.config = config
-        # Set by the launcher's signal handler: every wait of the start-up ends at once.
-        self.stopping = stopping or threading.Event()
+        self.stopping = stopping or threading.Event()  # set by a signal: every start-up wait ends at once
         self.children: list[Child] = []
         self.metrics: dict[str, int] = {}  # child name -> its /metrics port
         self.http_port: int | None = None  # the router's OpenAI-compatible API, when --http-port is set
@@ -154,9 +151,8 @@ class Stack:
         dist_init = f"127.0.0.1:{free_port()}"
         workers = []
         for rank, port in enumerate(ports):
-            args = self._worker_args(replica, rank, dist_init, port)
-            port_file = Path(args[-1])
-            workers.append(self._spawn(self.worker_name(replica, rank), args, port_file, replica))
+            args = self._worker_args(replica, rank, dist_init, port)  # the port file last
+            workers.append(self._spawn(self.worker_name(replica, rank), args, Path(args[-1]), replica))
         return workers
 
     def _spawn_scheduler(self, replica: int, port: int) -> Child:
@@ -176,15 +172,17 @@ class Stack:
 
     def start(self) -> str:
         cfg = self.config
-        # The workers and the router start at once (importing torch and loading the model, and the
-        # router's imports and tokenizer, are most of the time; 7.5 s -> 3.9 s for the tiny model);
-        # each scheduler once its workers listen, on a port chosen first so that the router can be told
-        # it (it waits for the scheduler to listen). With several replicas the router starts last, so
-        # that it is SERVING with every replica connected rather than the first.
+        # The workers and the router start at once (importing torch and loading the model, and the router's
+        # imports and tokenizer, are most of the time; 7.5 s -> 3.9 s for the tiny model); each scheduler
+        # once its workers listen, on a port chosen first so that the router can be told it. With several
+        # replicas the router starts last, so that it is SERVING with every replica connected. Phases are
+        # logged with the seconds since self.started (each rank logs its own).
+        self.started = time.monotonic()
         self.scheduler_ports = [free_port() for _ in range(cfg.replicas)]
         groups = [self._spawn_workers(i, [0] * cfg.tp) for i in range(cfg.replicas)]
         router = self._spawn_router() if cfg.replicas == 1 else None
         self.worker_ports = [[self._port_of(c) for c in group] for group in groups]
+        log.info("start-up: every rank has loaded its weights, %.1fs", time.monotonic() - self.started)
         for i, port in enumerate(self.scheduler_ports):
             self._port_of(self._spawn_scheduler(i, port))
         router = router or self._spawn_router()
@@ -294,10 +292,9 @@ def launch(config: LaunchConfig) -> int:
             log.error("start-up failed: %s", e)
             return 1
         log.info(
-            "tpserve serving on %s (%d replica(s), tensor_parallel_size %d); Ctrl-C stops it",
-            target,
-            config.replicas,
-            config.tp,
+            "tpserve serving on %s (%d replica(s), tensor_parallel_size %d), SERVING %.1fs after launch; "
+            "Ctrl-C stops it",
+            *(target, config.replicas, config.tp, time.monotonic() - stack.started),
         )
         if config.ready_file:
             _write_ready_file(config.ready_file, stack, target)

@@ -10,23 +10,29 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, replace
 
-from common import metrics, security, settings, tracing
+from common import gguf_model, metrics, security, settings, tracing
 from common.security import TlsFiles
 from common.settings import above, at_least, nested, setting
 from common.tracing import TracingConfig
 from router.buckets import AdmissionPolicy
 from router.openai.tool_parsers import PARSERS as TOOL_PARSERS
 from router.replicas import RoutingPolicy
+from router.slo import SloPolicy
 
 
 @dataclass(frozen=True)
 class RouterConfig:
-    model: str = setting(help="checkpoint directory (for the tokenizer and chat template)", launch=True)
-    # The replicas: schedulers' HOST:PORT, or a NAME:PORT whose addresses are the schedulers (a
-    # Kubernetes headless Service), re-resolved every dns_interval_s. One of the two.
+    model: str = setting(
+        help="checkpoint directory (for the tokenizer and chat template), or a .gguf file", launch=True
+    )
+    tokenizer: str | None = setting(
+        None, help="with a .gguf --model: the tokenizer's directory (default: the file's own)", launch=True
+    )
     # LoRA adapters the replicas serve, each a `model` name of its own (the router needs only the names).
     enable_lora: bool = setting(False, help="serve LoRA adapters (--lora-modules)", launch=True)
     lora_modules: tuple[str, ...] = setting((), help="a LoRA adapter to serve, NAME=PATH", launch=True)
+    # The replicas: schedulers' HOST:PORT, or a NAME:PORT whose addresses are the schedulers (a
+    # Kubernetes headless Service), re-resolved every dns_interval_s. One of the two.
     schedulers: tuple[str, ...] = setting(
         (), flag="--scheduler", help="HOST:PORT of a replica's scheduler (repeatable: one per replica)"
     )
@@ -68,12 +74,6 @@ class RouterConfig:
         rule=at_least(1),
         launch=True,
     )
-    prefix_affinity_blocks: int = setting(
-        4,
-        help="the prefix --prefix-affinity compares, in KV blocks",
-        rule=at_least(1),
-        launch=True,
-    )
     replica_wait_timeout_s: float = setting(
         60.0,
         help="while no replica is up (a scheduler restarting), requests wait this long for one, then get "
@@ -109,6 +109,7 @@ class RouterConfig:
     )
     admission: AdmissionPolicy = nested(AdmissionPolicy)
     routing: RoutingPolicy = nested(RoutingPolicy)
+    slo: SloPolicy = nested(SloPolicy)
     # Keys clients must send as `authorization: Bearer <key>`; read in serve(), so never held here.
     api_key_file: str | None = setting(
         None,
@@ -129,12 +130,15 @@ class RouterConfig:
         settings.validate(self)
         if self.lora_modules and not self.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora")
+        # A .gguf file becomes a directory of its config and tokenizer (common/gguf_model.py).
+        object.__setattr__(self, "model", gguf_model.model_dir(self.model, self.tokenizer))
         if bool(self.schedulers) == bool(self.scheduler_dns):
             raise ValueError("give --scheduler (repeatable) or --scheduler-dns, not both and not neither")
         for target in (*self.schedulers, *([self.scheduler_dns] if self.scheduler_dns else [])):
             host, _, port = target.rpartition(":")
             if not host or not port.isdigit():
                 raise ValueError(f"--scheduler and --scheduler-dns take HOST:PORT, got {target!r}")
+        self.slo.check(len(self.admission.bucket_edges) + 1)
         if len(set(self.schedulers)) != len(self.schedulers):
             raise ValueError(f"--scheduler given twice for the same address: {self.schedulers}")
 

@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import time
 import uuid
+from bisect import bisect_right
 from collections.abc import AsyncIterator
 
 import grpc
@@ -23,12 +24,14 @@ from common import tracing
 from common.pb.tpserve.internal.v1 import scheduler_pb2
 from common.pb.tpserve.v1 import generation_pb2
 from common.sampling import SamplingConfig
+from router.buckets import bucket_name
 from router.chat import chat_prompt, check_chat
 from router.choices import choice_ids, choice_seed, merged
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from router.pool import SchedulerPool
 from router.scheduler_link import QueueFull, SchedulerUnavailable
+from router.slo import NO_OBJECTIVES, Objectives, SloRefused, resolve
 from router.text_stream import TextStream
 from router.tokenizer import NoChatTemplate, NoTokenizer, Tokenizer
 from router.validation import (
@@ -50,11 +53,18 @@ STATUS_BY_CODE = {code.value[0]: code for code in grpc.StatusCode}
 class RequestFailed(Exception):
     """The status a request ends with. field: the request field at fault (INVALID_ARGUMENT)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, field: str | None = None):
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        field: str | None = None,
+        retry_after_s: float | None = None,  # when a retry may succeed (a refusal for a latency objective)
+    ):
         super().__init__(message)
         self.code = code
         self.message = message
         self.field = field
+        self.retry_after_s = retry_after_s
 
 
 class Frontend:
@@ -218,10 +228,14 @@ class Frontend:
             raise RequestFailed(
                 grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is already in flight"
             )
+        objectives, bucket = self._objectives(request, len(req.prompt_token_ids))
         submitted, queues = [], []
         try:
             for i, rid in enumerate(ids):  # a full queue at choice i aborts the choices before it
-                queues.append(self._submit(self._add(req, i, rid, ids[0], span, request.lora_name)))
+                add = self._add(req, i, rid, ids[0], span, request.lora_name)
+                add.priority = objectives.priority
+                add.tpot_objective_ms = round((objectives.tpot_s or 0) * 1000)
+                queues.append(self._submit(add, objectives))
                 submitted.append(rid)
             # Built off the loop too: each decodes the prompt's tail.
             streams = [
@@ -241,7 +255,7 @@ class Frontend:
                 self.pool.abort(rid)
             raise
         choices = [
-            self._choice(req, request_id, i, rid, queues[i], streams[i], span, start)
+            self._choice(req, request_id, i, rid, queues[i], streams[i], span, start, (objectives, bucket))
             for i, rid in enumerate(ids)
         ]
         async for resp in merged(choices, prompt_logprobs=req.prompt_logprobs is not None):
@@ -270,9 +284,24 @@ class Frontend:
             lora_name=lora_name,
         )
 
-    def _submit(self, add: scheduler_pb2.AddRequest):
+    def _objectives(
+        self, request: generation_pb2.GenerateRequest, prompt_tokens: int
+    ) -> tuple[Objectives, str]:
+        """The request's objectives (its own, else its length bucket's defaults) and that bucket's name."""
+        edges = self.config.admission.bucket_edges
+        b = bisect_right(edges, prompt_tokens)
+        name = bucket_name(edges[b - 1] if b else 0, edges[b] if b < len(edges) else None)
+        ttft = request.ttft_objective_ms if request.HasField("ttft_objective_ms") else None
+        tpot = request.tpot_objective_ms if request.HasField("tpot_objective_ms") else None
+        return resolve(self.config.slo, b, ttft, tpot, request.priority), name
+
+    def _submit(self, add: scheduler_pb2.AddRequest, objectives: Objectives = NO_OBJECTIVES):
         try:
-            return self.pool.submit(add)
+            return self.pool.submit(add, objectives)
+        except SloRefused as e:
+            raise RequestFailed(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), retry_after_s=e.retry_after_s
+            ) from None
         except SchedulerUnavailable as e:
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, str(e)) from None
         except QueueFull as e:
@@ -281,7 +310,7 @@ class Frontend:
                 grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e} (the limit: --max-queued-requests {limit})"
             ) from None
 
-    async def _choice(self, req, request_id, index, rid, queue, text_stream, span, start):
+    async def _choice(self, req, request_id, index, rid, queue, text_stream, span, start, slo):
         """One choice's responses: its tokens as text, then its finish (with its own usage)."""
         decoding = self.tokenizer.decoding
         num_generated = 0
@@ -346,12 +375,28 @@ class Frontend:
                     else:
                         self.pool.done(rid)
                     self._record_finish(span, rid, req, reason, num_generated, start, first_token_at, now)
+                    self._record_slo(slo, first_token_at - start, num_generated, now - first_token_at)
                 yield resp
         finally:
             if not finished:
                 # Cancelled, disconnected or past its deadline: free its KV blocks now.
                 self.pool.abort(rid)
                 span.add_event("cancelled")
+
+    def _record_slo(
+        self, slo: tuple[Objectives, str], ttft: float, num_generated: int, decode_s: float
+    ) -> None:
+        """Met or missed, for a request with objectives: its TTFT and mean TPOT against them."""
+        objectives, bucket = slo
+        if not objectives.any:
+            return
+        tpot = decode_s / (num_generated - 1) if num_generated > 1 else 0.0
+        met = (objectives.ttft_s is None or ttft <= objectives.ttft_s) and (
+            objectives.tpot_s is None or tpot <= objectives.tpot_s
+        )
+        self.metrics.slo.labels(
+            bucket=bucket, priority=str(objectives.priority), outcome="met" if met else "missed"
+        ).inc()
 
     def _record_finish(
         self, span, request_id, req, reason, num_generated, start, first_token_at, now

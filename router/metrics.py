@@ -50,6 +50,12 @@ class _ReplicaCollector:
         ("kv_blocks_total", "The replica's KV blocks (its last report)."),
         ("pending", "Requests sent to the replica that its last report does not count yet."),
         ("report_age_seconds", "Seconds since the replica's last load report."),
+        ("cached_blocks", "KV block hashes the router's index holds for the replica (its KV events)."),
+    )
+    COUNTERS = (
+        ("routed", "Requests sent to the replica (failover resends included)."),
+        ("cache_hit_tokens", "Prompt tokens the replica's prefix cache held when routed there."),
+        ("cache_index_dropped", "Block hashes of the replica the router's index forgot for lack of room."),
     )
 
     def __init__(self, on_loop):
@@ -61,11 +67,10 @@ class _ReplicaCollector:
             name: GaugeMetricFamily(f"tpserve_router_replica_{name}", doc, labels=["replica"])
             for name, doc in self.GAUGES
         }
-        routed = CounterMetricFamily(
-            "tpserve_router_replica_routed",
-            "Requests sent to the replica (failover resends included).",
-            labels=["replica"],
-        )
+        counters = {
+            name: CounterMetricFamily(f"tpserve_router_replica_{name}", doc, labels=["replica"])
+            for name, doc in self.COUNTERS
+        }
         pool = self.pool
         stats = self.on_loop(lambda: pool.replicas.stats(time.monotonic())) if pool is not None else []
         for r in stats:
@@ -79,12 +84,15 @@ class _ReplicaCollector:
                 "kv_blocks_total": load.kv_blocks_total if load else 0,
                 "pending": r.pending,
                 "report_age_seconds": r.report_age_s if load else -1.0,
+                "cached_blocks": r.cached_blocks,
             }
             for name, value in values.items():
                 families[name].add_metric([r.replica], value)
-            routed.add_metric([r.replica], r.routed_total)
+            counters["routed"].add_metric([r.replica], r.routed_total)
+            counters["cache_hit_tokens"].add_metric([r.replica], r.cache_hit_tokens_total)
+            counters["cache_index_dropped"].add_metric([r.replica], r.index_dropped_total)
         yield from families.values()
-        yield routed
+        yield from counters.values()
 
 
 class RouterMetrics:
@@ -157,6 +165,14 @@ class RouterMetrics:
             "tpserve_requests_resumed",
             "Requests that had streamed tokens when their scheduler was lost, resumed on another (or the "
             "restarted) one where they stopped.",
+            registry=r,
+        )
+        # Goodput (router/slo.py): a request with objectives that finished counts as met when its TTFT and
+        # TPOT were within them, else missed; refused ones are in tpserve_requests_failed.
+        self.slo = Counter(
+            "tpserve_requests_slo",
+            "Finished requests with latency objectives, by length bucket, priority and outcome (met/missed).",
+            ["bucket", "priority", "outcome"],
             registry=r,
         )
         # Multi-LoRA (vLLM counts its own per adapter): labelled only by names the router serves.

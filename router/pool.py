@@ -3,8 +3,8 @@
 Requests wait in ONE length-bucketed AdmissionQueue (router/buckets.py: short first, aged ones never
 starved, a bound answered with RESOURCE_EXHAUSTED). A request is bound to a replica only when it leaves
 the queue: whenever some replica has credit, the next request is popped and ReplicaSet.choose picks among
-the replicas that have credit (router/replicas.py: most headroom, short ones to the least loaded, prefix
-affinity). So a busy replica never holds requests an idle one could start.
+the replicas that have credit (router/replicas.py: the prefix each replica caches, known exactly from its
+KV events, against its load). So a busy replica never holds requests an idle one could start.
 
 Failover and resume. A replica whose stream breaks, or whose reports stop for stale_after_s (checked every
 check_s; the scheduler reports at least every 0.5 s), is marked down and its stream dropped (the
@@ -25,58 +25,26 @@ Which replicas exist is router/membership.py's to say; GetStats across them is r
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from common import security
+from common.kv_events import KvEvents
 from common.load import ReplicaLoad
 from common.pb.tpserve.internal.v1 import scheduler_pb2
 from common.pb.tpserve.internal.v1.scheduler_pb2 import ERROR_CODE_UNAVAILABLE
 from common.pb.tpserve.v1 import generation_pb2
 from common.pb.tpserve.v1.generation_pb2 import FINISH_REASON_ABORTED
 from router.buckets import AdmissionQueue
+from router.in_flight import InFlight
 from router.membership import Membership, Resolver, resolve_dns
 from router.replicas import ReplicaSet, Routed, RoutingPolicy
 from router.scheduler_link import QueueFull, SchedulerLink, SchedulerUnavailable
+from router.slo import NO_OBJECTIVES, Objectives, SloEstimator, ttft_budget_ms
 from router.stats import gather_stats
 
 log = logging.getLogger("tpserve.router")
-
-
-def prefix_key(prompt: list[int], num_tokens: int) -> str | None:
-    """Identifies a prompt's first num_tokens tokens (whole KV blocks, so the scheduler's prefix cache
-    can hit); None for shorter prompts."""
-    if len(prompt) < num_tokens:
-        return None
-    data = b"".join(t.to_bytes(4, "little") for t in prompt[:num_tokens])
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
-
-
-@dataclass
-class _Request:
-    add: scheduler_pb2.AddRequest
-    arrival: float  # time.monotonic() at the router: kept through failover, so its queue age is true
-    queue: asyncio.Queue  # the servicer's: RequestOutputs, then the end
-    prefix_key: str | None
-    routed: Routed | None = None  # where it runs; None while it waits in the admission queue
-    attempts: int = 0  # replicas it was sent to
-    prompt: tuple[int, ...] = ()  # the client's prompt
-    generated: list[int] = field(default_factory=list)  # every token the client has been sent
-
-    def resumed(self) -> scheduler_pb2.AddRequest:
-        """The request as it goes to its next scheduler: the prompt plus what it already generated."""
-        add = scheduler_pb2.AddRequest()
-        add.CopyFrom(self.add)
-        del add.prompt_token_ids[:]
-        add.prompt_token_ids.extend(self.prompt)
-        add.prompt_token_ids.extend(self.generated)
-        add.num_output_tokens = len(self.generated)
-        if self.generated:  # the client has its prompt logprobs already (they come before any token)
-            add.want_prompt_logprobs = False
-        return add
 
 
 class SchedulerPool:
@@ -90,13 +58,14 @@ class SchedulerPool:
         dns: str | None = None,  # NAME:PORT, re-resolved every dns_interval_s
         resolver: Resolver = resolve_dns,
         dns_interval_s: float = 5.0,
-        prefix_blocks: int = 4,  # --prefix-affinity: the key covers this many KV blocks of the prompt
         retry_s: float = 0.5,
         check_s: float = 0.5,
         replica_wait_timeout_s: float = 60.0,
         tls: security.TlsFiles | None = None,
+        slo: SloEstimator | None = None,
     ):
         self.admission = admission
+        self.slo = slo or SloEstimator()  # latency objectives: the admission estimate, decode gating
         self.replicas = ReplicaSet(policy)
         self.on_ready = on_ready
         self.on_admit = lambda add, waited_s: None  # the servicer's metrics hook
@@ -110,12 +79,11 @@ class SchedulerPool:
             resolver=resolver,
             interval_s=dns_interval_s,
         )
-        self._prefix_blocks = prefix_blocks
         self._retry_s = retry_s
         self._check_s = check_s
         self._tls = tls
         self.links: dict[str, SchedulerLink] = {}
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, InFlight] = {}
         self._ready = False
         # While no replica is ready, queued requests wait this long (like the schedulers' own recovery
         # timeout) and then get UNAVAILABLE: every accepted request ends, even if no replica returns.
@@ -201,20 +169,20 @@ class SchedulerPool:
             return False
         return time.monotonic() - self._unready_since < self._queued_timeout_s
 
-    def submit(self, add: scheduler_pb2.AddRequest) -> asyncio.Queue:
-        """Queues the request for admission; its outputs arrive on the returned queue."""
+    def submit(self, add: scheduler_pb2.AddRequest, objectives: Objectives = NO_OBJECTIVES) -> asyncio.Queue:
+        """Queues the request; its outputs come on the returned queue. SloRefused: it would miss its TTFT."""
         if not self.accepting:
             raise SchedulerUnavailable("no replica is ready")
         now = time.monotonic()
+        # Its TTFT behind those that leave the queue first; SloRefused when that misses its objective.
+        ahead = self.admission.stats(now)[: self.admission.bucket_of(len(add.prompt_token_ids)) + 1]
+        loads = self._loads(now)
+        free = sum(self.links[t].credits.available for t in loads if t in self.links)
+        predicted = self.slo.check(objectives, loads, sum(b.waiting for b in ahead), free)
         if not self.admission.push(add.request_id, len(add.prompt_token_ids), now, add.request_id):
             raise QueueFull(f"{len(self.admission)} requests are already waiting; try again later")
-        key = None
-        info = self.model_info
-        if self.replicas.policy.prefix_affinity and info is not None:
-            key = prefix_key(add.prompt_token_ids, self._prefix_blocks * info.block_size)
-            if key is not None and add.lora_name:  # a replica caches a prefix per adapter
-                key = f"{add.lora_name}:{key}"
-        req = _Request(add, now, asyncio.Queue(), key, prompt=tuple(add.prompt_token_ids))
+        req = InFlight(add, now, asyncio.Queue(), prompt=tuple(add.prompt_token_ids))
+        req.objectives, req.predicted_ttft = objectives, predicted
         self._requests[add.request_id] = req
         self._pump()
         return req.queue
@@ -228,6 +196,8 @@ class SchedulerPool:
             self._report_queued()
         elif req.routed is not None and req.routed.replica in self.links:
             self.links[req.routed.replica].abort(request_id)
+        if req.routed is not None:
+            self.slo.ended(req.routed.replica, request_id, None)
 
     async def drain(self, timeout_s: float) -> None:
         """Waits up to timeout_s for the requests in flight to end; those left end with
@@ -247,27 +217,42 @@ class SchedulerPool:
         """The request ended normally: stop routing to it."""
         self._requests.pop(request_id, None)
 
+    def _loads(self, now: float) -> dict[str, ReplicaLoad]:  # the up replicas'
+        return {s.replica: s.load for s in self.replicas.stats(now) if s.up and s.load is not None}
+
     # ---- admission and the choice ----
 
     def _pump(self) -> None:
         """Sends queued requests while some replica has credit, each to the best replica with credit."""
         now = time.monotonic()
         while len(self.admission):
+            loads = self._loads(now)  # those stepping past their requests' TPOT objectives wait
             allowed = {
                 t
                 for t, link in self.links.items()
-                if link.connected and link.credits.available > 0 and self.replicas.is_up(t, now)
+                if link.connected
+                and link.credits.available > 0
+                and self.slo.takes_decode(t, loads.get(t))
+                and t in loads
             }
             if not allowed:
                 break
             req = self._requests[self.admission.pop(now)]
+            hashes, block_size = [], 16
+            info = self.model_info
+            if self.replicas.policy.routing_policy == "cache_aware" and info is not None:
+                block_size = info.block_size
+                hashes = req.block_hashes(block_size)
             target = self.replicas.choose(
-                len(req.add.prompt_token_ids), req.prefix_key, now=now, allowed=allowed
+                len(req.add.prompt_token_ids), hashes, now=now, allowed=allowed, block_size=block_size
             )
             link = self.links[target]
             link.credits.take()
             req.attempts += 1
-            req.routed = Routed(target, len(req.add.prompt_token_ids), req.prefix_key, req.attempts)
+            req.routed = Routed(target, len(req.add.prompt_token_ids), req.attempts)
+            req.sent_at, req.first_seen = now, False
+            self.slo.sent(target, req.add.request_id, req.objectives)
+            req.add.ttft_budget_ms = ttft_budget_ms(req.objectives, now - req.arrival)  # the scheduler's
             self.on_admit(req.add, now - req.arrival)
             link.send(req.add)
         self._report_queued()
@@ -312,6 +297,10 @@ class SchedulerPool:
             self._update_health()
             self._pump()
 
+    def on_kv_events(self, link: SchedulerLink, msg: scheduler_pb2.KvEvents) -> None:
+        if link.target in self.replicas:
+            self.replicas.kv_events(link.target, KvEvents.from_message(msg))
+
     def on_credit(self, link: SchedulerLink) -> None:
         self._pump()
 
@@ -326,8 +315,15 @@ class SchedulerPool:
             return
         req.generated.extend(out.token_ids)
         req.queue.put_nowait(out)
+        now = time.monotonic()
+        if out.token_ids and not req.first_seen:
+            req.first_seen = True
+            self.slo.first_token(link.target, now - req.sent_at)
+            if req.predicted_ttft and len(req.generated) == len(out.token_ids):  # not a resume
+                self.slo.observed_ttft(req.predicted_ttft, now - req.arrival)
         if out.finish_reason or out.error:
             self._requests.pop(out.request_id, None)
+            self.slo.ended(link.target, out.request_id, None if out.error else now - req.sent_at)
 
     def on_lost(self, link: SchedulerLink, reason: str) -> None:
         if link.target not in self.replicas:
@@ -338,7 +334,7 @@ class SchedulerPool:
 
     # ---- failover ----
 
-    def _move(self, req: _Request, target: str, reason: str) -> str:
+    def _move(self, req: InFlight, target: str, reason: str) -> str:
         """Takes a request off a replica that lost it: back in the queue (resumed where it stopped if it
         had streamed tokens) while it has attempts left, else it ends with UNAVAILABLE. Returns what
         happened: "resent", "resumed" or "failed"."""
@@ -359,6 +355,7 @@ class SchedulerPool:
             req.add = req.resumed()
             outcome = "resumed"
             self.on_resume(req.add.request_id)
+        self.slo.ended(target, req.add.request_id, None)
         req.routed = None
         self.admission.requeue(req.add.request_id, len(req.prompt), req.arrival, req.add.request_id)
         return outcome

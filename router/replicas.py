@@ -1,4 +1,4 @@
-"""Which model replica a request goes to: load-aware routing, prefix affinity, marking down and up.
+"""Which model replica a request goes to: by what each has cached and by load; marking down and up.
 
 The router holds one link per replica (one scheduler and its shard workers). Each scheduler reports its
 load on its stream (`ReplicaLoad`, common/load.py); `ReplicaSet` keeps the last report of each and picks
@@ -29,24 +29,42 @@ and their score is `1 - (running + waiting + swapped + pending) / max_num_seqs -
 slow_step_s`, which ignores KV. It equals the headroom above whenever KV is not the scarcer resource.
 Long requests use the headroom, because they need KV and a replica short of it would preempt for them.
 
+Cache-aware (--routing-policy cache_aware, the default): each replica's KV events keep the router's
+index of the block hashes it caches (router/cache_index.py), and a request's score there is its load
+score plus
+
+    cache_weight * cached_tokens / prompt_tokens
+
+where cached_tokens are the tokens of the prompt's longest prefix the replica holds (whole blocks, never
+the last token, the scheduler's own rule; none for a request that wants prompt logprobs, which the
+scheduler never serves from the cache). A full hit is worth cache_weight of a replica's capacity
+(0.5: half of max_num_seqs more sequences ahead, or half its KV): the prefill it saves against the
+queueing it costs, so a request goes where its prefix is unless that replica is that much busier.
+least_loaded is the load score alone; round_robin ignores load (and the cache) and takes the replicas
+in turn.
+
 Ties (within 1e-9) go round-robin in replica-id order, and every choice adds one to the chosen replica's
 `pending` until its next report, so a burst that arrives before any report changes spreads over the
 replicas (in proportion to their capacity) instead of landing on the one that looked best.
 
-Integration: the link feeds `report` with every load report and `mark_down` when its stream breaks; a
-timer calls `expire`; the router calls `choose` per request and, when a replica fails, `may_resend` for
-each request it had (queue it again, resumed where it stopped, while it has attempts left).
+Integration: the link feeds `report` with every load report, `kv_events` with every batch of KV events and
+`mark_down` when its stream breaks (the replica's index is dropped with it); a timer calls `expire`; the
+router calls `choose` per request and, when a replica fails, `may_resend` for each request it had (queue it
+again, resumed where it stopped, while it has attempts left).
 """
 
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
-from collections.abc import Collection, Hashable, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
+from common.kv_events import KvEvents
 from common.load import ReplicaLoad
 from common.settings import setting
+from router.cache_index import CacheIndex
+
+ROUTING_POLICIES = ("cache_aware", "least_loaded", "round_robin")
 
 _TIE = 1e-9
 
@@ -79,18 +97,27 @@ class RoutingPolicy:
         launch=True,
     )
     slow_step_s: float = 1.0  # a replica whose recent step takes this long counts as full
-    prefix_affinity: bool = setting(
-        False,
-        help="send requests sharing a prompt prefix to the replica that served it (its prefix cache)",
+    routing_policy: str = setting(
+        "cache_aware",
+        help="how a replica is chosen: cache_aware (the prefix each replica holds, from its KV events, "
+        "against its load), least_loaded, or round_robin",
+        choices=ROUTING_POLICIES,
         launch=True,
     )
-    # Stay on the replica that served a prefix unless its load (1 - headroom) exceeds
-    # affinity_factor * the best replica's load + affinity_slack. The slack keeps affinity when the best
-    # is idle and the affine one only lightly used (a pure ratio would move off 0.05 vs 0.0); the factor
-    # lets it grow with load, where queueing costs more than the prefill a cache hit saves.
-    affinity_factor: float = 2.0
-    affinity_slack: float = 0.25
-    affinity_capacity: int = 10_000  # prefixes remembered (least recently used dropped first)
+    cache_weight: float = setting(
+        0.5,
+        flag="--routing-cache-weight",
+        help="cache_aware: what a request whose whole prompt is cached on a replica is worth there, in "
+        "shares of that replica's capacity (its load score is 1.0 idle, 0.0 full)",
+        launch=True,
+    )
+    cache_index_blocks: int = setting(
+        1 << 20,
+        flag="--routing-cache-index-blocks",
+        help="cache_aware: block hashes the router keeps per replica (about 100 bytes each); past it the "
+        "oldest are forgotten and counted",
+        launch=True,
+    )
     max_attempts: int = setting(
         3,
         flag="--max-request-attempts",
@@ -113,14 +140,13 @@ class RoutingPolicy:
                 raise ValueError(f"{name} must be a finite number {bound}, got {v!r}")
 
         positive_int("short_edge")
-        positive_int("affinity_capacity")
+        positive_int("cache_index_blocks")
         positive_int("max_attempts")
         positive_finite("stale_after_s")
         positive_finite("slow_step_s")
-        positive_finite("affinity_slack", minimum_inclusive=True)
-        positive_finite("affinity_factor")
-        if self.affinity_factor < 1:
-            raise ValueError(f"affinity_factor must be >= 1, got {self.affinity_factor!r}")
+        positive_finite("cache_weight", minimum_inclusive=True)
+        if self.routing_policy not in ROUTING_POLICIES:
+            raise ValueError(f"routing_policy must be one of {ROUTING_POLICIES}, got {self.routing_policy!r}")
 
 
 @dataclass(frozen=True)
@@ -135,6 +161,9 @@ class ReplicaStats:
     pending: int  # requests sent since that report that it does not count yet
     headroom: float  # the long-request score now; -inf when down
     routed_total: int  # requests routed to it since it was added (failover resends included)
+    cache_hit_tokens_total: int = 0  # of the prompts routed to it, tokens its cache held when chosen
+    cached_blocks: int = 0  # block hashes the router's index holds for it
+    index_dropped_total: int = 0  # hashes the index forgot for lack of room (cache_index_blocks)
 
 
 @dataclass
@@ -146,6 +175,8 @@ class _Replica:
     # ready is not a lost stream: the scheduler keeps its requests and recomputes them when they return.
     lost: str | None = "no report yet"
     routed_total: int = 0
+    index: CacheIndex | None = None  # what its prefix cache holds (its KV events)
+    cache_hit_tokens_total: int = 0
 
 
 @dataclass
@@ -154,7 +185,6 @@ class Routed:
 
     replica: str
     prompt_tokens: int
-    prefix_key: Hashable | None = None
     attempts: int = 1  # replicas it has been sent to
 
 
@@ -168,10 +198,7 @@ class ReplicaSet:
     def __init__(self, policy: RoutingPolicy = RoutingPolicy(), replicas: Iterable[str] = ()):
         self.policy = policy
         self._replicas: dict[str, _Replica] = {}
-        self._affinity: OrderedDict[Hashable, str] = OrderedDict()  # prefix key -> replica, LRU order
         self._last_choice: str | None = None  # the round-robin cursor among tied replicas
-        self.affinity_hits = 0  # requests sent to the replica that served their prefix
-        self.affinity_moves = 0  # prefixes moved because their replica was down or much busier
         for r in replicas:
             self.add(r)
 
@@ -179,10 +206,10 @@ class ReplicaSet:
 
     def add(self, replica: str) -> None:
         """A new replica: down until its first ready report. Adding a known one changes nothing."""
-        self._replicas.setdefault(replica, _Replica())
+        self._replicas.setdefault(replica, _Replica(index=CacheIndex(self.policy.cache_index_blocks)))
 
     def remove(self, replica: str) -> None:
-        """Forgets a replica (gone from DNS). Prefixes that pointed to it move on their next request."""
+        """Forgets a replica (gone from DNS), its cache index with it."""
         self._replicas.pop(replica, None)
         if self._last_choice == replica:
             self._last_choice = None
@@ -210,12 +237,25 @@ class ReplicaSet:
             raise ValueError(f"in_transit must be an integer >= 0, got {in_transit!r}")
         r.load, r.reported_at, r.pending, r.lost = load, now, in_transit, None
 
+    def kv_events(self, replica: str, events: KvEvents) -> None:
+        """A batch of the replica's prefix-cache events (a snapshot first thing on each stream)."""
+        r = self._replicas.get(replica)
+        if r is not None:
+            r.index.apply(events)
+
+    def cached_hashes(self, replica: str) -> set[bytes]:
+        """The hashes the router believes replica caches."""
+        return self._replicas[replica].index.hashes()
+
     def mark_down(self, replica: str, now: float, reason: str = "stream broke") -> None:
-        """The replica's stream broke (or the link gave up on it): down until its next ready report."""
+        """The replica's stream broke (or the link gave up on it): down until its next ready report. Its
+        cache index is dropped: it may have restarted empty, and its next stream starts with a
+        snapshot."""
         r = self._replicas.get(replica)
         if r is not None:
             r.lost = reason
             r.pending = 0  # the scheduler dropped this router's requests with the stream
+            r.index.clear()
 
     def expire(self, now: float) -> list[str]:
         """Marks down every replica still connected (up, or waiting for its shards) whose last report is
@@ -257,37 +297,44 @@ class ReplicaSet:
     def choose(
         self,
         prompt_tokens: int,
-        prefix_key: Hashable | None = None,
+        block_hashes: Sequence[bytes] = (),
         *,
         now: float,
         allowed: Collection[str] | None = None,
+        block_size: int = 16,
     ) -> str | None:
         """The replica for a new request, or None when none is up (the router answers UNAVAILABLE).
 
-        prefix_key: with prefix_affinity on, identifies the prompt's prefix (the caller hashes the first
-        N tokens, N a multiple of the KV block size so the scheduler's prefix cache can hit; None for
-        prompts shorter than N). allowed: consider only these replicas (e.g. those with admission credit
-        when the router binds requests to replicas as credit arrives, or all but the one that failed).
+        block_hashes: the chained hashes of the prompt's blocks that a prefix cache may serve
+        (common/block_hash.py: whole blocks, never the last token; empty when none may, e.g. prompt
+        logprobs), of block_size tokens each. allowed: consider only these replicas (e.g. those with
+        admission credit, or all but the one that failed).
 
         The chosen replica's pending count goes up by one until its next report.
         """
         cands = [rid for rid in self.ids() if self.is_up(rid, now) and (allowed is None or rid in allowed)]
         if not cands:
             return None
-        score = slot_headroom if prompt_tokens < self.policy.short_edge else headroom
-        scores = {
-            rid: score(self._replicas[rid].load, self._replicas[rid].pending, self.policy.slow_step_s)
-            for rid in cands
-        }
-        best = self._best(cands, scores)
-        chosen = best
-        if self.policy.prefix_affinity and prefix_key is not None:
-            chosen = self._affine(prefix_key, best, scores)
-        if chosen == best:
-            self._last_choice = best  # affinity does not move the round-robin cursor
+        p = self.policy
+        hits = dict.fromkeys(cands, 0)
+        if p.routing_policy == "round_robin":
+            scores = dict.fromkeys(cands, 0.0)
+        else:
+            score = slot_headroom if prompt_tokens < p.short_edge else headroom
+            scores = {
+                rid: score(self._replicas[rid].load, self._replicas[rid].pending, p.slow_step_s)
+                for rid in cands
+            }
+        if p.routing_policy == "cache_aware" and block_hashes and prompt_tokens > 0:
+            for rid in cands:
+                hits[rid] = self._replicas[rid].index.matched_blocks(block_hashes) * block_size
+                scores[rid] += p.cache_weight * hits[rid] / prompt_tokens
+        chosen = self._best(cands, scores)
+        self._last_choice = chosen
         r = self._replicas[chosen]
         r.pending += 1
         r.routed_total += 1
+        r.cache_hit_tokens_total += hits[chosen]
         return chosen
 
     def _best(self, cands: list[str], scores: dict[str, float]) -> str:
@@ -299,27 +346,6 @@ class ReplicaSet:
                 if rid > self._last_choice:
                     return rid
         return tied[0]
-
-    def _affine(self, key: Hashable, best: str, scores: dict[str, float]) -> str:
-        """The replica that last served key unless it is unavailable or much busier than best; records
-        the result as key's replica (most recently used)."""
-        p = self.policy
-        prev = self._affinity.get(key)
-        chosen = best
-        if prev is not None and prev in scores:
-            load_prev, load_best = 1.0 - scores[prev], 1.0 - scores[best]
-            if load_prev <= p.affinity_factor * load_best + p.affinity_slack:
-                chosen = prev
-        if prev is not None:
-            if chosen == prev:
-                self.affinity_hits += 1
-            else:
-                self.affinity_moves += 1
-        self._affinity[key] = chosen
-        self._affinity.move_to_end(key)
-        while len(self._affinity) > p.affinity_capacity:
-            self._affinity.popitem(last=False)
-        return chosen
 
     # Failover.
 
@@ -340,6 +366,18 @@ class ReplicaSet:
             up = reason == ""
             h = headroom(r.load, r.pending, self.policy.slow_step_s) if up and r.load else -math.inf
             out.append(
-                ReplicaStats(rid, up, reason, now - r.reported_at, r.load, r.pending, h, r.routed_total)
+                ReplicaStats(
+                    rid,
+                    up,
+                    reason,
+                    now - r.reported_at,
+                    r.load,
+                    r.pending,
+                    h,
+                    r.routed_total,
+                    r.cache_hit_tokens_total,
+                    len(r.index),
+                    r.index.dropped,
+                )
             )
         return out

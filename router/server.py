@@ -25,6 +25,7 @@ from router.grpc_api import GenerationServicer
 from router.metrics import RouterMetrics
 from router.openai.server import OpenAIServer
 from router.pool import SchedulerPool
+from router.slo import SloEstimator
 from router.tokenizer import Tokenizer
 
 log = logging.getLogger("tpserve.router")
@@ -83,10 +84,10 @@ async def serve(config: RouterConfig) -> None:
         schedulers=config.schedulers,
         dns=config.scheduler_dns,
         dns_interval_s=config.dns_interval_s,
-        prefix_blocks=config.prefix_affinity_blocks,
         retry_s=config.scheduler_retry_s,
         replica_wait_timeout_s=config.replica_wait_timeout_s,
         tls=config.internal_tls,
+        slo=SloEstimator(config.slo),
     )
     router_metrics.watch_replicas(pool)
     pool.on_admit = lambda add, waited_s: router_metrics.queue_time.observe(waited_s)

@@ -83,6 +83,9 @@ async def gather_stats(
             pending=r.pending,
             headroom=r.headroom if r.up else 0.0,
             stats_answered=s is not None,
+            cache_hit_tokens_total=r.cache_hit_tokens_total,
+            cached_blocks=r.cached_blocks,
+            cache_index_dropped_total=r.index_dropped_total,
         )
         if s is not None:
             for name in _PER_REPLICA:

@@ -3,13 +3,16 @@
 Plain Python: the workers hold the tensors; this decides which block a token's key and value go to.
 
 Automatic prefix caching (enable_prefix_caching=True): a block whose block_size tokens are all computed is
-registered under a hash chained over its parent block's hash and its own tokens, so the hash names the
-whole prefix up to and including the block. A sequence being admitted reuses the registered blocks of its
-longest cached prefix instead of computing them again. Blocks are reference-counted: a block held by any
-sequence is never evicted nor handed out for other content. When its count drops to 0 a registered block
-stays cached and evictable; a fresh block is taken first from blocks that hold nothing reusable, then by
-evicting the least recently freed cached block (of those freed together, a sequence's tail before its head,
-because the head is the part other requests are likelier to share).
+registered under a hash chained over its parent block's hash, its own tokens and the sequence's LoRA adapter
+(common/block_hash.py, the one the router hashes prompts with), so the hash names the whole prefix up to and
+including the block (under that adapter). Each
+block registered and each cached block evicted goes into `events` (common/kv_events.py), which the engine
+sends to the routers once per step: their index of what this replica holds. A sequence being admitted reuses
+the registered blocks of its longest cached prefix instead of computing them again. Blocks are reference-
+counted: a block held by any sequence is never evicted nor handed out for other content. When its count
+drops to 0 a registered block stays cached and evictable; a fresh block is taken first from blocks that hold
+nothing reusable, then by evicting the least recently freed cached block (of those freed together, a
+sequence's tail before its head, because the head is the part other requests are likelier to share).
 
 How the scheduler drives it:
 - admission (a waiting sequence, which holds no blocks):
@@ -28,32 +31,16 @@ With caching off, match_prefix returns 0 and register_full_blocks does nothing, 
 
 from __future__ import annotations
 
-import hashlib
 import heapq
-import struct
 from collections import OrderedDict
 
+from common.block_hash import adapter_extra, block_hashes, matchable_blocks
+from common.kv_events import KvEventLog
 from scheduler.sequence import Sequence
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
-
-
-def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
-    """The key of a full block: SHA-256 over the parent block's key and this block's tokens.
-
-    Cryptographic rather than Python's hash(): a collision would hand a request another prompt's KV and
-    silently change its output, and hash() of ints is trivially invertible (ints hash to themselves), so a
-    client could craft one on purpose. SHA-256 collisions are not a practical concern, so a hit needs no
-    token comparison. The first block's parent is b"". Tokens are packed as little-endian int64 so the key
-    does not depend on the platform."""
-    return hashlib.sha256(parent + struct.pack(f"<{len(token_ids)}q", *token_ids)).digest()
-
-
-def lora_root(lora_name: str) -> bytes:
-    """Where a sequence's hash chain starts: nothing for the base model, its adapter's digest otherwise."""
-    return hashlib.sha256(b"lora\0" + lora_name.encode()).digest() if lora_name else b""
 
 
 class BlockManager:
@@ -81,6 +68,9 @@ class BlockManager:
         # Metrics: tokens looked up at admission, and how many of them were found cached.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # Hashes stored in and evicted from the prefix cache since the engine last took them; a new
+        # pool starts with a reset (routers forget what the replica held before).
+        self.events = KvEventLog()
 
     @property
     def num_free_blocks(self) -> int:
@@ -90,6 +80,10 @@ class BlockManager:
     @property
     def num_cached_blocks(self) -> int:
         return len(self._cached)
+
+    def cached_hashes(self) -> list[bytes]:
+        """Every hash the prefix cache holds (a router's snapshot)."""
+        return list(self._cached)
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """Extra blocks seq needs so that its first num_tokens tokens have a slot."""
@@ -107,7 +101,7 @@ class BlockManager:
         return len(self._matched_blocks(seq)) * self.block_size
 
     def _matched_blocks(self, seq: Sequence) -> list[int]:
-        max_blocks = (seq.num_tokens - 1) // self.block_size
+        max_blocks = matchable_blocks(seq.num_tokens, self.block_size)
         matched = []
         for h in self._hashes(seq, max_blocks):
             block = self._cached.get(h)
@@ -117,14 +111,14 @@ class BlockManager:
         return matched
 
     def _hashes(self, seq: Sequence, num_full_blocks: int) -> list[bytes]:
-        hashes = self._seq_hashes.setdefault(seq.seq_id, [])
-        bs = self.block_size
-        for i in range(len(hashes), num_full_blocks):
-            # The chain starts from the sequence's LoRA adapter: KV computed under one adapter is never
-            # another's (nor the base model's, whose chain starts from nothing).
-            root = hashes[-1] if hashes else lora_root(seq.lora_name)
-            hashes.append(hash_block(root, seq.token_ids[i * bs : (i + 1) * bs]))
-        return hashes[:num_full_blocks]
+        known = self._seq_hashes.get(seq.seq_id, [])
+        if len(known) < num_full_blocks:
+            # The adapter is every block's extra key: KV computed under one LoRA adapter is never another's
+            # (nor the base model's, whose extra is empty).
+            extra = adapter_extra(seq.lora_name)
+            known = block_hashes(seq.token_ids, self.block_size, num_full_blocks, extra, known)
+            self._seq_hashes[seq.seq_id] = known
+        return known[:num_full_blocks]
 
     def _cached_blocks_for(self, seq: Sequence, num_cached_tokens: int) -> list[int]:
         """The blocks behind the scheduler's claim that num_cached_tokens of seq are cached."""
@@ -162,6 +156,7 @@ class BlockManager:
             if self._block_hash[block] is None and h not in self._cached:
                 self._block_hash[block] = h
                 self._cached[h] = block
+                self.events.stored(h)
         self._seq_registered[seq.seq_id] = num_full
 
     # ---- allocation ----
@@ -228,6 +223,7 @@ class BlockManager:
         else:
             block, _ = self._evictable.popitem(last=False)
             del self._cached[self._block_hash[block]]
+            self.events.removed(self._block_hash[block])
             self._block_hash[block] = None
         self._ref_count[block] = 1
         return block

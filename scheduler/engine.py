@@ -7,14 +7,12 @@ publish what the step did.
         updates = self.scheduler.update(out, sampled_tokens(out, replies[0]))
         self._publish(StepResult(...))        # routers, traces, metrics, the static fallback, totals
 
-Every request ends through `_end`, whatever the reason (finished, aborted, failed, expired): its last
-output goes to its router, then its span ends and its router's credit comes back. Everything the loop
-touches runs on one asyncio loop, so there are no locks. The ranks sit behind a small interface
-(workers.py's WorkerGroup: connect, step, close, and a `lost` event for a stream that ends while the
-loop is idle), so the engine can be driven by a fake group in unit tests. The jobs around the loop have
-their own modules: the capacity the ranks agree on (capacity.py), the routers' streams with credit and
-load (router_streams.py), the traces (spans.py), the metrics (metrics.py), what the replica reports
-(reports.py).
+Every request ends through `_end`, whatever the reason: its last output goes to its router, then its
+span ends and its router's credit comes back. Everything runs on one asyncio loop: no locks. The ranks
+sit behind a small interface (workers.py's WorkerGroup: connect, step, close, and a `lost` event), so a
+fake group drives the engine in unit tests. Around the loop: the capacity the ranks agree on
+(capacity.py), the routers' streams with credit, load and KV events (router_streams.py), traces
+(spans.py), metrics (metrics.py), what the replica reports (reports.py).
 """
 
 from __future__ import annotations
@@ -28,13 +26,9 @@ from collections import deque
 from common import tracing
 from common.load import ReplicaLoad
 from common.pb.tpserve.internal.v1 import scheduler_pb2, worker_pb2
-from common.pb.tpserve.internal.v1.scheduler_pb2 import (
-    ERROR_CODE_ALREADY_EXISTS,
-    ERROR_CODE_INVALID_ARGUMENT,
-    ERROR_CODE_NOT_FOUND,
-    ERROR_CODE_UNAVAILABLE,
-)
+from common.pb.tpserve.internal.v1.scheduler_pb2 import ERROR_CODE_INVALID_ARGUMENT, ERROR_CODE_UNAVAILABLE
 from common.pb.tpserve.v1 import generation_pb2
+from scheduler.add_request import RequestError, sequence_for
 from scheduler.batch import StepBuilder
 from scheduler.block_manager import BlockManager
 from scheduler.config import SchedulerConfig
@@ -44,7 +38,7 @@ from scheduler.plan import SchedulerOutput, SchedulerSnapshot, split_sampled
 from scheduler.reports import StepResult, StepTotals, load_report, stats, step_outputs
 from scheduler.router_streams import LOAD_REPORT_INTERVAL_S, RouterStream, RouterStreams
 from scheduler.scheduler import Scheduler
-from scheduler.sequence import FinishReason, Sequence, from_request
+from scheduler.sequence import FinishReason
 from scheduler.spans import RequestSpans
 from scheduler.speculation import Speculator
 from scheduler.swap import HostBlockPool
@@ -54,14 +48,6 @@ log = logging.getLogger("tpserve.scheduler")
 
 # How long a scheduler whose ranks came back unfit to serve waits before it asks them again.
 UNFIT_RETRY_S = 5.0
-
-
-class RequestError(Exception):
-    """A request this scheduler refuses; travels back to the router as its RequestOutput's error."""
-
-    def __init__(self, code: int, message: str):
-        super().__init__(message)
-        self.code = code  # a scheduler_pb2.ErrorCode
 
 
 class Engine:
@@ -172,6 +158,7 @@ class Engine:
         if self.fallback is not None:
             self._observe_fallback(len(result.replies[0].token_ids))
         self._recent_steps.append(result.seconds)
+        self.scheduler.step_s = result.seconds
         self.totals.add(result, self.metrics)
         ended = [
             (u.seq.request_id, FinishReason.Name(u.seq.finish_reason).lower())
@@ -353,7 +340,7 @@ class Engine:
         """Takes a request in; a refusal goes back on the stream as the request's error."""
         stream.adds_received += 1
         try:
-            seq = self._sequence(msg)
+            seq = sequence_for(msg, self.scheduler, self._next_seq_id, self.config.lora_names)
             self.scheduler.add(seq)
         except RequestError as e:
             self.refuse(stream, msg.request_id, e.code, str(e))
@@ -377,27 +364,6 @@ class Engine:
         share = self.routers.shares(window).get(stream)
         stream.send(stream.message([error], share, self.load_report()))
 
-    def _sequence(self, msg: scheduler_pb2.AddRequest) -> Sequence:
-        # Shards lost after they were ready do not refuse a request that was already on its way: it waits
-        # with the others for them to return (or for worker_recovery_timeout_s, then UNAVAILABLE).
-        if self.scheduler is None:
-            raise RequestError(ERROR_CODE_UNAVAILABLE, "shard workers are not ready")
-        if self.scheduler.has_request(msg.request_id):
-            raise RequestError(ERROR_CODE_ALREADY_EXISTS, f"request_id {msg.request_id!r} is in flight")
-        if msg.lora_name and msg.lora_name not in self.config.lora_names:
-            raise RequestError(ERROR_CODE_NOT_FOUND, f"LoRA adapter {msg.lora_name!r} is not served here")
-        if msg.num_output_tokens >= len(msg.prompt_token_ids):
-            raise RequestError(
-                ERROR_CODE_INVALID_ARGUMENT,
-                f"num_output_tokens {msg.num_output_tokens} leaves no prompt in "
-                f"{len(msg.prompt_token_ids)} tokens",
-            )
-        # Another choice of the same request, with the same prompt, whose prompt blocks this one shares.
-        first = self.scheduler.get(msg.fork_of) if msg.fork_of else None
-        if first is not None and first.token_ids[: first.num_prompt_tokens] != list(msg.prompt_token_ids):
-            first = None
-        return from_request(msg, self._next_seq_id, time.monotonic(), first)
-
     def abort(self, request_id: str) -> None:
         """Frees the request's blocks now; the workers forget it with the next step."""
         if self.scheduler is not None and self.scheduler.abort(request_id) is not None:
@@ -410,14 +376,16 @@ class Engine:
         self._report()
 
     def _report(self, outputs=(), force_load: bool = False) -> None:
-        """Sends each router its outputs, with the credit and the load when they changed."""
-        window = load = None
+        """Sends each router its outputs, with the credit and the load when they changed, and what the
+        prefix cache stored and evicted since the last report (a snapshot to a router that needs one)."""
+        window = load = kv = cached = None
         if self.scheduler is not None:
             window = self.scheduler.admission_window(self.config.admission_window)
             load = self.load_report()
+            kv, cached = self.scheduler.blocks.events.take(), self.scheduler.blocks.cached_hashes
         elif force_load:
             load = self.load_report()
-        self.routers.publish(outputs, window, load, force_load)
+        self.routers.publish(outputs, window, load, force_load, kv, cached)
 
     async def heartbeat(self) -> None:
         """Reports the load every LOAD_REPORT_INTERVAL_S whatever happens, from its own task: the step

@@ -1,21 +1,27 @@
 """The routers' Connect streams, seen from the scheduler: which stream wants which request's tokens, and
-what goes out on each — a step's outputs, credit and load in one message.
+what goes out on each — a step's outputs, credit, load and prefix-cache events in one message.
+
+Prefix-cache events (common/kv_events.py): each router gets the cache's net change with every message
+that follows a change, and a snapshot (every hash held, reset) first thing on its stream and whenever
+the cache was replaced, so its index of the replica (router/cache_index.py) stays exact.
 
 Credit (how many more requests a router may send, see router/buckets.py Credits) and load reports go
 out only when they changed; the heartbeat sends the load regardless, so a router can tell a live
 replica in a long step from a dead one.
 
 The admission window is the scheduler's, not each router's: with several routers connected it is split
-among them by what they queue (`split_window`), so together they never send more than it. A router with
-nothing queued gets no share until it reports a queue (one round trip), rather than holding credit an
-idle router cannot give back.
+among them by what they queue (`split_window`). A router with nothing queued gets no share until it
+reports a queue (one round trip), and what it was granted before is not kept for it: an idle router
+that once had the whole window must not starve the others (it cannot give credit back). So the routers
+together send at most the window, plus, once, whatever an idle router still sends under an old credit.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
+from common.kv_events import KvEvents
 from common.load import ReplicaLoad
 from common.pb.tpserve.internal.v1 import scheduler_pb2
 
@@ -56,6 +62,7 @@ class RouterStream:
         self.queued = 0  # requests the router holds in its queue for lack of credit (its QueueDepth)
         self._last_credit: tuple[int, int] | None = None
         self._last_load: ReplicaLoad | None = None
+        self.needs_snapshot = True  # of the prefix cache: the router knows nothing of it yet
 
     def outstanding(self) -> int:
         """How many adds the router may still send under the last credit it was given (some may be on
@@ -74,10 +81,13 @@ class RouterStream:
         window: int | None,
         load: ReplicaLoad | None,
         force_load: bool = False,
+        kv: KvEvents | None = None,
     ) -> scheduler_pb2.SchedulerMessage | None:
-        """One message with the outputs, the credit if it changed and the load if it changed (or
-        force_load); None when there is nothing to say."""
+        """One message with the outputs, the credit if it changed, the load if it changed (or
+        force_load) and the prefix-cache events if any; None when there is nothing to say."""
         msg = scheduler_pb2.SchedulerMessage(outputs=outputs)
+        if kv:
+            kv.fill(msg.kv_events)
         if window is not None and (window, self.adds_received) != self._last_credit:
             self._last_credit = (window, self.adds_received)
             msg.credit.window, msg.credit.adds_received = window, self.adds_received
@@ -85,7 +95,7 @@ class RouterStream:
             self._last_load = load
             load.fill(msg.load)
             msg.load.adds_received = self.adds_received
-        empty = not (outputs or msg.HasField("credit") or msg.HasField("load"))
+        empty = not (outputs or msg.HasField("credit") or msg.HasField("load") or kv)
         return None if empty else msg
 
 
@@ -131,7 +141,9 @@ class RouterStreams:
         streams = sorted(self._streams, key=id)  # a stable order between calls
         if window is None:
             return dict.fromkeys(streams)
-        queued, floors = [s.queued for s in streams], [s.outstanding() for s in streams]
+        queued = [s.queued for s in streams]
+        # What a router with a queue may have on the wire stays its; an idle one's old credit does not.
+        floors = [s.outstanding() if s.queued else 0 for s in streams]
         return dict(zip(streams, split_window(window, queued, floors), strict=True))
 
     def publish(
@@ -140,9 +152,15 @@ class RouterStreams:
         window: int | None,
         load: ReplicaLoad | None,
         force_load: bool = False,
+        kv: KvEvents | None = None,
+        cached: Callable[[], list[bytes]] | None = None,
     ) -> None:
-        """Sends each router its outputs of a step with its share of the credit and the load, one
-        message each. Outputs of requests no router owns any more are dropped."""
+        """Sends each router its outputs of a step with its share of the credit, the load and the
+        prefix cache's change (kv), one message each. Outputs of requests no router owns any more are
+        dropped. cached(): every hash the cache holds, for a router's first message (a snapshot); None
+        while there is no cache (the ranks have not reported yet). A change with reset set (a new cache,
+        whose log began with it) is itself a snapshot."""
+        snapshot = None
         shares = self.shares(window)
         mine: dict[RouterStream, list] = {s: [] for s in shares}
         for out in outputs:
@@ -150,6 +168,13 @@ class RouterStreams:
             if stream in mine:
                 mine[stream].append(out)
         for stream, outs in mine.items():
-            msg = stream.message(outs, shares[stream], load, force_load)
+            events = kv
+            if cached is None:
+                events = None
+            elif stream.needs_snapshot:
+                if snapshot is None:
+                    snapshot = KvEvents(stored=tuple(cached()), reset=True)
+                events, stream.needs_snapshot = snapshot, False
+            msg = stream.message(outs, shares[stream], load, force_load, events)
             if msg is not None:
                 stream.send(msg)

@@ -11,10 +11,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from common import metrics, security, settings, tracing
+from common import gguf_model, metrics, security, settings, tracing
 from common.security import TlsFiles
 from common.settings import at_least, setting
 from common.tracing import TracingConfig
+from shard_worker.startup import DEFAULT_COMPILE_CACHE_DIR
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 DEVICES = ("cpu", "cuda")
@@ -25,11 +26,16 @@ LOAD_FORMATS = ("auto", "dummy")
 QUANTIZATION_CHOICES = ("none", "int8", "fp8")
 # shard_worker/attention/__init__.py: auto is triton on CUDA, flex on CPU float32, reference otherwise.
 ATTENTION_BACKENDS = ("auto", "flex", "triton", "reference")
+# shard_worker/attention/kv_dtype.py: auto is --dtype.
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    model: str = setting(help="Hugging Face checkpoint directory", launch=True)
+    model: str = setting(help="Hugging Face checkpoint directory, or a .gguf file", launch=True)
+    tokenizer: str | None = setting(
+        None, help="with a .gguf --model: the tokenizer's directory (default: the file's own)", launch=True
+    )
     rank: int = setting(0, help="this worker's rank in the tensor-parallel group", rule=at_least(0))
     world_size: int = setting(1, help="tensor-parallel size", rule=at_least(1))
     # host:port of rank 0's torch.distributed store; needed when world_size > 1.
@@ -93,6 +99,21 @@ class WorkerConfig:
         launch=True,
     )
     enforce_eager: bool = setting(False, help="run every step eagerly: no CUDA graphs", launch=True)
+    kv_cache_dtype: str = setting(
+        "auto",
+        help="the KV cache's elements (vLLM's names): auto (--dtype), bfloat16, fp8_e4m3 (scaled by the "
+        "checkpoint's per-layer k_scale/v_scale, else 1) or fp8_e5m2; stored rounded, read in --dtype. "
+        "CPU only",
+        choices=KV_CACHE_DTYPES,
+        launch=True,
+    )
+    compile_cache_dir: str = setting(
+        DEFAULT_COMPILE_CACHE_DIR,
+        help="where compiled kernels (torch.compile: inductor's FX graph and AOT autograd caches) are kept "
+        "across starts, so a restart loads them instead of compiling; empty: a fresh temporary directory "
+        "each start (nothing reused)",
+        launch=True,
+    )
     # Multi-LoRA (vLLM's flags): adapters read at start, each served by the OpenAI `model` name.
     enable_lora: bool = setting(
         False, help="serve LoRA adapters (--lora-modules) beside the base model", launch=True
@@ -115,6 +136,8 @@ class WorkerConfig:
 
     def __post_init__(self):
         settings.validate(self)
+        # A .gguf file becomes a directory of its config and tokenizer (common/gguf_model.py).
+        object.__setattr__(self, "model", gguf_model.model_dir(self.model, self.tokenizer))
         if self.speculative_model and not (Path(self.speculative_model) / "config.json").is_file():
             raise ValueError(f"--speculative-model {self.speculative_model}: no config.json there")
         if self.lora_modules and not self.enable_lora:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import resource
 
 import torch
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from common.metrics import LATENCY_BUCKETS
@@ -77,6 +77,14 @@ class WorkerMetrics:
             "tpserve_worker_grammar_fill_seconds",
             "Rank 0's time per step filling grammar masks (llguidance), most of it while the forward runs.",
             buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.startup = Gauge(
+            "tpserve_worker_startup_phase_seconds",
+            "Seconds each phase of this rank's start-up took: load_weights, kv_sizing, warm_up (compiling "
+            "kernels or loading them from the compile cache), kv_allocate. Set again when a scheduler "
+            "reconnects (sizing, warm-up and allocation run again).",
+            ["phase"],
             registry=r,
         )
         r.register(_DeviceCollector(device, rank))

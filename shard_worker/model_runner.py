@@ -17,8 +17,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from common.sampling import SamplingConfig
 from shard_worker.attention import Attention, StepBatch, select_backend
 from shard_worker.attention.flex import PREFILL_MIN_QUERY
+from shard_worker.attention.kv_dtype import as_bits
+from shard_worker.capacity import CudaMemory, kv_budget, synthetic_step, worst_step
 from shard_worker.cuda_graphs import CudaGraphRunner, capture_bytes, graphs_unsupported
 from shard_worker.draft import DraftModel
 from shard_worker.model.loader import load_model
@@ -28,7 +31,7 @@ from shard_worker.parallel import TensorParallel
 from shard_worker.sampling import Sampler, SequenceState
 from shard_worker.sampling.grammar import GrammarCompiler
 from shard_worker.sampling.rows import prompt_logprobs, sampled_rows, step_proposals
-from shard_worker.step import StepInputs, StepOutputs
+from shard_worker.step import SequenceInit, StepInputs, StepOutputs
 
 log = logging.getLogger("tpserve.shard_worker")
 
@@ -48,6 +51,7 @@ class ModelRunner:
         prepack_linear: bool = True,
         quantization: str | None = None,
         lora: tuple[tuple[str, ...], int] | None = None,
+        kv_cache_dtype: torch.dtype | None = None,
     ):
         """load_format "auto" reads the checkpoint's weights; "dummy" fills them with small random values
         on the device from config.json alone (vLLM's name), for benchmarks at real shapes.
@@ -59,9 +63,21 @@ class ModelRunner:
         (model/quant/unquantized.py), None for dtype. prepack_linear: on CPU, hold them in oneDNN's
         layout; False only to measure what that gains. quantization: --quantization (int8, fp8: an
         unquantized checkpoint quantized while it loads), None for the checkpoint's own format.
-        lora: (--lora-modules, --max-lora-rank) with --enable-lora (shard_worker/model/lora), or None."""
+        lora: (--lora-modules, --max-lora-rank) with --enable-lora (shard_worker/model/lora), or None.
+        kv_cache_dtype: the KV cache's elements (attention/kv_dtype.py), None for dtype."""
         self.model_dir = Path(model_dir)
         self.dtype = dtype
+        self.kv_dtype = kv_cache_dtype or dtype
+        unsupported = None
+        if speculative_model:
+            unsupported = "with a --speculative-model"
+        elif torch.device(device).type == "cuda" or attention_backend == "triton":
+            unsupported = "on CUDA (the Triton kernel reads caches in the model's dtype)"
+        if self.kv_dtype != dtype and unsupported:
+            raise ValueError(
+                f"--kv-cache-dtype {str(self.kv_dtype)[6:]} is not implemented {unsupported}: "
+                "use --kv-cache-dtype auto"
+            )
         self.device = torch.device(device)
         self.tp = tp
         if self.device.type == "cpu":
@@ -123,7 +139,7 @@ class ModelRunner:
     def kv_block_bytes(self, block_size: int) -> int:
         """Bytes one KV block takes on this rank, over all layers (the draft model's block of the same id
         included: the two caches are allocated, swapped and freed together)."""
-        per_cache = math.prod(self.model.kv_cache_shape(1, block_size)) * self.dtype.itemsize
+        per_cache = math.prod(self.model.kv_cache_shape(1, block_size)) * self.kv_dtype.itemsize
         draft = self.draft.kv_block_bytes(block_size) if self.draft is not None else 0
         return self.model.num_kv_caches * per_cache + draft
 
@@ -136,11 +152,13 @@ class ModelRunner:
         max_num_seqs: int,
         max_model_len: int | None = None,
     ) -> int:
-        """KV blocks this rank can hold, after running the worst step the scheduler can form with these
-        limits (max_num_seqs: the scheduler's sequence cap; max_model_len: None or 0 for the model's
-        max_position_embeddings). The step also compiles the attention kernels, so start-up pays
-        for that, not a request. It runs a forward pass with collectives, so every rank must profile at the
-        same time."""
+        """KV blocks this rank can hold. On CUDA, after running the worst step the scheduler can form with
+        these limits (max_num_seqs: the scheduler's sequence cap; max_model_len: None or 0 for the model's
+        max_position_embeddings), whose memory peak the cache must leave room for; the step also compiles
+        the attention kernels. It runs a forward pass with collectives, so every rank must profile at the
+        same time. On CPU the cache is the host budget cpu_kv_cache_gib, and nothing runs (a worst step
+        at SmolLM2's 8192 positions took a minute there, to measure a peak the budget does not use):
+        call warm_up before serving."""
         # A scheduler reconnecting to a live worker profiles again: drop the old caches first, or their
         # memory would count against the new ones (InitCache always follows and allocates afresh).
         self.kv_caches = []
@@ -153,7 +171,6 @@ class ModelRunner:
             max_model_len or self.config.max_position_embeddings, self.config.max_position_embeddings
         )
         if self.device.type != "cuda":
-            self._dummy_step(block_size, max_num_batched_tokens, max_num_seqs, max_model_len)
             budget = int(cpu_kv_cache_gib * 2**30)
         else:
             memory = CudaMemory(self.device)
@@ -181,7 +198,7 @@ class ModelRunner:
         self.graphs = None  # they write to the old cache: recaptured by capture_cuda_graphs
         total = num_blocks + self.reserved_blocks
         self.kv_caches = []  # frees an old cache first, so reallocating never needs room for both
-        self.kv_caches = self.model.new_kv_caches(total, block_size, self.dtype, self.device)
+        self.kv_caches = self.model.new_kv_caches(total, block_size, self.kv_dtype, self.device)
         self.block_size = block_size
         if self.draft is not None:
             self.draft.allocate(total, block_size)
@@ -218,7 +235,7 @@ class ModelRunner:
         """Allocates the swap space: num_blocks host blocks laid out like the device cache; returns bytes."""
         self.host_kv_caches = []
         self.host_kv_caches = self.model.new_kv_caches(
-            num_blocks, block_size, self.dtype, self.device, host=True
+            num_blocks, block_size, self.kv_dtype, self.device, host=True
         )
         if self.draft is not None:
             self.draft.allocate_host(num_blocks, block_size)
@@ -249,7 +266,7 @@ class ModelRunner:
         for s, d in zip(src, dst, strict=True):
             # One gather on the source side, one transfer, one scatter on the destination side per layer.
             # Synchronous, so a swap out is complete before the forward reuses its device blocks.
-            d.index_copy_(1, dst_index, s.index_select(1, src_index).to(d.device))
+            as_bits(d).index_copy_(1, dst_index, as_bits(s).index_select(1, src_index).to(d.device))
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs, states: list[SequenceState] | None = None) -> StepOutputs:
@@ -329,16 +346,42 @@ class ModelRunner:
             )
 
     def warm_up(self, block_size: int) -> None:
-        """Compiles the attention kernels with a step of a decode and a prompt (one of each tiling), so no
-        request pays for it. profile_num_blocks does this; a worker given its KV capacity instead of
-        profiling it should call this before serving."""
+        """Runs the steps a first request brings, so that none of it compiles or initialises on a
+        request's path: a prompt (block tiles) beside a decode (one-token tiles), sampled greedily and by
+        a draw; then one sequence's short prompt, then its decode (the in-order one-token layout). Flex
+        compiles each tiling once with dynamic shapes, so later sizes reuse these kernels.
+        profile_num_blocks does this on CUDA; a worker that does not profile calls this before serving."""
         max_len = self.config.max_position_embeddings
         prompt_len = min(PREFILL_MIN_QUERY + block_size, max_len)
-        step, num_blocks = synthetic_step(
-            [(1, min(block_size + 1, max_len)), (prompt_len, prompt_len)], block_size
-        )
-        with self._scratch_cache(num_blocks, block_size), torch.inference_mode():
-            self.execute(step)
+        short = min(PREFILL_MIN_QUERY - 1, max_len)
+        steps = [
+            [(1, min(block_size + 1, max_len)), (prompt_len, prompt_len)],
+            [(short, short)],
+            [(1, min(short + 1, max_len))],
+        ]
+        configs = [SamplingConfig(temperature=0.0), SamplingConfig(temperature=0.7, top_p=0.9, top_k=50)]
+        for lens in steps:
+            step, num_blocks = synthetic_step(lens, block_size, sample=True)
+            with self._scratch_cache(num_blocks, block_size), torch.inference_mode():
+                states = None
+                if self.sampler is not None:
+                    # A prompt (q == c) has sampled nothing yet; a decode has sampled its last token.
+                    states = [
+                        self.sampler.new_state(
+                            SequenceInit(
+                                seq_id=i,
+                                sampling=configs[i % len(configs)],
+                                top_logprobs=0,
+                                token_ids=[0] * c,
+                                num_prompt_tokens=c if q == c else c - 1,
+                                num_sampled=0 if q == c else 1,
+                            )
+                        )
+                        for i, (q, c) in enumerate(lens)
+                    ]
+                self.execute(step, states)
+                for state in states or ():
+                    self.sampler.release(state)
 
     def _dummy_step(
         self,
@@ -393,72 +436,3 @@ def _nccl_version() -> tuple[int, ...]:
         return tuple(torch.cuda.nccl.version())
     except (AttributeError, RuntimeError):  # a build without NCCL (CPU)
         return (0,)
-
-
-def worst_step(
-    block_size: int, max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int
-) -> tuple[StepInputs, int]:
-    """The step needing the most memory that the scheduler can form, and the KV blocks it uses: the whole
-    token budget over as many sequences as allowed, each attending over max_model_len keys, i.e. decodes
-    at max_model_len plus prefill chunks (as few as fit, each ending at max_model_len) for the rest."""
-    tokens = min(max_num_batched_tokens, max_num_seqs * max_model_len)
-    decodes = min(max_num_seqs - 1, tokens - 1)
-    while decodes + -(-(tokens - decodes) // max_model_len) > max_num_seqs:
-        decodes = max_num_seqs - -(-(tokens - decodes) // max_model_len)
-    rest = tokens - decodes
-    chunks = [min(max_model_len, rest - start) for start in range(0, rest, max_model_len)]
-    return synthetic_step([(1, max_model_len)] * decodes + [(q, max_model_len) for q in chunks], block_size)
-
-
-def synthetic_step(lens: list[tuple[int, int]], block_size: int) -> tuple[StepInputs, int]:
-    """A step of (query_len, context_len) sequences of token 0, sampling nothing, and the blocks it uses.
-    The sequences' cached blocks are one shared prefix (attention reads the cache in place, so sharing
-    changes nothing it does, and the cache stays small); the blocks a sequence writes are its own."""
-    shared = -(-max(c for _, c in lens) // block_size)
-    tables = []
-    next_block = shared
-    for q, c in lens:
-        first_written = (c - q) // block_size
-        num_written = -(-c // block_size) - first_written
-        tables.append(list(range(first_written)) + list(range(next_block, next_block + num_written)))
-        next_block += num_written
-    step = StepInputs(
-        seq_ids=range(len(lens)),
-        query_lens=[q for q, _ in lens],
-        context_lens=[c for _, c in lens],
-        sample_counts=[0] * len(lens),
-        input_ids=[0] * sum(q for q, _ in lens),
-        block_table=StepInputs.pad_tables(tables),
-    )
-    return step, next_block
-
-
-def kv_budget(total: int, utilization: float, outside_torch: int, allocated: int, step_peak: int) -> int:
-    """Bytes left for the KV cache on a CUDA device: the share of its memory we may fill, less what
-    others hold, what we hold (weights) and the worst step's transient peak."""
-    return int(total * utilization) - outside_torch - allocated - step_peak
-
-
-class CudaMemory:
-    """The CUDA allocator's figures for one device, behind methods a test can fake."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-
-    def mem_get_info(self) -> tuple[int, int]:
-        return torch.cuda.mem_get_info(self.device)
-
-    def reserved(self) -> int:
-        return torch.cuda.memory_reserved(self.device)
-
-    def allocated(self) -> int:
-        return torch.cuda.memory_allocated(self.device)
-
-    def max_allocated(self) -> int:
-        return torch.cuda.max_memory_allocated(self.device)
-
-    def reset_peak(self) -> None:
-        torch.cuda.reset_peak_memory_stats(self.device)
-
-    def empty_cache(self) -> None:
-        torch.cuda.empty_cache()

@@ -22,8 +22,10 @@ from common.pb.tpserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from common.sampling import SamplingConfig
 from shard_worker import config as worker_config
 from shard_worker import devices
+from shard_worker.attention.kv_dtype import kv_cache_dtype
 from shard_worker.config import StepThreads, WorkerConfig
 from shard_worker.metrics import WorkerMetrics
+from shard_worker.startup import StartupPhases, compile_counts, configure_compile_cache
 from shard_worker.step import SequenceInit, WorkerStep
 from shard_worker.worker import Worker
 
@@ -81,8 +83,12 @@ def sequence_init(msg: worker_pb2.SequenceInit) -> SequenceInit:
 
 
 class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
-    def __init__(self, runner, config: WorkerConfig, metrics: WorkerMetrics):
+    def __init__(
+        self, runner, config: WorkerConfig, metrics: WorkerMetrics, phases: StartupPhases | None = None
+    ):
+        """phases: this rank's start-up so far (loading); Describe adds sizing and warm-up to it."""
         self.runner = runner
+        self.phases = phases if phases is not None else StartupPhases(config.rank)
         self.config = config
         self.metrics = metrics
         self._tracer = tracing.tracer("tpserve.shard_worker")
@@ -122,11 +128,11 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
 
     def _describe(self, request) -> worker_pb2.DescribeResponse:
         info = self.runner.describe()
-        if request.num_kv_blocks:
-            num_blocks = request.num_kv_blocks
-            self.runner.warm_up(request.block_size)  # what profiling would have compiled
-        else:
-            num_blocks = self.runner.profile_num_blocks(
+        # CUDA sizes its cache from the worst step's memory peak, which warms the kernels too; a CPU
+        # cache is the host budget, and the kernels are warmed with the shapes requests bring.
+        profiling = not request.num_kv_blocks and self.runner.device.type == "cuda"
+        with self.phases.phase("kv_sizing", self.phases.compile_note if profiling else lambda: ""):
+            num_blocks = request.num_kv_blocks or self.runner.profile_num_blocks(
                 block_size=request.block_size,
                 max_num_batched_tokens=request.max_num_batched_tokens,
                 gpu_memory_utilization=request.gpu_memory_utilization,
@@ -134,6 +140,12 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
                 max_num_seqs=request.max_num_seqs,
                 max_model_len=request.max_model_len or None,
             )
+        if not profiling:
+            with self.phases.phase("warm_up", self.phases.compile_note):
+                self.runner.warm_up(request.block_size)
+        for name, seconds in self.phases.seconds.items():
+            self.metrics.startup.labels(phase=name).set(seconds)
+        compiled, cached = compile_counts()
         return worker_pb2.DescribeResponse(
             rank=self.config.rank,
             world_size=self.config.world_size,
@@ -143,9 +155,19 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
             eos_token_ids=info["eos_token_ids"],
             num_kv_blocks=num_blocks,
             weight_bytes=info["weight_bytes"],
-            device=f"{self.runner.device} {str(self.runner.dtype).removeprefix('torch.')}",
+            device=f"{self.runner.device} {str(self.runner.dtype).removeprefix('torch.')}"
+            + (
+                f", KV cache {str(self.runner.kv_dtype)[6:]}"
+                if self.runner.kv_dtype != self.runner.dtype
+                else ""
+            ),
             kv_block_bytes=self.runner.kv_block_bytes(request.block_size),
             draft_model_name=info["draft_model_name"],
+            startup_phases=[
+                worker_pb2.StartupPhase(name=n, seconds=t) for n, t in self.phases.seconds.items()
+            ],
+            compiled_graphs=compiled,
+            cached_graphs=cached,
         )
 
     def InitCache(self, request, context):
@@ -155,13 +177,15 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
 
     def _init_cache(self, request) -> worker_pb2.InitCacheResponse:
         start = time.perf_counter()
-        nbytes, host_bytes = self.worker.init_cache(
-            request.num_blocks,
-            request.block_size,
-            request.num_host_blocks,
-            request.max_model_len,
-            request.max_num_seqs,
-        )
+        with self.phases.phase("kv_allocate"):
+            nbytes, host_bytes = self.worker.init_cache(
+                request.num_blocks,
+                request.block_size,
+                request.num_host_blocks,
+                request.max_model_len,
+                request.max_num_seqs,
+            )
+        self.metrics.startup.labels(phase="kv_allocate").set(self.phases.seconds["kv_allocate"])
         log.info(
             "rank %d: KV cache of %d blocks, %.1f MiB; swap space of %d blocks, %.1f MiB",
             self.config.rank,
@@ -275,22 +299,26 @@ def serve(config: WorkerConfig) -> None:
     from shard_worker.parallel import init_tensor_parallel
 
     torch.set_num_threads(config.threads)
+    cache_dir = configure_compile_cache(config.compile_cache_dir)  # before anything compiles
     device = select_device(config)
     tp = init_tensor_parallel(config.rank, config.world_size, config.dist_init, device)
     linear = devices.linear_dtype(config.linear_dtype, device.type, config.dtype, devices.cpu_flags())
-    runner = ModelRunner(
-        config.model,
-        getattr(torch, config.dtype),
-        device,
-        tp,
-        config.load_format,
-        config.attention_backend,
-        cuda_graphs=config.use_cuda_graphs,
-        speculative_model=config.speculative_model,
-        linear_dtype=None if linear is None else getattr(torch, linear),
-        quantization=config.quantization,
-        lora=(config.lora_modules, config.max_lora_rank) if config.enable_lora else None,
-    )
+    phases = StartupPhases(config.rank, cache_dir)
+    with phases.phase("load_weights"):
+        runner = ModelRunner(
+            config.model,
+            getattr(torch, config.dtype),
+            device,
+            tp,
+            config.load_format,
+            config.attention_backend,
+            cuda_graphs=config.use_cuda_graphs,
+            speculative_model=config.speculative_model,
+            linear_dtype=None if linear is None else getattr(torch, linear),
+            quantization=config.quantization,
+            kv_cache_dtype=kv_cache_dtype(config.kv_cache_dtype, getattr(torch, config.dtype)),
+            lora=(config.lora_modules, config.max_lora_rank) if config.enable_lora else None,
+        )
     if linear is not None:  # after the model loaded: a refusal is the only line a failed start writes
         log.info(
             "rank %d: linear layers' weights in %s (--linear-dtype %s)",
@@ -302,7 +330,7 @@ def serve(config: WorkerConfig) -> None:
     stop = threading.Event()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=SERVER_OPTIONS)
     worker_metrics = WorkerMetrics(device, config.rank)
-    servicer = ShardWorkerServicer(runner, config, worker_metrics)
+    servicer = ShardWorkerServicer(runner, config, worker_metrics, phases)
     worker_pb2_grpc.add_ShardWorkerServicer_to_server(servicer, server)
     # Standard health (Kubernetes probes): the server starts only once the process group is up and
     # this rank's shard is loaded, so it is SERVING from the first probe; a failed step flips it.

@@ -34,12 +34,21 @@ class ApiError(Exception):
     """An error answer: HTTP `status` and OpenAI's body. code is the gRPC status name the same failure has
     on the gRPC API (INVALID_ARGUMENT, ...)."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_s: float | None = None,  # the Retry-After header (a 429 for a latency objective)
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.retry_after_s = retry_after_s
 
     def body(self) -> dict:
         return {
@@ -68,4 +77,6 @@ def from_failure(e: RequestFailed, params: dict[str, str]) -> ApiError:
     for old, new in renames.items():
         if old != new:
             message = re.sub(rf"(?<![\w.]){re.escape(old)}(?![\w])", new, message)
-    return ApiError(HTTP_STATUS.get(e.code, 500), message, param=param, code=e.code.name)
+    return ApiError(
+        HTTP_STATUS.get(e.code, 500), message, param=param, code=e.code.name, retry_after_s=e.retry_after_s
+    )

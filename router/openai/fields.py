@@ -146,7 +146,7 @@ FIELDS = (
     _r("mm_processor_kwargs", CHAT, "vLLM", "text only"),
     _r("media_io_kwargs", CHAT, "vLLM", "text only"),
     _r("prompt_embeds", COMPLETIONS, "vLLM", "token ids or text only"),
-    _r("priority", BOTH, "vLLM", "no priority scheduling", (None, 0)),
+    _s("priority", BOTH, "vLLM", "lower is served first (vLLM's sense) [0]; within one, least slack first"),
     _r("cache_salt", BOTH, "vLLM", "the prefix cache is not salted"),
     _r("logits_processors", BOTH, "vLLM", "no custom processors"),
     _r("return_tokens_as_token_ids", BOTH, "vLLM", "not implemented", (None, False)),
@@ -159,6 +159,14 @@ FIELDS = (
     _r("repetition_detection", BOTH, "vLLM", "not implemented"),
     _r("stream_interval", BOTH, "vLLM", "each message as it comes", (None, 1)),
     _r("watermarking", BOTH, "vLLM", "not implemented", (None, False)),
+    # ---- tpserve ----
+    _s("ttft_objective_ms", BOTH, "tpserve", "time-to-first-token objective [the bucket's default; 0: none]"),
+    _s(
+        "tpot_objective_ms",
+        BOTH,
+        "tpserve",
+        "mean time per token after the first [the default; 0: none]",
+    ),
 )
 BY_NAME = {f.name: f for f in FIELDS}
 

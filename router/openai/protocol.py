@@ -119,6 +119,11 @@ def _common(body: object, request_id: str, chat: bool, strict: bool) -> tuple[di
     for name in ("skip_special_tokens", "add_special_tokens"):
         if body.get(name) is not None:
             kwargs[name] = f.boolean(body, name)
+    for name in ("ttft_objective_ms", "tpot_objective_ms"):  # latency objectives (router/slo.py)
+        if (value := f.integer(body, name, 0, f.UINT32_MAX)) is not None:
+            kwargs[name] = value
+    if (priority := f.integer(body, "priority", -(2**31), 2**31 - 1)) is not None:
+        kwargs["priority"] = priority
     n = f.integer(body, "n", 1, MAX_N)
     prompt_logprobs = f.integer(body, "prompt_logprobs", 0, f.UINT32_MAX)
     if prompt_logprobs is not None and stream and chat:

@@ -24,6 +24,7 @@ import functools
 import importlib.metadata
 import json
 import logging
+import math
 import os
 import ssl
 import uuid
@@ -64,6 +65,8 @@ def ssl_context(tls: TlsFiles) -> ssl.SSLContext:
 
 def _error(e: ApiError) -> web.Response:
     headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+    if e.retry_after_s is not None:  # RFC 9110: whole seconds
+        headers = {"Retry-After": str(max(1, math.ceil(e.retry_after_s)))}
     return web.json_response(e.body(), status=e.status, headers=headers)
 
 

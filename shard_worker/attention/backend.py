@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import torch
 
+from shard_worker.attention.kv_dtype import as_bits, store
+
 if TYPE_CHECKING:
     from shard_worker.attention.layer import Attention
 
@@ -176,7 +178,7 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor,
         ctx: AttentionContext,
     ) -> torch.Tensor:
-        write_kv(kv_cache, k, v, ctx.batch.slot_mapping)
+        write_kv(kv_cache, k, v, ctx.batch.slot_mapping, layer.k_scale, layer.v_scale)
         return self.attend(layer, q, kv_cache, ctx)
 
     @abstractmethod
@@ -186,9 +188,18 @@ class AttentionBackend(ABC):
         """[T, heads, head_dim]: each query attended over its sequence's keys (this step's included)."""
 
 
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Stores the step's keys and values at their slots (one indexed copy each, capturable in a graph)."""
+def write_kv(
+    kv_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """Stores the step's keys and values at their slots (one indexed copy each, capturable in a graph),
+    rounded to the cache's dtype (kv_dtype.py)."""
     _, num_blocks, block_size, kvh, d = kv_cache.shape
-    slots = kv_cache.view(2, num_blocks * block_size, kvh * d)
-    slots[0].index_copy_(0, slot_mapping, k.reshape(-1, kvh * d))
-    slots[1].index_copy_(0, slot_mapping, v.reshape(-1, kvh * d))
+    slots = as_bits(kv_cache.view(2, num_blocks * block_size, kvh * d))
+    k, v = store(k, kv_cache.dtype, k_scale), store(v, kv_cache.dtype, v_scale)
+    slots[0].index_copy_(0, slot_mapping, as_bits(k.reshape(-1, kvh * d)))
+    slots[1].index_copy_(0, slot_mapping, as_bits(v.reshape(-1, kvh * d)))

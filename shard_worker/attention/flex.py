@@ -29,6 +29,7 @@ CPU float32 only (see FlexBackend.unsupported).
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass, field
 from itertools import accumulate
 
@@ -39,6 +40,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from shard_worker.attention.backend import AttentionBackend, AttentionContext, StepBatch
+from shard_worker.attention.kv_dtype import load
 
 # A sequence with at least this many query tokens in a step is tiled by blocks; shorter ones one token per
 # tile. Measured on CPU, 32 sequences at context 2048, one-token vs block tiles: 8-token queries 148 vs
@@ -59,14 +61,26 @@ ONE_TOKEN_TILE_CAPACITY = 4096
 RECOMPILE_LIMIT = 64
 
 
-@functools.cache
+# Threads whose compiler settings are set (below). torch 2.13 keeps dynamo's and fx's settings per thread,
+# and a worker warms up in one gRPC thread and steps in another: set only where the first call ran, a
+# step thread would compile with duck shapes on and fall back to eager flex after 8 recompiles.
+_configured = threading.local()
+
+
 def _compiled_flex():
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    torch._dynamo.config.fail_on_recompile_limit_hit = True
-    # Sizes that happen to be equal on the first call must not be fused into one symbol. Set for the
-    # process, not patched around each call: the patch cost 3% of a batch-1 decode step (30 layers), and
-    # this is the only graph a worker compiles.
-    fx_config.use_duck_shape = False
+    if not getattr(_configured, "done", False):
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        torch._dynamo.config.fail_on_recompile_limit_hit = True
+        # Sizes that happen to be equal on the first call must not be fused into one symbol. Set for the
+        # thread, not patched around each call: the patch cost 3% of a batch-1 decode step (30 layers),
+        # and this is the only graph a worker compiles.
+        fx_config.use_duck_shape = False
+        _configured.done = True
+    return _compiled()
+
+
+@functools.cache
+def _compiled():
     return torch.compile(flex_attention, dynamic=True)
 
 
@@ -127,8 +141,11 @@ class FlexBackend(AttentionBackend):
             ref = ReferenceBackend(self.device, self.dtype)
             return ref.attend(layer, q, kv_cache, AttentionContext(ref, md.batch, ref.prepare(md.batch)))
         # The cache's used prefix as one sequence of slots per KV head: views, no copy.
-        keys = kv_cache[0, :num_blocks].view(1, num_blocks * block_size, kvh, d).permute(0, 2, 1, 3)
-        values = kv_cache[1, :num_blocks].view(1, num_blocks * block_size, kvh, d).permute(0, 2, 1, 3)
+        # A cache narrower than the model's dtype is read as the model's: its used prefix upcast (a copy).
+        keys = load(kv_cache[0, :num_blocks], q.dtype, layer.k_scale)
+        values = load(kv_cache[1, :num_blocks], q.dtype, layer.v_scale)
+        keys = keys.view(1, num_blocks * block_size, kvh, d).permute(0, 2, 1, 3)
+        values = values.view(1, num_blocks * block_size, kvh, d).permute(0, 2, 1, 3)
         out = None
         for t in tilings:
             n = t.tokens.shape[0]

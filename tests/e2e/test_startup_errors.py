@@ -74,6 +74,21 @@ def test_worker_on_cuda_without_a_gpu(tiny_model):
     assert line.endswith("--device cuda: no CUDA device is available on this machine")
 
 
+def test_worker_with_a_kv_cache_dtype_it_cannot_serve(tiny_model):
+    args = [
+        "--model",
+        str(tiny_model),
+        "--kv-cache-dtype",
+        "bfloat16",
+        "--speculative-model",
+        str(tiny_model),
+    ]
+    line = only_line(tpserve("shard-worker", *args), "shard-worker")
+    assert line.endswith(
+        "--kv-cache-dtype bfloat16 is not implemented with a --speculative-model: use --kv-cache-dtype auto"
+    )
+
+
 @pytest.mark.parametrize(
     "config, weights, names",
     [

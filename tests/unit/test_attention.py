@@ -201,6 +201,29 @@ def test_no_recompile_across_step_shapes():
                 torch.testing.assert_close(new.double(), ref, rtol=2e-5, atol=2e-5)
 
 
+def test_every_thread_that_steps_gets_the_compiler_settings():
+    """torch 2.13 keeps dynamo's settings per thread, and a worker warms up in one gRPC thread and steps in
+    another: the settings were made only in the first thread to call flex, so a step thread compiled with
+    duck shapes and the default recompile limit (then a silent eager fallback)."""
+    import threading
+
+    import torch.fx.experimental._config as fx_config
+
+    from shard_worker.attention.flex import RECOMPILE_LIMIT
+
+    seen = []
+
+    def step():
+        run("flex", Step([1, 20], [30, 20], [[5, 6], [7, 8]]), 4, 2, 16, torch.float32, 64, seed=0)
+        seen.append((torch._dynamo.config.recompile_limit, fx_config.use_duck_shape))
+
+    for _ in range(2):  # the warm-up's thread, then a step's
+        thread = threading.Thread(target=step)
+        thread.start()
+        thread.join()
+    assert seen == [(RECOMPILE_LIMIT, False)] * 2
+
+
 def test_flex_metadata_does_not_grow_with_the_cache():
     """The block mask of 64 decodes at context 2048 stays small however large the cache: no index
     table of queries x cache blocks is stored, no mask of queries x keys is built."""

@@ -239,3 +239,14 @@ def test_transformers_baselines_honour_output_lengths(tiny_model, system):
         results = baselines.run_continuous(model, reqs)
     assert [r.output_tokens for r in results] == [r.max_new_tokens for r in reqs]
     assert all(r.ok and 0 <= r.ttft_s <= r.e2e_s for r in results)
+
+
+def test_goodput_takes_vllm_bench_serve_form():
+    p = argparse.ArgumentParser()
+    bench_cli.add_arguments(p)
+    a = p.parse_args(["--goodput", "ttft:2000", "tpot:200"])
+    bench_cli.apply_goodput(a)
+    assert (a.slo_ttft_ms, a.slo_tpot_ms) == (2000.0, 200.0)
+    for bad in (["e2el:100"], ["ttft:0"], ["ttft"]):
+        with pytest.raises(ValueError, match="--goodput"):
+            bench_cli.apply_goodput(p.parse_args(["--goodput", *bad]))

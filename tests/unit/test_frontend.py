@@ -53,7 +53,7 @@ class ScriptedPool:
     def in_flight(self, request_id):
         return False
 
-    def submit(self, add):
+    def submit(self, add, objectives=None):
         queue = asyncio.Queue()
         for out in self.outputs:
             queue.put_nowait(
@@ -136,7 +136,7 @@ class RecordingPool(ScriptedPool):
         self.by_choice, self.hold = outputs_by_choice, hold
         self.adds, self.aborted = [], []
 
-    def submit(self, add):
+    def submit(self, add, objectives=None):
         index = len(self.adds)
         self.adds.append(add)
         queue = asyncio.Queue()
@@ -204,7 +204,7 @@ def test_a_full_queue_at_a_later_choice_aborts_the_choices_already_submitted():
     from router.scheduler_link import QueueFull
 
     class FullAtSecond(RecordingPool):
-        def submit(self, add):
+        def submit(self, add, objectives=None):
             if len(self.adds) == 1:
                 raise QueueFull("queue full")
             return super().submit(add)

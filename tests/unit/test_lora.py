@@ -11,6 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from common.pb.tpserve.internal.v1 import scheduler_pb2
+from router.in_flight import InFlight
 from scheduler.block_manager import BlockManager
 from scheduler.scheduler import Scheduler, SchedulingPolicy
 from scheduler.sequence import Sequence
@@ -134,6 +136,24 @@ def test_two_adapters_never_share_prefix_blocks():
     assert bm.match_prefix(_seq(1, range(100, 113), "a")) == 12  # same adapter: its three full blocks
     assert bm.match_prefix(_seq(2, range(100, 113), "b")) == 0
     assert bm.match_prefix(_seq(3, range(100, 113))) == 0  # nor the base model
+
+
+def test_the_routers_block_hashes_are_the_schedulers_under_the_same_adapter():
+    # Cache-aware routing is exact only if the router hashes a request's prompt as its replica's prefix
+    # cache registers it: with the request's adapter as every block's extra key.
+    bm = BlockManager(32, 4, enable_prefix_caching=True)
+    first = _seq(0, range(100, 113), "a")
+    bm.allocate(first, first.num_tokens)
+    first.num_computed_tokens = first.num_tokens
+    bm.register_full_blocks(first)
+    cached = set(bm.cached_hashes())
+
+    def routed(lora):
+        add = scheduler_pb2.AddRequest(request_id="x", prompt_token_ids=range(100, 113), lora_name=lora)
+        return InFlight(add, 0.0, None).block_hashes(4)
+
+    assert len(cached) == 3 and set(routed("a")) == cached
+    assert not cached & set(routed("b")) and not cached & set(routed(""))
 
 
 def test_at_most_max_loras_adapters_per_step_and_none_starves():

@@ -1,5 +1,4 @@
-"""Replica discovery (router/membership.py) through the pool, with an injected resolver (no DNS server), and
-the prefix key affinity routes by."""
+"""Replica discovery (router/membership.py) through the pool, with an injected resolver (no DNS server)."""
 
 from __future__ import annotations
 
@@ -7,7 +6,7 @@ import asyncio
 
 from router.buckets import AdmissionQueue
 from router.membership import resolve_dns
-from router.pool import SchedulerPool, prefix_key
+from router.pool import SchedulerPool
 from router.replicas import RoutingPolicy
 
 
@@ -56,10 +55,3 @@ def test_resolve_dns_lists_every_address_once():
     addrs = resolve_dns("localhost", 50052)
     assert addrs and all(a.endswith(":50052") for a in addrs) and len(addrs) == len(set(addrs))
     assert "127.0.0.1:50052" in addrs or "[::1]:50052" in addrs
-
-
-def test_prefix_key_covers_whole_blocks_only():
-    a = list(range(100))
-    assert prefix_key(a, 64) == prefix_key(a[:64] + [7] * 10, 64)
-    assert prefix_key(a, 64) != prefix_key([1, *a[1:]], 64)
-    assert prefix_key(a[:63], 64) is None

@@ -1,6 +1,7 @@
-"""The memory profile runs the worst step the scheduler can form: the whole token budget, as many
-sequences as allowed, every one attending over max_model_len keys; and that step runs afterwards on the
-cache the profile sized, without compiling anything on the request path."""
+"""The memory profile (CUDA) runs the worst step the scheduler can form: the whole token budget, as many
+sequences as allowed, every one attending over max_model_len keys. On CPU the cache is the host budget
+and the warm-up compiles the kernels; that step then runs on the sized cache without compiling anything
+on the request path."""
 
 from __future__ import annotations
 
@@ -40,11 +41,17 @@ def test_worst_step_fills_the_budget_and_the_sequence_cap(budget, max_seqs, max_
     assert step.block_table.max() < num_blocks
 
 
-def test_profiled_worst_step_runs_on_the_allocated_cache(tiny_model):
-    torch._dynamo.reset()  # forget kernels compiled by earlier tests: the profile must compile them
+def test_cpu_capacity_is_the_host_budget_and_warm_up_covers_the_worst_step(tiny_model):
+    """On CPU nothing runs to size the cache (the budget is the cache); warm_up then compiles what even
+    the worst step needs."""
+    torch._dynamo.reset()  # forget kernels compiled by earlier tests: warm_up must compile them
     runner = ModelRunner(tiny_model, torch.float32, torch.device("cpu"), TensorParallel())
     limits = dict(block_size=16, max_num_batched_tokens=200, max_num_seqs=24, max_model_len=300)
+    graphs = counters["stats"]["unique_graphs"]
     num_blocks = runner.profile_num_blocks(gpu_memory_utilization=0.9, cpu_kv_cache_gib=0.01, **limits)
+    assert counters["stats"]["unique_graphs"] == graphs, "sizing the CPU cache ran a step"
+    assert num_blocks == int(0.01 * 2**30) // runner.kv_block_bytes(16)
+    runner.warm_up(16)
     runner.allocate_kv_cache(num_blocks, 16)
     step, blocks_used = worst_step(16, 200, 24, 300)
     assert blocks_used <= num_blocks
@@ -54,10 +61,10 @@ def test_profiled_worst_step_runs_on_the_allocated_cache(tiny_model):
     greedy = SamplingConfig(temperature=0.0)
     states = [runner.sampler.new_state(SequenceInit(s, greedy, 0, [0] * 300, 300)) for s in step.seq_ids]
     step.sample_counts[:] = 1
-    # The profile compiled the attention kernels; this step (another cache size) must reuse them.
+    # The warm-up compiled the attention kernels; this step (another cache size) must reuse them.
     graphs = counters["stats"]["unique_graphs"]
     out = runner.execute(step, states)
-    assert counters["stats"]["unique_graphs"] == graphs, "the step compiled a kernel: the profile did not"
+    assert counters["stats"]["unique_graphs"] == graphs, "the step compiled a kernel: the warm-up did not"
     assert len(out.token_ids) == 24
 
 

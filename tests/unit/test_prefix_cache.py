@@ -2,7 +2,8 @@
 
 import pytest
 
-from scheduler.block_manager import BlockManager, hash_block
+from common.block_hash import hash_block
+from scheduler.block_manager import BlockManager
 from scheduler.scheduler import Scheduler, SchedulingPolicy
 from scheduler.sequence import Sequence
 from tests.unit.fakes import kv_slot, one_each

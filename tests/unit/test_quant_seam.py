@@ -55,14 +55,16 @@ def row_layer(tp: TensorParallel, tensors: dict[str, torch.Tensor]) -> RowParall
 @pytest.mark.parametrize("ws", [2, 4])
 def test_row_parallel_int4_shards_with_group_scales_sum_to_the_whole(ws):
     tensors, w = int4_on_disk()
-    x = torch.randn(5, K, generator=gen(4))
+    # float64: the products are the dequantized shards' (the CPU kernels' own precision, bfloat16
+    # activations, is tests/unit/test_quant_kernels.py's).
+    x = torch.randn(5, K, generator=gen(4), dtype=torch.float64)
     whole = row_layer(TensorParallel(), tensors).forward_partial(x)
-    torch.testing.assert_close(whole, F.linear(x, w), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(whole, F.linear(x, w.double()), rtol=1e-9, atol=1e-9)
     xs = x.chunk(ws, dim=-1)  # a row-parallel layer's input arrives split (a column-parallel output)
     parts = [
         row_layer(TensorParallel(rank=r, world_size=ws), tensors).forward_partial(xs[r]) for r in range(ws)
     ]
-    torch.testing.assert_close(sum(parts), whole, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sum(parts), whole, rtol=1e-9, atol=1e-9)
 
 
 def test_a_group_split_across_ranks_is_refused_naming_it():

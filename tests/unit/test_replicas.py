@@ -16,7 +16,6 @@ def load(waiting=0, running=0, kv_free=1000, kv_total=1000, max_num_seqs=128, st
 
 
 DEFAULT = RoutingPolicy()
-AFFINITY = RoutingPolicy(prefix_affinity=True)
 
 
 def replicas(*ids, now=0.0, policy=DEFAULT, **loads):
@@ -104,63 +103,6 @@ def test_ties_go_round_robin_in_id_order():
         for rid in ("a", "b", "c"):
             rs.report(rid, load(), 1.0 + t)
     assert order == ["a", "b", "c", "a", "b", "c"]
-
-
-def test_prefix_affinity_sticks_while_the_replica_is_not_much_busier():
-    rs = replicas("a", "b", policy=AFFINITY)
-    first = rs.choose(LONG, prefix_key="p", now=0.0)
-    other = "b" if first == "a" else "a"
-    # first is now somewhat busier than other, but within factor * best + slack.
-    rs.report(first, load(running=40), 1.0)
-    rs.report(other, load(running=20), 1.0)
-    assert [rs.choose(LONG, prefix_key="p", now=1.0) for _ in range(3)] == [first] * 3
-    assert rs.affinity_hits == 3
-    # Without a prefix key the same load sends requests to the emptier one.
-    assert rs.choose(LONG, now=1.0) == other
-
-
-def test_prefix_affinity_moves_when_the_replica_is_much_busier():
-    policy = RoutingPolicy(prefix_affinity=True, affinity_factor=2.0, affinity_slack=0.25)
-    rs = replicas("a", "b", policy=policy)
-    assert rs.choose(LONG, prefix_key="p", now=0.0) == "a"
-    # a's load 0.8 > 2 * 0.2 + 0.25: too busy for a cache hit to pay.
-    rs.report("a", load(running=int(0.8 * 128)), 1.0)
-    rs.report("b", load(running=int(0.2 * 128)), 1.0)
-    assert rs.choose(LONG, prefix_key="p", now=1.0) == "b"
-    assert rs.affinity_moves == 1
-    # The affinity moved with it: b keeps the prefix even once a is idle again (b is not much busier).
-    rs.report("a", load(), 2.0)
-    assert rs.choose(LONG, prefix_key="p", now=2.0) == "b"
-
-
-def test_prefix_affinity_keeps_a_lightly_used_replica_over_an_idle_one():
-    rs = replicas("a", "b", policy=AFFINITY)
-    assert rs.choose(SHORT, prefix_key="p", now=0.0) == "a"
-    rs.report("a", load(running=12), 1.0)  # load ~0.09 against b's 0.0: a pure ratio would move
-    assert rs.choose(SHORT, prefix_key="p", now=1.0) == "a"
-
-
-def test_prefix_affinity_is_off_by_default_and_its_memory_is_bounded():
-    rs = replicas("a", "b")
-    assert [rs.choose(LONG, prefix_key="p", now=0.0) for _ in range(2)] == ["a", "b"]
-    rs = replicas("a", "b", policy=RoutingPolicy(prefix_affinity=True, affinity_capacity=2))
-    assert rs.choose(LONG, prefix_key="p1", now=0.0) == "a"
-    rs.choose(LONG, prefix_key="p2", now=0.0)
-    rs.choose(LONG, prefix_key="p3", now=0.0)  # p1, least recently used, is forgotten
-    for rid in ("a", "b"):
-        rs.report(rid, load(), 1.0)
-    rs.report("b", load(running=1), 1.0)
-    assert rs.choose(LONG, prefix_key="p1", now=1.0) == "a"  # the best, not a remembered replica
-    assert rs.affinity_hits == 0 and rs.affinity_moves == 0
-
-
-def test_prefix_of_a_down_replica_moves():
-    rs = replicas("a", "b", policy=AFFINITY)
-    assert rs.choose(LONG, prefix_key="p", now=0.0) == "a"
-    rs.mark_down("a", 0.5)
-    assert rs.choose(LONG, prefix_key="p", now=0.5) == "b"
-    rs.report("a", load(), 1.0)
-    assert rs.choose(LONG, prefix_key="p", now=1.0) == "b"  # stays where it moved
 
 
 def test_down_or_unready_replicas_are_never_chosen():
@@ -256,9 +198,9 @@ def test_stats_per_replica():
         dict(stale_after_s=0),
         dict(stale_after_s=math.inf),
         dict(slow_step_s=-1.0),
-        dict(affinity_factor=0.5),
-        dict(affinity_slack=-0.1),
-        dict(affinity_capacity=0),
+        dict(cache_weight=-0.1),
+        dict(cache_index_blocks=0),
+        dict(routing_policy="random"),
         dict(max_attempts=0),
     ],
 )

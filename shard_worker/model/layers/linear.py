@@ -116,8 +116,8 @@ class LinearBase(nn.Module):
             start += self.fused_offsets[p] if fused else 0
             offset = sum(self.output_partition_sizes[:p])
             per = getattr(param, "output_per", 1)
-            start, rows, offset, size = _per(start, per, name), _per(rows, per, name), offset // per, None
-            size = self.output_partition_sizes[p] // per
+            start, rows, offset = (_per(n, per, name) for n in (start, rows, offset))
+            size = _per(self.output_partition_sizes[p], per, name)
             dest = dest.narrow(out_dim, offset, size)
             if rows < size:  # the LM head's padding rows
                 dest.narrow(out_dim, rows, size - rows).zero_()

@@ -82,8 +82,6 @@ class FusedMoE(nn.Module):
         method.create_weights(
             self, self.num_experts, self.hidden_size, self.local_intermediate, torch.get_default_dtype()
         )
-        self.gate_up_proj.checkpoint_parts = tuple((e, s) for e in range(self.num_experts) for s in (0, 1))
-        self.down_proj.checkpoint_parts = tuple((e, None) for e in range(self.num_experts))
 
     def load_gate_up(self, param: nn.Parameter, source, part: tuple[int, int]) -> None:
         expert, shard = part

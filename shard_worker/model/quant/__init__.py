@@ -16,6 +16,10 @@ from shard_worker.model.quant.base import LinearMethod, QuantConfig
 
 CHECKPOINT_FORMATS = {
     "compressed-tensors": "shard_worker.model.quant.compressed_tensors:CompressedTensorsConfig",
+    "awq": "shard_worker.model.quant.int4_checkpoints:AWQConfig",
+    "gptq": "shard_worker.model.quant.int4_checkpoints:GPTQConfig",
+    # Written by common/gguf_model.py for `--model x.gguf`: the weights are the GGUF file's.
+    "gguf": "shard_worker.model.quant.gguf:GGUFConfig",
 }
 ONLINE_FORMATS = {
     "int8": "shard_worker.model.quant.online:OnlineInt8Config",

@@ -116,7 +116,9 @@ def weight_bytes(model: nn.Module) -> int:
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     for module in model.modules():
         packed = getattr(module, "packed", None)
-        if packed is not None:
+        if packed is not None and hasattr(packed, "nbytes"):  # kernels.PackedInt8 / PackedInt4
+            total += packed.nbytes
+        elif packed is not None:
             tensors = [t for t in vars(packed).values() if isinstance(t, torch.Tensor)]
             total += sum(t.numel() * t.element_size() for t in tensors)
     return total

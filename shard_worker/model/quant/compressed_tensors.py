@@ -4,7 +4,7 @@ args, and a format), an ignore list, and a global format.
 
 Served (per layer: a group's scheme, or unquantized when ignored or targeted by no group):
     int-quantized    int8 weights [N, K], weight_scale [N, 1]: W8A16 (weight-only, kernels.PackedInt8)
-                     and W8A8 (activations int8 per token, dynamic; products.int8_w8a8)
+                     and W8A8 (activations int8 per token, dynamic; kernels.PackedInt8.matmul_dynamic)
     pack-quantized   4-bit (group or channel; symmetric, or asymmetric with weight_zero_point) and
                      symmetric 8-bit per channel, eight / four values per int32 (weight_packed), and
                      weight_shape: kernels.PackedInt4 / PackedInt8
@@ -130,13 +130,13 @@ class Int8Method(LinearMethod):
         add_param(layer, "weight_scale", (n, 1), torch.float32, output_dim=0)
 
     def process_weights_after_loading(self, layer) -> None:
-        if not self.w8a8:
-            layer.packed = PackedInt8.pack(layer.weight.detach(), layer.weight_scale.detach().reshape(-1))
-            del layer.weight, layer.weight_scale
+        layer.packed = PackedInt8.pack(layer.weight.detach(), layer.weight_scale.detach().reshape(-1))
+        del layer.weight, layer.weight_scale
 
     def apply(self, layer, x, bias=None):
-        if self.w8a8:
-            return products.int8_w8a8(x, layer.weight, layer.weight_scale, bias)
+        if self.w8a8:  # kernels.PackedInt8.matmul_dynamic: fbgemm on CPU, per token
+            y = layer.packed.matmul_dynamic(x)
+            return y if bias is None else y + bias
         return products.weight_only(layer.packed, x, bias)
 
 

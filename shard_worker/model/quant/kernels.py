@@ -1,59 +1,296 @@
-"""Weight-only int8 and int4 products: the API the quantized methods code against.
+"""Weight-only int8 and int4 products, held in the layout of the kernel chosen for the device.
 
-This is the REFERENCE implementation (dequantize, then F.linear), correct on every device; the fast CPU
-kernels replace this file behind the same API. TP slicing happens before pack: pack takes this rank's
-shard.
+PackedInt8: symmetric int8 per output channel, w[n, k] = q[n, k] * scale[n].
+PackedInt4: 4-bit in groups of group_size along K, w[n, k] = (q[n, k] - zero[n, k // g]) * scale[n, k // g]
+(zero may be non-integer: GGUF's Q4_K min offsets; None means symmetric, zero 8).
+
+Chosen by bench/quant_kernels.py (its header holds the table), on CPU, the same on AVX-512 and AVX2:
+  int8: aten._weight_int8pack_mm (int8 weight, bf16 activations: its float32 path is 2-8x slower;
+        per-channel scale in the kernel); it needs K % 16 == 0. At batch 1: 3.3-4.0x float32 and
+        1.6-2.6x bf16 on Llama-3-8B's shapes, 1.0-1.7x float32 and 0.86-1.0x bf16 on SmolLM2's.
+  int4: aten._weight_int4pack_mm_for_cpu (the "tinygemm" layout, repacked once here by
+        _convert_weight_to_int4pack_for_cpu; its form of the affine rule is w = (q - 8) * s + m, so
+        m = (8 - zero) * s). It needs N % 16 == 0 and a group of 32, 64, 128 or 256 (a larger group
+        that one of them divides, per-channel included, is served by repeating its scales). At batch 1
+        1.4-5.5x the int8 kernel, 1.5-12x bf16.
+  W8A8 (PackedInt8.matmul_dynamic): activations quantized per token to int8, through fbgemm's dynamic
+        linear (the fastest int8 product measured at every batch; on the large shapes 2.1-12x bf16 at
+        one row and 1.0-1.6x from 8 rows up, where both weight-only kernels fall behind bf16, their
+        cost growing with M).
+Activations go to the kernels in bfloat16 and results come back in x's dtype (as --linear-dtype bfloat16
+does for the unquantized layers). Anything a kernel cannot take (another device, odd shapes, float64)
+falls back to dequantize() + F.linear per call: correct, and as slow as it sounds; `kernel` names which
+one a packed weight uses.
+
+Both are nn.Modules whose tensors are non-persistent buffers: a layer holds one as an attribute (a
+submodule), `.to(device)` moves it with the model, and they stay out of state_dict and named_parameters
+(the loader fills parameters, and the packed form is derived from them after loading). Moving an int4
+weight repacks it for the new device (the CPU layout is the kernel's, not a plain one). `nbytes` is what
+one holds (not visible to vars(): it is a Module).
 """
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+INT4_GROUPS = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu takes
+_ENGINES = set(torch.backends.quantized.supported_engines)
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-class PackedInt8:
-    """Weight-only int8, symmetric, per output channel: w = q * scale."""
+@functools.cache
+def _int_mm_exact() -> bool:
+    """Whether torch._int_mm returns exact int32 sums here. oneDNN without VNNI (AVX2 dispatch,
+    measured with ONEDNN_MAX_CPU_ISA=AVX2) saturates 16-bit pair sums: errors of ~6e4 on random rows."""
+    a = torch.full((2, 64), 127, dtype=torch.int8)
+    a[1] = -127
+    b = torch.full((64, 16), 127, dtype=torch.int8)
+    try:
+        return torch.equal(torch._int_mm(a, b), a.int() @ b.int())
+    except RuntimeError:
+        return False
+
+
+@functools.cache
+def _reduce_range() -> bool:
+    """Whether fbgemm's dynamic linear must keep activations to 7 bits: its u8 x s8 products without
+    VNNI (vpmaddubsw) saturate 16-bit pair sums at 8 bits. Checked on a worst case once."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        qw = torch._make_per_channel_quantized_tensor(
+            torch.full((16, 64), 127, dtype=torch.int8), torch.ones(16).double(), torch.zeros(16).long(), 0
+        )
+    y = torch.ops.quantized.linear_dynamic(torch.ones(1, 64), torch.ops.quantized.linear_prepack(qw, None))
+    return not bool(((y - 127 * 64).abs() < 1).all())
+
+
+def cpu_kind() -> str:
+    """The CPU's vector ISA as torch sees it ("AVX512", "AVX2", ...), and whether oneDNN multiplies
+    bfloat16 natively: the two facts the kernel choice can depend on."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return f"{capability}, native bf16 {'yes' if bf16 else 'no'}"
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernels take it: 2-D, contiguous, bfloat16 (their float32 paths measured 6-100x slower
+    than their bfloat16 ones, bench/quant_kernels.py)."""
+    return x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
+
+
+class PackedInt8(nn.Module):
+    """Symmetric per-output-channel int8 weight. matmul keeps x's precision for activations;
+    matmul_dynamic is W8A8 (activations quantized per token)."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor):
-        self.q, self.scale = q, scale
+        super().__init__()
+        self.register_buffer("q", q, persistent=False)  # int8 [N, K]
+        self.register_buffer("scale", scale, persistent=False)  # float32 [N]
+        self.register_buffer("scale_bf16", scale.to(torch.bfloat16), persistent=False)
+        self._fbgemm = None  # matmul_dynamic's packed weight, built on first use
+        self._fits_on = None
 
     @classmethod
     def pack(cls, q: torch.Tensor, scale: torch.Tensor) -> PackedInt8:
-        """q: int8 [N, K]; scale: float [N]."""
-        return cls(q.to(torch.int8).contiguous(), scale.reshape(-1).float().contiguous())
+        if q.dtype != torch.int8 or q.dim() != 2:
+            raise ValueError(f"PackedInt8 wants int8 [N, K], got {q.dtype} {tuple(q.shape)}")
+        if tuple(scale.shape) != (q.shape[0],):
+            raise ValueError(f"PackedInt8 scale shape {tuple(scale.shape)}, expected ({q.shape[0]},)")
+        return cls(q.contiguous(), scale.to(device=q.device, dtype=torch.float32).contiguous())
+
+    @property
+    def kernel(self) -> str:
+        return "weight_int8pack_mm" if self._fits() else "dequantize"
+
+    def _fits(self) -> bool:
+        # Its AVX-512 path reads K in blocks of 16 and returns garbage or crashes otherwise (measured).
+        # Cached per device (read per product; a property costs ~4 us a call here).
+        if self._fits_on is not self.q.device:
+            self._fits_on, self._fits_q = (
+                self.q.device,
+                self.q.device.type == "cpu" and self.q.shape[1] % 16 == 0,
+            )
+        return self._fits_q
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: q and its float32 scales (bf16 copy included), plus fbgemm's copy of q once a W8A8
+        product has built it (a layer used only W8A8 could drop q: not done, dequantize() reads it)."""
+        fbgemm = self.q.numel() if self._fbgemm is not None else 0
+        return self.q.numel() + 6 * self.scale.numel() + fbgemm
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] (float32 or bfloat16) -> x W^T [..., N] in x.dtype."""
+        if not self._fits() or x.dtype not in _KERNEL_DTYPES:
+            return F.linear(x, self.dequantize(x.dtype))
+        y = torch.ops.aten._weight_int8pack_mm(_rows(x), self.q, self.scale_bf16)
+        return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+
+    def matmul_dynamic(self, x: torch.Tensor) -> torch.Tensor:
+        """W8A8: each row of x quantized to int8 by its own absmax (symmetric, per token), int8 products
+        summed in int32, then scaled by the row's and the channel's scales; [..., N] in x.dtype.
+
+        On CPU through fbgemm's dynamic linear, which quantizes its whole input with one range (the
+        span of its values and 0, 255 steps): for one row that is the row's own, a grid at least as fine
+        as absmax / 127, used as it is; for more, each row is divided by its absmax first (and the result
+        multiplied back), and one extra row [-1, 1, 0..] pins the range to [-1, 1], so every row is
+        quantized by its own absmax whatever else is in the batch (the pinning costs ~40 us a product
+        on SmolLM2's shapes, measured, which a batch of one skips). Elsewhere (or without fbgemm) the
+        per-token rule through torch._int_mm, where it is exact."""
+        rows = x.reshape(-1, x.shape[-1]).float()
+        # Other dtypes (float64 tests) take the per-token rule exactly as written (products.py's).
+        packed = self._fbgemm_weight() if x.dtype in (torch.float32, torch.bfloat16) else None
+        if packed is not None and rows.shape[0] == 1:  # its one range is this row's own
+            y = torch.ops.quantized.linear_dynamic(rows, packed, _reduce_range())
+            return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+        absmax = rows.abs().amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+        if packed is not None:
+            pinned = torch.cat([rows / absmax, self._pin_row], dim=0)
+            y = torch.ops.quantized.linear_dynamic(pinned, packed, _reduce_range())[:-1] * absmax
+        else:
+            x_scale = absmax / 127
+            xq = torch.round(rows / x_scale).clamp(-127, 127).to(torch.int8)
+            cpu = self.q.device.type == "cpu"
+            if (cpu and _int_mm_exact()) or (not cpu and xq.shape[0] > 16):  # CUDA's wants > 16 rows
+                acc = torch._int_mm(xq, self.q.t()).float()
+            else:  # exact in float32 while K * 127^2 < 2^24 (K <= 1040), float32-rounded beyond
+                acc = F.linear(xq.float(), self.q.float())
+            y = acc * x_scale * self.scale
+        return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+
+    def _fbgemm_weight(self):
+        """fbgemm's packed form of q, built on the first W8A8 product (CPU only; None if unavailable)."""
+        if self._fbgemm is None and self.q.device.type == "cpu" and "fbgemm" in _ENGINES:
+            n, k = self.q.shape
+            zeros = torch.zeros(n, dtype=torch.long)
+            with warnings.catch_warnings():  # quantized tensors are deprecated; torch is pinned
+                warnings.simplefilter("ignore", UserWarning)
+                qw = torch._make_per_channel_quantized_tensor(self.q, self.scale.double(), zeros, 0)
+            self._fbgemm = torch.ops.quantized.linear_prepack(qw, None)
+            self._pin_row = torch.zeros(1, k)
+            self._pin_row[0, :2] = torch.tensor([-1.0, 1.0])
+        return self._fbgemm
+
+    def _apply(self, fn, recurse=True):
+        self._fbgemm = None  # rebuilt from q where it lands
+        return super()._apply(fn, recurse)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return (self.q.float() * self.scale[:, None]).to(dtype)
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] (float32 or bfloat16) -> [..., N] in x's dtype."""
-        return F.linear(x, self.dequantize(x.dtype))
 
+class PackedInt4(nn.Module):
+    """4-bit weight in groups along K, in the tinygemm CPU layout where the shape allows it, else as
+    plain nibbles (two per byte along K, low nibble first) dequantized per product."""
 
-class PackedInt4:
-    """Weight-only 4-bit in groups of group_size along K: w = (q - zero) * scale."""
-
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int):
-        self.q, self.scale, self.zero, self.group_size = q, scale, zero, group_size
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group_size: int):
+        super().__init__()
+        self.group_size = group_size
+        self.shape = tuple(q.shape)
+        self.register_buffer("scale", scale, persistent=False)  # float32 [N, K // g]
+        self.register_buffer("zero", zero, persistent=False)  # float32 [N, K // g] or None (8)
+        self._place(q)
 
     @classmethod
     def pack(
         cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group_size: int
     ) -> PackedInt4:
-        """q: uint8 values 0..15 [N, K]; scale: float [N, K // group_size]; zero: float of the same shape,
-        or None for symmetric (zero 8)."""
+        if q.dim() != 2 or q.dtype.is_floating_point or q.dtype == torch.bool:
+            raise ValueError(f"PackedInt4 wants uint8 [N, K], got {q.dtype} {tuple(q.shape)}")
         n, k = q.shape
-        if k % group_size or scale.shape != (n, k // group_size):
-            shape = tuple(scale.shape)
-            raise ValueError(f"PackedInt4: scale {shape} does not fit [{n}, {k}] in groups of {group_size}")
-        zero = torch.full_like(scale, 8.0, dtype=torch.float32) if zero is None else zero.float()
-        return cls(q.to(torch.uint8).contiguous(), scale.float().contiguous(), zero.contiguous(), group_size)
+        if group_size <= 0 or k % group_size:
+            raise ValueError(f"PackedInt4: K={k} is not a multiple of group_size {group_size}")
+        groups = (n, k // group_size)
+        if tuple(scale.shape) != groups or (zero is not None and tuple(zero.shape) != groups):
+            raise ValueError(f"PackedInt4: scale/zero must be {groups}")
+        if q.numel() and (int(q.max()) > 15 or int(q.min()) < 0):
+            raise ValueError("PackedInt4: values must be 0..15")
+        q = q.to(torch.uint8)
+        as_f32 = {"device": q.device, "dtype": torch.float32}
+        zero = None if zero is None else zero.to(**as_f32).contiguous()
+        return cls(q, scale.to(**as_f32).contiguous(), zero, group_size)
 
-    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        g = self.group_size
-        scale = self.scale.repeat_interleave(g, dim=1)
-        zero = self.zero.repeat_interleave(g, dim=1)
-        return ((self.q.float() - zero) * scale).to(dtype)
+    def _place(self, q: torch.Tensor) -> None:
+        """Stores q in the layout of the kernel this device and shape allow."""
+        n, k = self.shape
+        # The kernel's group: group_size itself, or a divisor of it the kernel takes (per-channel and
+        # group 512 weights repeat their scales over it, exactly).
+        self.kernel_group = next((g for g in reversed(INT4_GROUPS) if self.group_size % g == 0), 0)
+        self.tinygemm = q.device.type == "cpu" and n % 16 == 0 and self.kernel_group > 0
+        if self.tinygemm:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        else:
+            padded = F.pad(q, (0, k % 2))
+            packed = (padded[:, 0::2] | (padded[:, 1::2] << 4)).contiguous()
+        self.register_buffer("qweight", packed, persistent=False)
+        self._kernel_scales = {}  # dtype -> [K // g, N, 2] (scale, offset), built on first use
+
+    @property
+    def kernel(self) -> str:
+        return "weight_int4pack_mm_for_cpu" if self.tinygemm else "dequantize"
+
+    @property
+    def nbytes(self) -> int:
+        groups = 4 * self.scale.numel() * (1 if self.zero is None else 2)
+        return self.qweight.numel() + groups
+
+    def _scales_and_offsets(self, dtype: torch.dtype) -> torch.Tensor:
+        if dtype not in self._kernel_scales:
+            zero = 8.0 if self.zero is None else self.zero
+            offset = (8 - zero) * self.scale
+            stacked = torch.stack([self.scale, offset.expand_as(self.scale)], dim=-1)
+            stacked = stacked.repeat_interleave(self.group_size // self.kernel_group, dim=1)
+            self._kernel_scales[dtype] = stacked.transpose(0, 1).contiguous().to(dtype)
+        return self._kernel_scales[dtype]
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dequantize(x.dtype))
+        """x [..., K] (float32 or bfloat16) -> x W^T [..., N] in x.dtype."""
+        if not self.tinygemm or x.dtype not in _KERNEL_DTYPES:
+            return F.linear(x, self.dequantize(x.dtype))
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            _rows(x), self.qweight, self.kernel_group, self._scales_and_offsets(torch.bfloat16)
+        )
+        return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+
+    def unpack(self) -> torch.Tensor:
+        """q as given to pack (uint8 [N, K])."""
+        n, k = self.shape
+        if not self.tinygemm:
+            plain = torch.stack([self.qweight & 15, self.qweight >> 4], dim=-1).reshape(n, -1)
+            return plain[:, :k].contiguous()
+        # The tinygemm layout depends on the ISA's block sizes: read where each (n, k) lands by packing
+        # its flat index, one hex digit at a time, through the same conversion.
+        where = torch.zeros(n * k, dtype=torch.int64)
+        index = torch.arange(n * k, dtype=torch.int64).reshape(n, k)
+        digit = 0
+        while (n * k - 1) >> (4 * digit):
+            code = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                ((index >> (4 * digit)) & 15).to(torch.int32), 1
+            )
+            where |= _nibbles(code).long() << (4 * digit)
+            digit += 1
+        q = torch.empty(n * k, dtype=torch.uint8)
+        q[where] = _nibbles(self.qweight)
+        return q.reshape(n, k)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        q = self.unpack().float()
+        zero = 8.0 if self.zero is None else self.zero.repeat_interleave(self.group_size, dim=1)
+        return ((q - zero) * self.scale.repeat_interleave(self.group_size, dim=1)).to(dtype)
+
+    def _apply(self, fn, recurse=True):
+        # The tinygemm layout is the CPU kernel's: a device move repacks from the plain values.
+        q = self.unpack()
+        super()._apply(fn, recurse)
+        self._place(q.to(self.scale.device))
+        return self
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """A packed uint8 tensor's nibbles in storage order (each byte's low nibble, then its high one)."""
+    return torch.stack([packed & 15, packed >> 4], dim=-1).reshape(-1)

@@ -85,6 +85,9 @@ class UnquantizedExpertMethod(ExpertMethod):
         down = add_param(layer, "down_proj", (num_experts, hidden_size, local_intermediate), params_dtype)
         gate_up.weight_loader = layer.load_gate_up
         down.weight_loader = layer.load_down
+        # Filled one checkpoint tensor at a time: (expert, 0 gate | 1 up) and (expert, None) for down.
+        gate_up.checkpoint_parts = tuple((e, s) for e in range(num_experts) for s in (0, 1))
+        down.checkpoint_parts = tuple((e, None) for e in range(num_experts))
 
     def apply(self, layer, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The experts' outputs for rows xs sorted by expert, counts[e] rows for expert e."""

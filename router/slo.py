@@ -1,0 +1,212 @@
+"""Latency objectives: what each request is promised, whether the router can keep the promise, and which
+replicas may take more decode load. Plain Python: no gRPC, no asyncio; the clock is an argument.
+
+Objectives. A request carries a TTFT objective, a TPOT objective (ms; 0: none) and vLLM's priority (lower
+is served first). Unset objectives take the server's default for the prompt's length bucket
+(--slo-ttft-ms / --slo-tpot-ms: one value for every bucket, or one per bucket, shortest first).
+
+Admission (`SloEstimator.refusal`). When a request arrives the router predicts its time to first token:
+
+    predicted_ttft = queue_wait + first_token_s
+    queue_wait     = max(0, ahead + 1 - free_slots) / drain_rate
+    drain_rate     = sum over up replicas of max_num_seqs / service_s
+
+- ahead: requests that leave the router's queue before it (its bucket and the shorter ones) plus those the
+  schedulers hold waiting; free_slots: requests the replicas would take now (their credit).
+- first_token_s: the recent time from sending a request to a replica to its first token (queue there
+  and prefill), per replica (an EWMA; the best replica's, since the choice is made when it leaves the queue).
+- service_s: the recent time from sending a request to its end (an EWMA, per replica). A replica serves
+  max_num_seqs at once, so it finishes about max_num_seqs / service_s requests a second when full. Measured
+  under light load it is optimistic, and grows towards the truth as the batch fills (self-correcting; a
+  rate measured from completions would instead learn the offered load and refuse ever more).
+- Nothing measured yet (no request has finished): admitted, as nothing says it will miss.
+- The model is crude (credit round trips, the router's own loop and other processes on the host slow the
+  drain), so the prediction is scaled by `bias`: the recent ratio (an EWMA, within [0.5, 4]; quick to rise,
+  slow to fall) of each request's actual TTFT at the router to what was predicted for it when it arrived.
+A request whose prediction exceeds its objective is refused at once, with the prediction in the reason and
+`retry_after_s` (the time for the queue ahead to drain to where it would fit).
+
+Decode load (`SloEstimator.takes_decode`). A replica whose recent step (one token for each running
+sequence) is slower than the tightest TPOT objective of the requests it holds, times `tpot_margin`, is
+offered no new request until its batch drains: one more sequence would slow every one it holds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from common.load import ReplicaLoad
+from common.settings import Rule, setting
+
+_MS = Rule(lambda v: all(isinstance(x, int) and x >= 0 for x in v), "integers >= 0 (milliseconds)")
+
+
+@dataclass(frozen=True)
+class SloPolicy:
+    """Server-wide defaults (the router's and `tpserve launch`'s flags)."""
+
+    slo_ttft_ms: tuple[int, ...] = setting(
+        (0,),
+        help="default time-to-first-token objective (ms) of a request that sends none: one value, or one "
+        "per length bucket, shortest first (0: none); a request predicted to miss it is refused",
+        rule=_MS,
+        launch=True,
+    )
+    slo_tpot_ms: tuple[int, ...] = setting(
+        (0,),
+        help="default time-per-output-token objective (ms), one value or one per length bucket (0: "
+        "none); a replica stepping slower than its requests' tightest objective takes no new ones",
+        rule=_MS,
+        launch=True,
+    )
+    # A replica is closed to new requests when its step exceeds this share of the tightest TPOT objective.
+    tpot_margin: float = 0.9
+    alpha: float = 0.2  # EWMA weight of each new measurement
+
+    def check(self, num_buckets: int) -> None:
+        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+            v = getattr(self, name)
+            if len(v) not in (0, 1, num_buckets):
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(
+                    f"{flag} takes one value or one per length bucket ({num_buckets}), got {len(v)}"
+                )
+
+
+@dataclass(frozen=True)
+class Objectives:
+    """What one request is promised. Seconds; None: no objective."""
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    priority: int = 0
+
+    @property
+    def any(self) -> bool:
+        return self.ttft_s is not None or self.tpot_s is not None
+
+
+def _default(values: tuple[int, ...], bucket: int) -> int:
+    if not values:
+        return 0
+    return values[0] if len(values) == 1 else values[min(bucket, len(values) - 1)]
+
+
+def resolve(
+    policy: SloPolicy, bucket: int, ttft_ms: int | None, tpot_ms: int | None, priority: int
+) -> Objectives:
+    """A request's objectives: what it sent (None: not sent), else its bucket's default; 0 is none."""
+    ttft = _default(policy.slo_ttft_ms, bucket) if ttft_ms is None else ttft_ms
+    tpot = _default(policy.slo_tpot_ms, bucket) if tpot_ms is None else tpot_ms
+    return Objectives(ttft / 1000 if ttft else None, tpot / 1000 if tpot else None, priority)
+
+
+NO_OBJECTIVES = Objectives()
+
+
+def ttft_budget_ms(objectives: Objectives, waited_s: float) -> int:
+    """What is left of the TTFT objective after waiting waited_s in the router (at least 1 ms; 0: none):
+    the scheduler's deadline for the first token is its arrival there plus this."""
+    if objectives.ttft_s is None:
+        return 0
+    return max(1, round((objectives.ttft_s - waited_s) * 1000))
+
+
+class SloRefused(Exception):
+    """The request would miss its TTFT objective: refused at once (RESOURCE_EXHAUSTED, HTTP 429)."""
+
+    def __init__(self, reason: str, retry_after_s: float):
+        super().__init__(reason)
+        self.retry_after_s = retry_after_s
+
+
+@dataclass
+class _Rates:
+    first_token_s: float | None = None  # EWMA: sent -> first token
+    service_s: float | None = None  # EWMA: sent -> end
+    holding: dict[str, float] = field(default_factory=dict)  # request id -> its TPOT objective (s)
+
+
+class SloEstimator:
+    def __init__(self, policy: SloPolicy | None = None):
+        self.policy = policy or SloPolicy()
+        self._replicas: dict[str, _Rates] = {}
+        self.bias = 1.0  # actual TTFT / predicted, recently
+
+    def observed_ttft(self, predicted_s: float, actual_s: float) -> None:
+        """A request's TTFT at the router, and what predict_ttft said when it arrived."""
+        if predicted_s > 0:
+            # Fast up, slow down: a request learns it was late only at its first token, while more are
+            # admitted on the old figure, so underestimates are corrected at once and trust comes back slowly.
+            ratio = actual_s / predicted_s
+            alpha = 0.5 if ratio > self.bias else 0.05
+            self.bias = min(4.0, max(0.5, self.bias + alpha * (ratio - self.bias)))
+
+    def _rates(self, replica: str) -> _Rates:
+        return self._replicas.setdefault(replica, _Rates())
+
+    def _ewma(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.policy.alpha * (new - old)
+
+    # ---- what the router measures ----
+
+    def sent(self, replica: str, request_id: str, objectives: Objectives) -> None:
+        if objectives.tpot_s is not None:
+            self._rates(replica).holding[request_id] = objectives.tpot_s
+
+    def first_token(self, replica: str, seconds: float) -> None:
+        r = self._rates(replica)
+        r.first_token_s = self._ewma(r.first_token_s, seconds)
+
+    def ended(self, replica: str, request_id: str, seconds: float | None) -> None:
+        """The request left replica (finished, aborted, moved); seconds: sent -> end when it finished."""
+        r = self._rates(replica)
+        r.holding.pop(request_id, None)
+        if seconds is not None:
+            r.service_s = self._ewma(r.service_s, seconds)
+
+    def forget(self, replica: str) -> None:
+        self._replicas.pop(replica, None)
+
+    # ---- the decisions ----
+
+    def takes_decode(self, replica: str, load: ReplicaLoad | None) -> bool:
+        """Whether replica may be offered a new request: its recent step is within the tightest TPOT
+        objective (times the margin) of the requests it holds."""
+        holding = self._replicas.get(replica)
+        if load is None or holding is None or not holding.holding:
+            return True
+        return load.step_seconds <= self.policy.tpot_margin * min(holding.holding.values())
+
+    def predict_ttft(
+        self, loads: dict[str, ReplicaLoad], ahead: int, free_slots: int
+    ) -> tuple[float, float] | None:
+        """(predicted TTFT, queue wait) in seconds for a request with `ahead` requests before it; None
+        when nothing is measured yet. loads: the up replicas' last reports."""
+        measured = [(t, self._replicas[t]) for t in loads if t in self._replicas]
+        firsts = [r.first_token_s for _, r in measured if r.first_token_s is not None]
+        rate = sum(loads[t].max_num_seqs / r.service_s for t, r in measured if r.service_s)
+        if not firsts or rate <= 0:
+            return None
+        ahead += sum(load.waiting for load in loads.values())
+        wait = max(0, ahead + 1 - free_slots) / rate
+        return (wait + min(firsts)) * self.bias, wait * self.bias
+
+    def check(
+        self, objectives: Objectives, loads: dict[str, ReplicaLoad], ahead: int, free_slots: int
+    ) -> float | None:
+        """The request's predicted TTFT if queued now behind `ahead` requests (None: nothing measured yet,
+        or no replica up: the pool's own wait-for-a-replica rule applies). Raises SloRefused when that
+        exceeds its TTFT objective."""
+        predicted = self.predict_ttft(loads, ahead, free_slots) if loads else None
+        if objectives.ttft_s is None or predicted is None or predicted[0] <= objectives.ttft_s:
+            return predicted and predicted[0]
+        ttft, wait = predicted
+        # Time until the queue has drained enough for the prediction to fit (at least the excess).
+        retry = max(ttft - objectives.ttft_s, 0.001)
+        raise SloRefused(
+            f"cannot meet the TTFT objective: predicted {ttft * 1000:.0f} ms "
+            f"({ahead} requests ahead, {wait * 1000:.0f} ms of queue) > {objectives.ttft_s * 1000:.0f} ms",
+            math.ceil(retry),
+        )

@@ -1,0 +1,227 @@
+"""GGUF files served directly (`--model x.gguf`, common/gguf_model.py): their weights read from the file,
+4-bit ones kept 4-bit.
+
+Kept as PackedInt4 (group 32, the same q 0..15, and scale and zero that give llama.cpp's values):
+    Q4_0  w = d (q - 8)                 scale d, zero 8
+    Q4_1  w = d q + m                   scale d, zero -m / d
+    Q4_K  w = d sc q - dmin mn          per 32-value sub-block: scale d sc, zero dmin mn / (d sc)
+          (super-blocks of 256 with 6-bit sc and mn)
+A block whose scale is zero holds one value c (q does not matter): stored as q 0, zero -1, scale c.
+The float zero makes Q4_1 and Q4_K equal to gguf's own dequantization up to float32 rounding (a few
+ulps), Q4_0 exactly.
+
+Dequantized once at load to the model's dtype (no exact layout in quant/kernels.py: Q8_0 has a scale
+per 32 values, PackedInt8 one per output channel; Q6_K is 6-bit): Q8_0, Q6_K, Q5_*, Q2_K, Q3_K, Q5_K,
+and a merged layer (qkv_proj, gate_up_proj) whose parts are not all 4-bit. F32 / F16 / BF16 tensors
+(norms, embeddings) load as they are. Any other GGML type: a ValueError of one line (exit 2).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from shard_worker.model.quant import products
+from shard_worker.model.quant.base import LinearMethod, QuantConfig, add_param
+from shard_worker.model.quant.kernels import PackedInt4
+
+GROUP = 32
+
+
+def _types():
+    from gguf import GGMLQuantizationType as T
+
+    return T
+
+
+def int4_types() -> set[str]:
+    return {"Q4_0", "Q4_1", "Q4_K"}
+
+
+def dequantized_types() -> set[str]:
+    return {"Q8_0", "Q6_K", "Q5_0", "Q5_1", "Q5_K", "Q2_K", "Q3_K"}
+
+
+def plain_types() -> set[str]:
+    return {"F32", "F16", "BF16"}
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """Little-endian float16 from a [..., 2] uint8 array, as float32."""
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _constant_blocks(q, scale, zero, constant) -> None:
+    """Blocks whose scale is 0 hold one value: q 0, zero -1, scale that value (in place)."""
+    flat = scale == 0
+    if flat.any():
+        q.reshape(*scale.shape, -1)[flat] = 0
+        zero[flat] = -1.0
+        scale[flat] = constant[flat]
+
+
+def unpack_int4(type_name: str, data: np.ndarray, shape: tuple[int, int]):
+    """(q uint8 [N, K], scale float32 [N, K/32], zero float32 [N, K/32]) of a Q4_0 / Q4_1 / Q4_K tensor;
+    data: its raw bytes (GGUFReader's tensor.data, [N, bytes per row])."""
+    n, k = shape
+    raw = np.asarray(data, dtype=np.uint8).reshape(n, -1)
+    if type_name in ("Q4_0", "Q4_1"):
+        head = 2 if type_name == "Q4_0" else 4
+        blocks = raw.reshape(n, k // GROUP, head + 16)
+        qs = blocks[..., head:]
+        q = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(n, k)  # low nibbles first
+        d = _f16(blocks[..., 0:2])
+        if type_name == "Q4_0":
+            return q, d, np.full_like(d, 8.0)
+        m = _f16(blocks[..., 2:4])
+        with np.errstate(divide="ignore", invalid="ignore"):
+            zero = np.where(d == 0, 0.0, -m / d).astype(np.float32)
+        scale = d.copy()
+        _constant_blocks(q, scale, zero, m)
+        return q, scale, zero
+    if type_name == "Q4_K":
+        blocks = raw.reshape(n, k // 256, 144)
+        d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
+        s = blocks[..., 4:16].astype(np.uint8)
+        sc = np.empty((*s.shape[:-1], 8), dtype=np.uint8)
+        mn = np.empty_like(sc)
+        sc[..., :4], mn[..., :4] = s[..., 0:4] & 63, s[..., 4:8] & 63
+        sc[..., 4:] = (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)
+        mn[..., 4:] = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
+        qs = blocks[..., 16:].reshape(n, k // 256, 4, 32)
+        q = np.stack([qs & 15, qs >> 4], axis=3).reshape(n, k)  # chunk c: sub-blocks 2c, 2c + 1
+        scale = (d[..., None] * sc).reshape(n, -1).astype(np.float32)
+        offset = (dmin[..., None] * mn).reshape(n, -1).astype(np.float32)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            zero = np.where(scale == 0, 0.0, offset / scale).astype(np.float32)
+        _constant_blocks(q, scale, zero, -offset)
+        return q, scale, zero
+    raise ValueError(f"gguf: {type_name} is not a 4-bit type")
+
+
+def check_type(name: str, type_name: str) -> None:
+    if type_name not in int4_types() | dequantized_types() | plain_types():
+        raise ValueError(f"gguf: tensor {name} has type {type_name}, which is not supported")
+
+
+class GGUFConfig(QuantConfig):
+    """quantization_config {"quant_method": "gguf", "file": path}, written by common/gguf_model.py."""
+
+    name = "gguf"
+
+    def __init__(self, unquantized, file: str):
+        super().__init__(unquantized)
+        from gguf import GGUFReader
+
+        self.file = file
+        self.reader = GGUFReader(file)
+        self.types = {t.name: t.tensor_type.name for t in self.reader.tensors}
+        for tensor_name, type_name in self.types.items():
+            check_type(tensor_name, type_name)
+        self.names: dict[str, str] = {}  # HF checkpoint tensor name -> GGUF tensor name, set by the loader
+        self.method = GGUFInt4Method()
+
+    @classmethod
+    def from_config(cls, qc: dict, unquantized) -> GGUFConfig:
+        return cls(unquantized, qc["file"])
+
+    def linear_method(self, layer, prefix, checkpoint_names):
+        types = {self.types.get(self.names.get(f"{name}.weight", ""), "") for name in checkpoint_names}
+        return self.method if types <= int4_types() else self.unquantized
+
+    def expert_method(self, layer, prefix):
+        raise ValueError(f"gguf: MoE experts ({prefix}) are not supported")
+
+    def describe(self) -> str:
+        counts: dict[str, int] = {}
+        for type_name in self.types.values():
+            counts[type_name] = counts.get(type_name, 0) + 1
+        return "gguf (" + ", ".join(f"{n} {t}" for t, n in sorted(counts.items())) + ")"
+
+
+class GGUFInt4Method(LinearMethod):
+    """qweight uint8 [N, K / 2] (two 4-bit values a byte, the even column's low: any bits are valid, which
+    --load-format dummy relies on), scales / zeros float32 [N, K / 32]: sliced by rows and groups for
+    tensor parallelism like any checkpoint's, then packed once into a PackedInt4."""
+
+    def create_weights(self, layer, input_size_per_partition, output_partition_sizes, params_dtype):
+        k, n = input_size_per_partition, sum(output_partition_sizes)
+        if k % GROUP:
+            raise ValueError(f"gguf: {k} input features per rank are not whole blocks of {GROUP}")
+        add_param(layer, "qweight", (n, k // 2), torch.uint8, output_dim=0, input_dim=1, input_per=2)
+        for name in ("scales", "zeros"):
+            add_param(layer, name, (n, k // GROUP), torch.float32, output_dim=0, input_dim=1, input_per=GROUP)
+
+    def process_weights_after_loading(self, layer) -> None:
+        nibbles, scale, zero = layer.qweight.detach(), layer.scales.detach(), layer.zeros.detach()
+        q = torch.stack([nibbles & 15, nibbles >> 4], dim=-1).reshape(nibbles.shape[0], -1)
+        layer.packed = PackedInt4.pack(q, scale, zero, GROUP)
+        del layer.qweight, layer.scales, layer.zeros
+
+    def apply(self, layer, x, bias=None):
+        return products.weight_only(layer.packed, x, bias)
+
+
+def hf_names(quant: GGUFConfig, hf_config) -> tuple[dict[str, str], object]:
+    """(GGUF tensor name -> HF name, transformers' tensor processor for the architecture), from
+    transformers' GGUF integration run on an empty (meta) HF model of the config."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+    )
+
+    field = quant.reader.fields["general.architecture"]
+    arch = bytes(field.parts[field.data[0]]).decode()
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=hf_config.to_dict())
+    with torch.device("meta"):
+        hf_model = AutoModelForCausalLM.from_config(hf_config)
+    # transformers asks gguf for the (same) name table once per submodule, each built from scratch:
+    # 30 s for SmolLM2's 397 modules. One table, built once, for this call.
+    import gguf
+
+    original = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original)
+    try:
+        return get_gguf_hf_weights_map(hf_model, processor), processor
+    finally:
+        gguf.get_tensor_name_map = original
+
+
+def gguf_tensors(
+    quant: GGUFConfig, mapping: dict, processor, dtype, kept: set[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF checkpoint name, tensor) for every tensor of the file: a layer kept 4-bit as its
+    <module>.qweight / .scales / .zeros, anything else dequantized to dtype. Rows are reordered as
+    transformers' processor does (Llama's q / k un-permutation), applied to q, scale and zero alike.
+    kept: the HF modules (q_proj, ...) whose layer took GGUFInt4Method."""
+    from gguf.quants import dequantize
+
+    for tensor in quant.reader.tensors:
+        type_name = tensor.tensor_type.name
+        shape = tuple(int(x) for x in reversed(tensor.shape.tolist()))
+        if type_name in int4_types() and len(shape) == 2:
+            n, _ = shape
+            index = processor.process(weights=np.arange(n, dtype=np.float64)[:, None], name=tensor.name)
+            name = index.name
+            if name not in mapping:
+                continue
+            rows = index.weights[:, 0].astype(np.int64)
+            if not np.array_equal(np.sort(rows), np.arange(n)):
+                raise ValueError(f"gguf: {tensor.name}: a 4-bit tensor that needs more than a row reorder")
+            module = mapping[name].removesuffix(".weight")
+            if module in kept:
+                q, scale, zero = unpack_int4(type_name, tensor.data, shape)
+                q = q[rows]
+                yield f"{module}.qweight", torch.from_numpy(q[:, 0::2] | (q[:, 1::2] << 4))
+                yield f"{module}.scales", torch.from_numpy(scale[rows])
+                yield f"{module}.zeros", torch.from_numpy(zero[rows])
+                continue
+        weights = dequantize(tensor.data, tensor.tensor_type)
+        result = processor.process(weights=weights, name=tensor.name)
+        if result.name in mapping:
+            yield mapping[result.name], torch.from_numpy(np.array(result.weights)).to(dtype)
