@@ -63,6 +63,12 @@ def block_hashes(
     return hashes
 
 
+def adapter_extra(lora_name: str) -> bytes:
+    """The extra key of a request's blocks: its LoRA adapter's name (a --lora-modules NAME, the same on
+    the router and every replica), b"" for the base model."""
+    return lora_name.encode()
+
+
 def matchable_blocks(num_tokens: int, block_size: int) -> int:
     """How many leading full blocks of a prompt of num_tokens may come from a prefix cache: never the
     last token's block, since the step must compute that token to have logits to sample from."""

@@ -189,7 +189,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls, *, launch_only: bool = F
                 f.flag, dest=f.dest, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
             )
         elif f.kind == "list":
-            parser.add_argument(f.flag, dest=f.dest, action="append", default=[], help=help_text)
+            # Repeatable, and several values after one flag (vLLM's `--lora-modules a=x b=y`).
+            parser.add_argument(f.flag, dest=f.dest, action="extend", nargs="+", default=[], help=help_text)
         else:
             parser.add_argument(
                 f.flag,

@@ -28,6 +28,9 @@ class RouterConfig:
     tokenizer: str | None = setting(
         None, help="with a .gguf --model: the tokenizer's directory (default: the file's own)", launch=True
     )
+    # LoRA adapters the replicas serve, each a `model` name of its own (the router needs only the names).
+    enable_lora: bool = setting(False, help="serve LoRA adapters (--lora-modules)", launch=True)
+    lora_modules: tuple[str, ...] = setting((), help="a LoRA adapter to serve, NAME=PATH", launch=True)
     # The replicas: schedulers' HOST:PORT, or a NAME:PORT whose addresses are the schedulers (a
     # Kubernetes headless Service), re-resolved every dns_interval_s. One of the two.
     schedulers: tuple[str, ...] = setting(
@@ -118,8 +121,15 @@ class RouterConfig:
     tls: TlsFiles | None = None  # the public port; tls.ca set: clients must present certificates
     internal_tls: TlsFiles | None = None  # mutual TLS to the scheduler
 
+    @property
+    def lora_names(self) -> tuple[str, ...]:
+        """The adapters served, in --lora-modules order (NAME of each NAME=PATH)."""
+        return tuple(m.partition("=")[0] for m in self.lora_modules) if self.enable_lora else ()
+
     def __post_init__(self):
         settings.validate(self)
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
         # A .gguf file becomes a directory of its config and tokenizer (common/gguf_model.py).
         object.__setattr__(self, "model", gguf_model.model_dir(self.model, self.tokenizer))
         if bool(self.schedulers) == bool(self.scheduler_dns):

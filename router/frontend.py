@@ -111,6 +111,10 @@ class Frontend:
         parent: the caller's trace context (W3C traceparent), if any."""
         start = time.perf_counter()
         span = self._tracer.start_span("tpserve.Generate", context=parent, kind=SpanKind.SERVER)
+        lora = request.lora_name if request.lora_name in self.config.lora_names else ""
+        if lora:
+            self.metrics.lora_requests.labels(lora_name=lora).inc()
+            self.metrics.lora_in_flight.labels(lora_name=lora).inc()
         try:
             # Closing this generator (the caller went away) closes the inner one at once, whose cleanup
             # aborts the request, rather than leaving that to the event loop's finalizer.
@@ -123,6 +127,8 @@ class Frontend:
             raise
         finally:
             span.end()
+            if lora:
+                self.metrics.lora_in_flight.labels(lora_name=lora).dec()
 
     # ---- the path ----
 
@@ -206,11 +212,17 @@ class Frontend:
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e), prompt_field(request)) from None
 
     async def _generate(self, request, span, start: float):
+        if request.lora_name and request.lora_name not in self.config.lora_names:
+            raise RequestFailed(
+                grpc.StatusCode.NOT_FOUND, f"LoRA adapter {request.lora_name!r} is not served", "lora_name"
+            )
         req = await self._validate(request)
         request_id = req.request_id or uuid.uuid4().hex
         span.set_attributes(
             {"tpserve.request_id": request_id, "tpserve.prompt_tokens": len(req.prompt_token_ids)}
         )
+        if request.lora_name:
+            span.set_attribute("tpserve.lora_name", request.lora_name)
         ids = choice_ids(request_id, req.n)
         if any(self.pool.in_flight(i) for i in ids):
             raise RequestFailed(
@@ -220,7 +232,7 @@ class Frontend:
         submitted, queues = [], []
         try:
             for i, rid in enumerate(ids):  # a full queue at choice i aborts the choices before it
-                add = self._add(req, i, rid, ids[0], span)
+                add = self._add(req, i, rid, ids[0], span, request.lora_name)
                 add.priority = objectives.priority
                 add.tpot_objective_ms = round((objectives.tpot_s or 0) * 1000)
                 queues.append(self._submit(add, objectives))
@@ -249,7 +261,9 @@ class Frontend:
         async for resp in merged(choices, prompt_logprobs=req.prompt_logprobs is not None):
             yield resp
 
-    def _add(self, req: ValidatedRequest, index: int, rid: str, first: str, span) -> scheduler_pb2.AddRequest:
+    def _add(
+        self, req: ValidatedRequest, index: int, rid: str, first: str, span, lora_name: str = ""
+    ) -> scheduler_pb2.AddRequest:
         """Choice index's AddRequest: its own seed; the first choice's prompt to share; prompt logprobs
         computed by the first choice only (the others share its prompt, and get a copy)."""
         sampling = req.sampling
@@ -267,6 +281,7 @@ class Frontend:
             fork_of=first if index else "",
             want_prompt_logprobs=req.prompt_logprobs is not None and index == 0,
             prompt_logprobs=req.prompt_logprobs or 0,
+            lora_name=lora_name,
         )
 
     def _objectives(

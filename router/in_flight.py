@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from common.block_hash import block_hashes, matchable_blocks
+from common.block_hash import adapter_extra, block_hashes, matchable_blocks
 from common.pb.tpserve.internal.v1 import scheduler_pb2
 from router.replicas import Routed
 from router.slo import NO_OBJECTIVES, Objectives
@@ -32,14 +32,14 @@ class InFlight:
     hashes: list[bytes] = field(default_factory=list)
 
     def block_hashes(self, block_size: int) -> list[bytes]:
-        """The hashes of the prompt's blocks a scheduler may take from its prefix cache (none when it
-        wants prompt logprobs: the scheduler then computes every token)."""
+        """The hashes of the prompt's blocks a scheduler may take from its prefix cache, under its LoRA
+        adapter (none when it wants prompt logprobs: the scheduler then computes every token)."""
         if self.add.want_prompt_logprobs:
             return []
         ids = self.add.prompt_token_ids
         n = matchable_blocks(len(ids), block_size)
-        if len(self.hashes) < n:
-            self.hashes = block_hashes(ids, block_size, n, known=self.hashes)
+        if len(self.hashes) < n:  # keyed by its adapter, as the scheduler's prefix cache keys them
+            self.hashes = block_hashes(ids, block_size, n, adapter_extra(self.add.lora_name), self.hashes)
         return self.hashes[:n]
 
     def resumed(self) -> scheduler_pb2.AddRequest:

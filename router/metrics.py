@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from common.metrics import LATENCY_BUCKETS, TOKEN_BUCKETS
@@ -173,6 +173,16 @@ class RouterMetrics:
             "tpserve_requests_slo",
             "Finished requests with latency objectives, by length bucket, priority and outcome (met/missed).",
             ["bucket", "priority", "outcome"],
+            registry=r,
+        )
+        # Multi-LoRA (vLLM counts its own per adapter): labelled only by names the router serves.
+        self.lora_requests = Counter(
+            "tpserve_lora_requests", "Requests per LoRA adapter served.", ["lora_name"], registry=r
+        )
+        self.lora_in_flight = Gauge(
+            "tpserve_lora_requests_in_flight",
+            "Requests on each LoRA adapter now (queued or running).",
+            ["lora_name"],
             registry=r,
         )
         self.failed = Counter(

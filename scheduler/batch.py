@@ -43,6 +43,7 @@ def sequence_init(seq: Sequence) -> worker_pb2.SequenceInit:
         stop_token_ids=sorted(seq.stop_token_ids),
         want_prompt_logprobs=seq.prompt_logprobs is not None,
         prompt_logprobs=seq.prompt_logprobs or 0,
+        lora_name=seq.lora_name,
     )
 
 

@@ -3,8 +3,9 @@
 Plain Python: the workers hold the tensors; this decides which block a token's key and value go to.
 
 Automatic prefix caching (enable_prefix_caching=True): a block whose block_size tokens are all computed is
-registered under a hash chained over its parent block's hash and its own tokens (common/block_hash.py, the
-one the router hashes prompts with), so the hash names the whole prefix up to and including the block. Each
+registered under a hash chained over its parent block's hash, its own tokens and the sequence's LoRA adapter
+(common/block_hash.py, the one the router hashes prompts with), so the hash names the whole prefix up to and
+including the block (under that adapter). Each
 block registered and each cached block evicted goes into `events` (common/kv_events.py), which the engine
 sends to the routers once per step: their index of what this replica holds. A sequence being admitted reuses
 the registered blocks of its longest cached prefix instead of computing them again. Blocks are reference-
@@ -33,7 +34,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 
-from common.block_hash import block_hashes, matchable_blocks
+from common.block_hash import adapter_extra, block_hashes, matchable_blocks
 from common.kv_events import KvEventLog
 from scheduler.sequence import Sequence
 
@@ -112,7 +113,10 @@ class BlockManager:
     def _hashes(self, seq: Sequence, num_full_blocks: int) -> list[bytes]:
         known = self._seq_hashes.get(seq.seq_id, [])
         if len(known) < num_full_blocks:
-            known = block_hashes(seq.token_ids, self.block_size, num_full_blocks, known=known)
+            # The adapter is every block's extra key: KV computed under one LoRA adapter is never another's
+            # (nor the base model's, whose extra is empty).
+            extra = adapter_extra(seq.lora_name)
+            known = block_hashes(seq.token_ids, self.block_size, num_full_blocks, extra, known)
             self._seq_hashes[seq.seq_id] = known
         return known[:num_full_blocks]
 

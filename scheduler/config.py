@@ -69,6 +69,9 @@ class SchedulerConfig:
         help="how long requests wait for a lost rank to return before they get UNAVAILABLE",
         rule=above(0),
     )
+    # The adapters the workers serve (the worker reads them; the scheduler refuses any other name).
+    enable_lora: bool = setting(False, help="serve LoRA adapters (--lora-modules)", launch=True)
+    lora_modules: tuple[str, ...] = setting((), help="a LoRA adapter to serve, NAME=PATH", launch=True)
     policy: SchedulingPolicy = nested(SchedulingPolicy)
     speculative: SpeculativePolicy = nested(SpeculativePolicy)
     metrics_port: int | None = None
@@ -80,6 +83,13 @@ class SchedulerConfig:
         settings.validate(self)
         if not self.workers:
             raise ValueError("at least one --worker HOST:PORT is required")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
+
+    @property
+    def lora_names(self) -> frozenset[str]:
+        """The adapters served (NAME of each --lora-modules NAME=PATH)."""
+        return frozenset(m.partition("=")[0] for m in self.lora_modules) if self.enable_lora else frozenset()
 
     def resolved_policy(self, max_model_len: int) -> SchedulingPolicy:
         """The policy with max_model_len settled (the model's, capped by the KV pool: see capacity.py)."""

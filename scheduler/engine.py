@@ -26,12 +26,9 @@ from collections import deque
 from common import tracing
 from common.load import ReplicaLoad
 from common.pb.tpserve.internal.v1 import scheduler_pb2, worker_pb2
-from common.pb.tpserve.internal.v1.scheduler_pb2 import (
-    ERROR_CODE_ALREADY_EXISTS,
-    ERROR_CODE_INVALID_ARGUMENT,
-    ERROR_CODE_UNAVAILABLE,
-)
+from common.pb.tpserve.internal.v1.scheduler_pb2 import ERROR_CODE_INVALID_ARGUMENT, ERROR_CODE_UNAVAILABLE
 from common.pb.tpserve.v1 import generation_pb2
+from scheduler.add_request import RequestError, sequence_for
 from scheduler.batch import StepBuilder
 from scheduler.block_manager import BlockManager
 from scheduler.config import SchedulerConfig
@@ -41,7 +38,7 @@ from scheduler.plan import SchedulerOutput, SchedulerSnapshot, split_sampled
 from scheduler.reports import StepResult, StepTotals, load_report, stats, step_outputs
 from scheduler.router_streams import LOAD_REPORT_INTERVAL_S, RouterStream, RouterStreams
 from scheduler.scheduler import Scheduler
-from scheduler.sequence import FinishReason, Sequence, from_request
+from scheduler.sequence import FinishReason
 from scheduler.spans import RequestSpans
 from scheduler.speculation import Speculator
 from scheduler.swap import HostBlockPool
@@ -51,14 +48,6 @@ log = logging.getLogger("tpserve.scheduler")
 
 # How long a scheduler whose ranks came back unfit to serve waits before it asks them again.
 UNFIT_RETRY_S = 5.0
-
-
-class RequestError(Exception):
-    """A request this scheduler refuses; travels back to the router as its RequestOutput's error."""
-
-    def __init__(self, code: int, message: str):
-        super().__init__(message)
-        self.code = code  # a scheduler_pb2.ErrorCode
 
 
 class Engine:
@@ -351,7 +340,7 @@ class Engine:
         """Takes a request in; a refusal goes back on the stream as the request's error."""
         stream.adds_received += 1
         try:
-            seq = self._sequence(msg)
+            seq = sequence_for(msg, self.scheduler, self._next_seq_id, self.config.lora_names)
             self.scheduler.add(seq)
         except RequestError as e:
             self.refuse(stream, msg.request_id, e.code, str(e))
@@ -374,25 +363,6 @@ class Engine:
         )
         share = self.routers.shares(window).get(stream)
         stream.send(stream.message([error], share, self.load_report()))
-
-    def _sequence(self, msg: scheduler_pb2.AddRequest) -> Sequence:
-        # Shards lost after they were ready do not refuse a request that was already on its way: it waits
-        # with the others for them to return (or for worker_recovery_timeout_s, then UNAVAILABLE).
-        if self.scheduler is None:
-            raise RequestError(ERROR_CODE_UNAVAILABLE, "shard workers are not ready")
-        if self.scheduler.has_request(msg.request_id):
-            raise RequestError(ERROR_CODE_ALREADY_EXISTS, f"request_id {msg.request_id!r} is in flight")
-        if msg.num_output_tokens >= len(msg.prompt_token_ids):
-            raise RequestError(
-                ERROR_CODE_INVALID_ARGUMENT,
-                f"num_output_tokens {msg.num_output_tokens} leaves no prompt in "
-                f"{len(msg.prompt_token_ids)} tokens",
-            )
-        # Another choice of the same request, with the same prompt, whose prompt blocks this one shares.
-        first = self.scheduler.get(msg.fork_of) if msg.fork_of else None
-        if first is not None and first.token_ids[: first.num_prompt_tokens] != list(msg.prompt_token_ids):
-            first = None
-        return from_request(msg, self._next_seq_id, time.monotonic(), first)
 
     def abort(self, request_id: str) -> None:
         """Frees the request's blocks now; the workers forget it with the next step."""

@@ -46,6 +46,12 @@ class SchedulingPolicy:
     batch_wait_timeout_ms: float = setting(
         0.0, help="longest wait for min_batch_size sequences (0: never wait)", rule=at_least(0), launch=True
     )
+    max_loras: int = setting(
+        4,
+        help="most distinct LoRA adapters in one step (requests on others wait, the oldest first)",
+        rule=at_least(1),
+        launch=True,
+    )
     # Share of blocks kept free when admitting new sequences, so that admitting one does not force
     # the running ones into preemption at their next token.
     admission_watermark: float = 0.01

@@ -15,7 +15,8 @@ import dataclasses
 from collections import deque
 
 from common.pb.tpserve.v1.generation_pb2 import FINISH_REASON_ABORTED, FINISH_REASON_EOS, FINISH_REASON_LENGTH
-from scheduler import forks, plan
+from scheduler import forks, lora_slots, plan
+from scheduler.batch_wait import BatchWait
 from scheduler.block_manager import BlockManager, blocks_for
 from scheduler.plan import Proposer, ScheduledSeq, SchedulerOutput, SchedulerSnapshot, SequenceUpdate
 from scheduler.policy import BATCHING_MODES, SchedulingPolicy
@@ -56,7 +57,7 @@ class Scheduler:
         self.num_preemptions = 0
         # The mode in force: the policy's, unless the static fallback switched it at run time.
         self.batching = policy.batching
-        self._batch_wait_since: float | None = None
+        self._batch_wait = BatchWait()  # min_batch_size's wait for requests on their way
         self.step_s = 0.0  # the last step's time (the engine's): slack's prediction of a prefill
 
     # ---- requests in and out ----
@@ -180,6 +181,8 @@ class Scheduler:
         prefix cache): they continue where they were. Returns the budget left."""
         while self.swapped and budget > 0 and len(self.running) < self.policy.max_num_seqs:
             seq = self.swapped[0]
+            if not lora_slots.fits(seq, self.running, self.policy.max_loras):
+                break
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             reserve = self._watermark_blocks if self.running else 0
             if not self.blocks.can_allocate(seq, seq.num_computed_tokens + num_new, reserve):
@@ -206,9 +209,11 @@ class Scheduler:
             self._static_batch = {s.seq_id for s in list(self.waiting)[: self.policy.static_batch_size]}
 
         # Sequences whose grammar is still compiling, or choices waiting for their first choice's prompt
-        # blocks, are passed over (they hold nothing); the others go by priority and slack (slack.py).
+        # blocks, are passed over (they hold nothing); the others go by priority and slack (slack.py),
+        # within max_loras adapters in the step (lora_slots.py).
         ready = [s for s in self.waiting if s.grammar_ready and not forks.waits(s, self.blocks.block_size)]
-        for seq in admission_order(ready, now, self.step_s, self.policy.max_num_batched_tokens):
+        order = admission_order(ready, now, self.step_s, self.policy.max_num_batched_tokens)
+        for seq in lora_slots.within_max_loras(order, self.running, self.policy.max_loras):
             if budget <= 0 or len(self.running) >= self.policy.max_num_seqs:
                 break
             if static and seq.seq_id not in self._static_batch:
@@ -388,28 +393,9 @@ class Scheduler:
     def batch_wait_deadline(
         self, now: float, queued: int, admission_depth: int | None = None
     ) -> float | None:
-        """min_batch_size: before a batch starts from nothing, the time until which to wait for requests
-        the router holds (`queued`) that this scheduler would take now (None: step now). Never delays
-        running or swapped sequences, never waits for requests it would grant no credit to or for more
-        than can join (max_num_seqs, the admission depth), and at most batch_wait_timeout_ms a batch."""
-        p = self.policy
-        target = min(p.min_batch_size, p.max_num_seqs, admission_depth or p.max_num_seqs)
-        depth = admission_depth or p.max_num_seqs
-        joinable = min(queued, self.admission_window(depth))
-        if (
-            p.batch_wait_timeout_ms <= 0
-            or self.running
-            or self.swapped
-            or not self.waiting
-            or len(self.waiting) >= target
-            or joinable == 0
-        ):
-            self._batch_wait_since = None
-            return None
-        if self._batch_wait_since is None:
-            self._batch_wait_since = now
-        deadline = self._batch_wait_since + p.batch_wait_timeout_ms / 1000
-        return deadline if now < deadline else None
+        """min_batch_size: the time until which to wait before a batch starts from nothing, None: step
+        now (scheduler/batch_wait.py)."""
+        return self._batch_wait.deadline(self, now, queued, admission_depth)
 
     def admission_window(self, depth: int) -> int:
         """How many more requests to take in now: enough to fill the free slots of the batch, but no

@@ -63,6 +63,7 @@ class Sequence:
     # The proposer's own state for this sequence (speculative decoding: its n-gram index, its recent
     # acceptance), kept here so that it goes with the sequence.
     proposer_state: Any = None
+    lora_name: str = ""  # the LoRA adapter it runs on; "": the base model
     # vLLM's priority (lower first) and when its first token is due (monotonic; None: no TTFT objective):
     # the waiting queue's order (scheduler/slack.py).
     priority: int = 0
@@ -101,6 +102,7 @@ def from_request(msg, seq_id: int, arrival_time: float, fork_of: Sequence | None
         grammar_ready=not has_grammar,
         fork_of=fork_of,
         prompt_logprobs=msg.prompt_logprobs if msg.want_prompt_logprobs else None,
+        lora_name=msg.lora_name,
         priority=msg.priority,
         ttft_deadline=arrival_time + msg.ttft_budget_ms / 1000 if msg.ttft_budget_ms else None,
     )

@@ -114,6 +114,22 @@ class WorkerConfig:
         "each start (nothing reused)",
         launch=True,
     )
+    # Multi-LoRA (vLLM's flags): adapters read at start, each served by the OpenAI `model` name.
+    enable_lora: bool = setting(
+        False, help="serve LoRA adapters (--lora-modules) beside the base model", launch=True
+    )
+    lora_modules: tuple[str, ...] = setting(
+        (),
+        help="a LoRA adapter to serve, NAME=PATH (a PEFT directory: adapter_config.json and "
+        "adapter_model.safetensors); repeatable, or several after one flag",
+        launch=True,
+    )
+    max_lora_rank: int = setting(
+        16,
+        help="the highest LoRA rank served; a higher one is refused at load",
+        rule=at_least(1),
+        launch=True,
+    )
     metrics_port: int | None = None
     tracing: TracingConfig = TracingConfig()
     internal_tls: TlsFiles | None = None  # mutual TLS: only a scheduler with a certificate gets in
@@ -124,6 +140,8 @@ class WorkerConfig:
         object.__setattr__(self, "model", gguf_model.model_dir(self.model, self.tokenizer))
         if self.speculative_model and not (Path(self.speculative_model) / "config.json").is_file():
             raise ValueError(f"--speculative-model {self.speculative_model}: no config.json there")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
         if not self.rank < self.world_size:
             raise ValueError(f"--rank {self.rank} must be in [0, --world-size {self.world_size})")
         if self.world_size > 1 and ":" not in self.dist_init:

@@ -25,6 +25,7 @@ from shard_worker.capacity import CudaMemory, kv_budget, synthetic_step, worst_s
 from shard_worker.cuda_graphs import CudaGraphRunner, capture_bytes, graphs_unsupported
 from shard_worker.draft import DraftModel
 from shard_worker.model.loader import load_model
+from shard_worker.model.lora import LoRAAdapters, lora_batch, lora_slot, step_lora_batch
 from shard_worker.model.quant.base import weight_bytes
 from shard_worker.parallel import TensorParallel
 from shard_worker.sampling import Sampler, SequenceState
@@ -49,6 +50,7 @@ class ModelRunner:
         linear_dtype: torch.dtype | None = None,
         prepack_linear: bool = True,
         quantization: str | None = None,
+        lora: tuple[tuple[str, ...], int] | None = None,
         kv_cache_dtype: torch.dtype | None = None,
     ):
         """load_format "auto" reads the checkpoint's weights; "dummy" fills them with small random values
@@ -61,6 +63,7 @@ class ModelRunner:
         (model/quant/unquantized.py), None for dtype. prepack_linear: on CPU, hold them in oneDNN's
         layout; False only to measure what that gains. quantization: --quantization (int8, fp8: an
         unquantized checkpoint quantized while it loads), None for the checkpoint's own format.
+        lora: (--lora-modules, --max-lora-rank) with --enable-lora (shard_worker/model/lora), or None.
         kv_cache_dtype: the KV cache's elements (attention/kv_dtype.py), None for dtype."""
         self.model_dir = Path(model_dir)
         self.dtype = dtype
@@ -92,6 +95,7 @@ class ModelRunner:
             prepack_linear,
             quantization,
         )
+        self.lora = None if lora is None else LoRAAdapters(self.model, *lora, dtype, self.device)
         self.graphs: CudaGraphRunner | None = None
         reason = graphs_unsupported(self.attention, tp.world_size, _nccl_version()) if cuda_graphs else None
         if reason is not None:
@@ -290,10 +294,13 @@ class ModelRunner:
         )
         if states:
             self.sampler.prepare(states)  # host work for the sampler, overlapping the forward
-        hidden = self.graphs.replay(batch) if self.graphs is not None else None
+        lora = step_lora_batch(self.lora, inputs)
+        # Graphs were captured without adapters: a step with adapter rows runs eagerly.
+        hidden = self.graphs.replay(batch) if self.graphs is not None and lora is None else None
         if hidden is None:  # not a decode step that fits a bucket, or no graphs
             ctx = self.attention.context(batch)
-            hidden = self.model(batch.input_ids, batch.positions, ctx, self.kv_caches)
+            with lora_batch(lora):
+                hidden = self.model(batch.input_ids, batch.positions, ctx, self.kv_caches)
 
         out = StepOutputs()
         if inputs.prompt_rows is not None and len(inputs.prompt_rows):
@@ -321,6 +328,9 @@ class ModelRunner:
         out.allreduce_seconds = self.tp.take_comm_seconds()
         out.forward_seconds = time.perf_counter() - start
         return out
+
+    def lora_slot(self, name: str) -> int:
+        return lora_slot(self.lora, name)
 
     def _check(self, inputs: StepInputs) -> None:
         num_seqs = len(inputs.seq_ids)

@@ -78,6 +78,7 @@ def sequence_init(msg: worker_pb2.SequenceInit) -> SequenceInit:
         stop_token_ids=tuple(msg.stop_token_ids),
         want_prompt_logprobs=msg.want_prompt_logprobs,
         prompt_logprobs=msg.prompt_logprobs,
+        lora_name=msg.lora_name,
     )
 
 
@@ -316,6 +317,7 @@ def serve(config: WorkerConfig) -> None:
             linear_dtype=None if linear is None else getattr(torch, linear),
             quantization=config.quantization,
             kv_cache_dtype=kv_cache_dtype(config.kv_cache_dtype, getattr(torch, config.dtype)),
+            lora=(config.lora_modules, config.max_lora_rank) if config.enable_lora else None,
         )
     if linear is not None:  # after the model loaded: a refusal is the only line a failed start writes
         log.info(

@@ -26,6 +26,7 @@ class SequenceInit:
     stop_token_ids: tuple[int, ...] = ()  # held back by min_tokens, with the model's EOS ids
     want_prompt_logprobs: bool = False
     prompt_logprobs: int = 0  # alternatives per prompt position, when wanted
+    lora_name: str = ""  # the LoRA adapter it runs on; "": the base model
 
 
 @dataclass

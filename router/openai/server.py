@@ -200,11 +200,21 @@ class OpenAIServer:
             "max_model_len": info.max_model_len,
         }
 
+    def _lora_card(self, info: pb.ModelInfo, name: str) -> dict:
+        # vLLM's shape: an adapter is a model of its own whose parent is the base model.
+        path = dict(m.partition("=")[::2] for m in self.frontend.config.lora_modules)[name]
+        return self._card(info) | {"id": name, "root": path, "parent": info.model_name}
+
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [self._card(self._model_info())]})
+        info = self._model_info()
+        cards = [self._card(info)] + [self._lora_card(info, n) for n in self.frontend.config.lora_names]
+        return web.json_response({"object": "list", "data": cards})
 
     async def model(self, request: web.Request) -> web.Response:
-        return web.json_response(self._card(self._check_model(request.match_info["model"])))
+        name = request.match_info["model"]
+        if name in self.frontend.config.lora_names:
+            return web.json_response(self._lora_card(self._model_info(), name))
+        return web.json_response(self._card(self._check_model(name)))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(
@@ -267,7 +277,12 @@ class OpenAIServer:
 
     async def _generate(self, request: web.Request, parse) -> web.StreamResponse:
         req = parse(await self._body(request), request.headers.get("X-Request-Id") or uuid.uuid4().hex)
-        info = self._check_model(req.model)
+        if req.model in self.frontend.config.lora_names:  # an adapter of the served model
+            name = req.model  # the responses name the adapter, as vLLM's do
+            for g in req.generates:
+                g.lora_name = req.model
+        else:
+            name = self._check_model(req.model).model_name
         parser, choice = None, req.tool_choice
         if choice is not None and choice.mode in (REQUIRED, FUNCTION):
             parser = functools.partial(
@@ -278,7 +293,7 @@ class OpenAIServer:
             if parser.needs_special_tokens and not req.generate.HasField("skip_special_tokens"):
                 req.generate.skip_special_tokens = False  # the parser's marker is a special token
         parent = tracing.context_from_metadata((k.lower(), v) for k, v in request.headers.items())
-        encoder = Encoder(req, info.model_name, tool_parser=parser, echo_texts=await self._echo_texts(req))
+        encoder = Encoder(req, name, tool_parser=parser, echo_texts=await self._echo_texts(req))
         async with contextlib.aclosing(self._responses(req, parent)) as responses:
             try:
                 first = await anext(responses)

@@ -343,7 +343,7 @@ class FakeFrontend:
     """Frontend's surface as OpenAIServer uses it. script(request) is the async generator to run."""
 
     def __init__(self, script):
-        self.config = SimpleNamespace(model="models/fake")
+        self.config = SimpleNamespace(model="models/fake", lora_names=(), lora_modules=())
         self.pool = SimpleNamespace(ready=True)
         self.script = script
         self.requests: list[pb.GenerateRequest] = []

@@ -1,0 +1,113 @@
+"""LoRA adapters through the real processes (`tpserve launch`), against transformers + peft's greedy
+tokens (float64) with the same adapter: two random adapters written by peft (all seven projections at
+rank 8 with rsLoRA; attention only at rank 16) and the base model, every reference prompt on each, all
+at once in one batch. --max-loras 1 makes one adapter wait for the other (base-model requests pass it);
+chunked prefill (64 tokens a step), preemption (16 KV blocks) and the prefix cache are forced. Then the
+adapter names on the OpenAI API, and unknown ones refused; and --tp 2 on one adapter. Refusals at load
+are tests/unit/test_lora.py's."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+
+from common.pb.tpserve.v1 import generation_pb2 as pb
+from common.pb.tpserve.v1 import generation_pb2_grpc
+from tests.conftest import launch
+from tests.lora_adapters import ATTENTION, hf_lora_greedy, make_adapter
+from tests.reference import GREEDY, MAX_NEW, run_concurrently
+
+FLAGS = ("--dtype", "float64", "--max-num-batched-tokens", "64", "--num-kv-blocks", "16")
+# Reference prompts served here (tests/reference.py's lengths): short, a block and one, chunked ones.
+LENS = (3, 17, 90, 130)
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        "sql": make_adapter(tiny_model, root / "sql", seed=1, rank=8, alpha=16, rslora=True),
+        "chat": make_adapter(tiny_model, root / "chat", seed=2, rank=16, alpha=32, targets=ATTENTION),
+    }
+
+
+@pytest.fixture(scope="module")
+def references(tiny_model, adapters, reference):
+    base = {ids: out for ids, out in reference.items() if len(ids) in LENS}
+    return {"": base} | {name: hf_lora_greedy(tiny_model, path, LENS) for name, path in adapters.items()}
+
+
+def lora_flags(adapters) -> tuple[str, ...]:
+    return ("--enable-lora", "--lora-modules", *(f"{n}={p}" for n, p in adapters.items()))
+
+
+def assert_served(stub, references) -> None:
+    reqs = [
+        dict(token_ids=ids, max_new_tokens=MAX_NEW, ignore_eos=True, sampling=GREEDY, lora_name=name)
+        for name, ref in references.items()
+        for ids in ref
+    ]
+    results = iter(run_concurrently(stub, reqs))
+    for name, ref in references.items():
+        for ids, want in ref.items():
+            tokens, _, reason, _ = next(results)
+            assert tokens == want, f"adapter {name!r}, prompt of {len(ids)} tokens"
+            assert reason == pb.FINISH_REASON_LENGTH
+
+
+def test_adapters_and_base_in_one_batch_serve_transformers_peft_tokens(tiny_model, adapters, references):
+    flags = (*FLAGS, *lora_flags(adapters), "--max-loras", "1", "--enable-prefix-caching", "--http-port", "0")
+    with launch(tiny_model, *flags) as (target, info), grpc.insecure_channel(target) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        assert references["sql"] != references[""] and references["chat"] != references[""]
+        assert_served(stub, references)
+        assert_served(stub, references)  # again: prompts now in the prefix cache, per adapter
+        stats = stub.GetStats(pb.StatsRequest())
+        assert stats.num_preemptions_total > 0
+        assert stats.kv_blocks_free == stats.kv_blocks_total
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(pb.GenerateRequest(token_ids=[5, 6], max_new_tokens=2, lora_name="nope")))
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND and "'nope'" in e.value.details()
+
+        http = f"http://127.0.0.1:{info['http_port']}/v1"
+        with urllib.request.urlopen(f"{http}/models", timeout=10) as r:
+            cards = {c["id"]: c for c in json.load(r)["data"]}
+        base = next(c for c in cards.values() if c["parent"] is None)
+        assert cards["sql"]["parent"] == cards["chat"]["parent"] == base["id"]
+        assert cards["sql"]["root"] == str(adapters["sql"])
+        ids = next(iter(references["sql"]))
+        body = {
+            "model": "sql",
+            "prompt": list(ids),
+            "max_tokens": MAX_NEW,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        with urllib.request.urlopen(_post(f"{http}/completions", body), timeout=60) as r:
+            answer = json.load(r)
+        assert answer["model"] == "sql"
+        assert answer["usage"]["completion_tokens"] == MAX_NEW
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(_post(f"{http}/completions", body | {"model": "nope"}), timeout=60)
+        assert e.value.code == 404 and "nope" in e.value.read().decode()
+        with urllib.request.urlopen(f"http://127.0.0.1:{info['http_port']}/metrics", timeout=10) as r:
+            metrics = r.read().decode()
+        served = 2 * len(LENS) + 1  # two rounds of the prompts, and the completion
+        assert f'tpserve_lora_requests_total{{lora_name="sql"}} {served}.0' in metrics
+        assert 'tpserve_lora_requests_in_flight{lora_name="chat"} 0.0' in metrics
+        assert "nope" not in metrics
+
+
+def _post(url: str, body: dict) -> urllib.request.Request:
+    return urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+
+
+def test_adapter_at_tp2_serves_transformers_peft_tokens(tiny_model, adapters, references):
+    subset = {name: references[name] for name in ("", "sql")}
+    with launch(tiny_model, *FLAGS, *lora_flags(adapters), "--tp", "2") as (target, _):
+        with grpc.insecure_channel(target) as channel:
+            assert_served(generation_pb2_grpc.GenerationStub(channel), subset)
