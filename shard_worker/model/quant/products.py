@@ -48,21 +48,6 @@ def weight_only(packed, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Ten
     return y if bias is None else y + bias
 
 
-def int8_w8a8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias) -> torch.Tensor:
-    """x W^T with W = q * scale (int8 per channel) and x quantized to int8 per token on the fly: the
-    integer product summed in int32 (torch._int_mm on CPU and CUDA), then both scales applied."""
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    sx = _amax(x2, True) / 127.0
-    xq = torch.round(x2.float() / sx).clamp_(-127, 127).to(torch.int8)
-    if x.device.type == "cpu" or (x.device.type == "cuda" and x2.shape[0] > 16):
-        acc = torch._int_mm(xq, q.t()).float()
-    else:  # _int_mm wants more than 16 rows on CUDA: exact in float32 up to 2^24 per sum
-        acc = F.linear(xq.float(), q.float())
-    y = (acc * sx * scale.reshape(1, -1)).to(x.dtype).reshape(*shape[:-1], -1)
-    return y if bias is None else y + bias
-
-
 def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias, dynamic_act: bool):
     """x W^T with W = q * scale (e4m3, scale per row or one), by dequantizing W to x's dtype (every
     device: no fp8 matmul is used). dynamic_act: x is first rounded to e4m3 per token (a W8A8
