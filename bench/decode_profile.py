@@ -94,6 +94,17 @@ def decode_step(batch: int, context: int, first_block: int) -> tuple[StepInputs,
     return step, first_block + batch * per_seq
 
 
+def alternating(runners: dict, batch: int, a, per_seq: int) -> dict[str, list[float]]:
+    """execute() ms of each runner at this batch, three rounds taken in turn so that all see the same
+    background load."""
+    ms = {name: [] for name in runners}
+    for _ in range(3):
+        for name, runner in runners.items():
+            runner.allocate_kv_cache(1 + max(a.batch) * per_seq, BLOCK_SIZE)
+            ms[name].append(measure(runner, batch, a.context, a.steps // 3 or 1)["execute ms"])
+    return ms
+
+
 def measure(runner: ModelRunner, batch: int, context: int, steps: int, top: bool = False) -> dict[str, float]:
     step, _ = decode_step(batch, context, 1)
     states = [
@@ -198,11 +209,7 @@ def compare_linear(a) -> None:
     header = "  ".join(f"{name:>17}" for name in runners)
     print(f"batch  {header}  fp32 packed/unpacked  bf16 packed/unpacked")
     for b in a.batch:
-        ms = {name: [] for name in runners}
-        for _ in range(3):  # alternating, so all see the same background load
-            for name, runner in runners.items():
-                runner.allocate_kv_cache(1 + max(a.batch) * per_seq, BLOCK_SIZE)
-                ms[name].append(measure(runner, b, a.context, a.steps // 3 or 1)["execute ms"])
+        ms = alternating(runners, b, a, per_seq)
         med = {name: statistics.median(v) for name, v in ms.items()}
         print(
             f"{b:5d}  "
@@ -275,11 +282,7 @@ def compare_quant(a) -> None:
         "batch  " + "  ".join(f"{n:>8} ({runners[n].describe()['weight_bytes'] / 1e6:.0f})" for n in runners)
     )
     for b in a.batch:
-        ms = {name: [] for name in runners}
-        for _ in range(3):  # alternating, so all see the same background load
-            for name, runner in runners.items():
-                runner.allocate_kv_cache(1 + max(a.batch) * per_seq, BLOCK_SIZE)
-                ms[name].append(measure(runner, b, a.context, a.steps // 3 or 1)["execute ms"])
+        ms = alternating(runners, b, a, per_seq)
         print(f"{b:5d}  " + "  ".join(f"{statistics.median(ms[n]):12.1f} ms" for n in runners), flush=True)
     text = AutoTokenizer.from_pretrained(a.model)(Path("README.md").read_text())["input_ids"]
     nll = {name: 0.0 for name in runners}
