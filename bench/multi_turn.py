@@ -9,6 +9,13 @@ conversations in flight). Reported per policy: TTFT p50/p99, output tokens/s, an
 
     python -m bench.multi_turn --model models/small --policies cache_aware,least_loaded,round_robin
 
+The prefix cache's host tier (--host-prefix-cache), on and off, over a deliberately small device cache
+(`--host-tier both`; `--device-share 0.33` sizes each replica's device cache to that share of the
+working set, the blocks of every conversation's final history and the system prompts, over the
+replicas; host memory is --swap-space GiB per rank):
+
+    python -m bench.multi_turn --replicas 1 --policies cache_aware --host-tier both --device-share 0.33
+
 Ratios within one run are what to read: on a shared CPU the absolute figures move with the neighbours.
 """
 
@@ -105,11 +112,31 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=6, help="conversations in flight at once")
     p.add_argument("--num-kv-blocks", type=int, default=512, help="per replica (16 tokens each)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--host-tier", choices=("off", "on", "both"), default="off", help="--host-prefix-cache")
+    p.add_argument("--swap-space", type=float, default=1.0, help="GiB per rank, with --host-tier")
+    p.add_argument(
+        "--device-share",
+        type=float,
+        default=0.0,
+        help="size the device cache to this share of the working set",
+    )
     args = p.parse_args()
+    if args.device_share:
+        system_blocks = args.system_prompts * -(-args.system_tokens // 16)
+        turn_blocks = args.conversations * args.turns * (args.user_tokens + args.max_new_tokens) // 16
+        working_set = system_blocks + turn_blocks
+        args.num_kv_blocks = max(1, int(args.device_share * working_set / args.replicas))
+        print(f"working set {working_set} blocks; device cache {args.num_kv_blocks} blocks per replica")
     rows = {}
-    for policy in args.policies.split(","):
+    tiers = {"off": ("off",), "on": ("on",), "both": ("off", "on")}[args.host_tier]
+    for policy, tier in ((p, t) for p in args.policies.split(",") for t in tiers):
         flags = ("--replicas", str(args.replicas), "--enable-prefix-caching", "--routing-policy", policy)
         flags += ("--num-kv-blocks", str(args.num_kv_blocks), "--max-num-batched-tokens", "2048")
+        if args.host_tier != "off":  # the same swap space both ways: only the tier differs
+            flags += ("--swap-space", str(args.swap_space)) + (
+                ("--host-prefix-cache",) if tier == "on" else ()
+            )
+        name = policy if args.host_tier == "off" else f"{policy}, host tier {tier}"
         with running_stack(args.model, *flags) as (info, _):
             vocab = int(info.get("vocab_size", 0)) or 1000
             convs = conversations(args, min(vocab, 1000))
@@ -117,8 +144,8 @@ def main() -> None:
             asyncio.run(
                 run_policy(info["target"], convs[:1], argparse.Namespace(**{**vars(args), "turns": 1}))
             )
-            rows[policy] = asyncio.run(run_policy(info["target"], convs, args))
-        print(policy, rows[policy], flush=True)
+            rows[name] = asyncio.run(run_policy(info["target"], convs, args))
+        print(name, rows[name], flush=True)
     print("\n| policy | TTFT p50 ms | TTFT p99 ms | output tok/s | prefix hit rate | routed per replica |")
     print("|---|---|---|---|---|---|")
     for policy, r in rows.items():

@@ -13,6 +13,10 @@ list, one removed and stored again is in neither, and the two lists never share 
 them in any order to the previous state gives the new one. Applying a change to a snapshot taken after
 some of it happened is harmless too (adding what is there, removing what is not).
 
+Two tiers: the device cache's changes in stored / removed, the host tier's (scheduler/swap.py: blocks
+evicted from the device and kept in host memory) in host_stored / host_removed. A hash may be in both
+(the host tier keeps its copy when a block goes back to the device); reset covers both.
+
 Plain Python; `fill` / `from_message` are the only code that knows the wire form (KvEvents in
 scheduler.proto).
 """
@@ -24,25 +28,36 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class KvEvents:
-    """One batch of prefix-cache changes of one replica (device tier)."""
+    """One batch of prefix-cache changes of one replica."""
 
-    stored: tuple[bytes, ...] = ()  # hashes now cached that were not
-    removed: tuple[bytes, ...] = ()  # hashes no longer cached
-    # A snapshot: forget everything held for this replica first; stored is then all it holds.
+    stored: tuple[bytes, ...] = ()  # hashes now cached on the device that were not
+    removed: tuple[bytes, ...] = ()  # hashes no longer cached on the device
+    # A snapshot: forget everything held for this replica first (both tiers); stored and host_stored
+    # are then all it holds.
     reset: bool = False
+    host_stored: tuple[bytes, ...] = ()  # the same for the host tier
+    host_removed: tuple[bytes, ...] = ()
 
     def __bool__(self) -> bool:
-        return bool(self.stored or self.removed or self.reset)
+        return bool(self.stored or self.removed or self.reset or self.host_stored or self.host_removed)
 
     def fill(self, message) -> None:
         """Writes this batch into a KvEvents message (scheduler.proto)."""
         message.reset = self.reset
         message.stored.extend(self.stored)
         message.removed.extend(self.removed)
+        message.host_stored.extend(self.host_stored)
+        message.host_removed.extend(self.host_removed)
 
     @classmethod
     def from_message(cls, message) -> KvEvents:
-        return cls(tuple(message.stored), tuple(message.removed), message.reset)
+        return cls(
+            tuple(message.stored),
+            tuple(message.removed),
+            message.reset,
+            tuple(message.host_stored),
+            tuple(message.host_removed),
+        )
 
 
 class KvEventLog:

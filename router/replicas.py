@@ -33,15 +33,17 @@ Cache-aware (--routing-policy cache_aware, the default): each replica's KV event
 index of the block hashes it caches (router/cache_index.py), and a request's score there is its load
 score plus
 
-    cache_weight * cached_tokens / prompt_tokens
+    cache_weight * (device_tokens + host_cache_weight * host_tokens) / prompt_tokens
 
-where cached_tokens are the tokens of the prompt's longest prefix the replica holds (whole blocks, never
-the last token, the scheduler's own rule; none for a request that wants prompt logprobs, which the
-scheduler never serves from the cache). A full hit is worth cache_weight of a replica's capacity
-(0.5: half of max_num_seqs more sequences ahead, or half its KV): the prefill it saves against the
-queueing it costs, so a request goes where its prefix is unless that replica is that much busier.
-least_loaded is the load score alone; round_robin ignores load (and the cache) and takes the replicas
-in turn.
+where device_tokens + host_tokens are the tokens of the prompt's longest prefix the replica holds (whole
+blocks, never the last token, the scheduler's own rule; none for a request that wants prompt logprobs,
+which the scheduler never serves from the cache), host_tokens those only its host tier holds. A host
+block is copied back to the device before the step, not recomputed: cheaper than a prefill (a PCIe copy
+of the block's KV against the block's FLOPs) but not free, hence host_cache_weight (0.8) < 1.
+A full hit is worth cache_weight of a replica's capacity (0.5: half of max_num_seqs more sequences
+ahead, or half its KV): the prefill it saves against the queueing it costs, so a request goes where
+its prefix is unless that replica is that much busier. least_loaded is the load score alone;
+round_robin ignores load (and the cache) and takes the replicas in turn.
 
 Ties (within 1e-9) go round-robin in replica-id order, and every choice adds one to the chosen replica's
 `pending` until its next report, so a burst that arrives before any report changes spreads over the
@@ -62,7 +64,7 @@ from dataclasses import dataclass
 from common.kv_events import KvEvents
 from common.load import ReplicaLoad
 from common.settings import setting
-from router.cache_index import CacheIndex
+from router.cache_index import DEVICE, CacheIndex
 
 ROUTING_POLICIES = ("cache_aware", "least_loaded", "round_robin")
 
@@ -111,6 +113,13 @@ class RoutingPolicy:
         "shares of that replica's capacity (its load score is 1.0 idle, 0.0 full)",
         launch=True,
     )
+    host_cache_weight: float = setting(
+        0.8,
+        flag="--routing-host-cache-weight",
+        help="cache_aware: what a prompt block a replica holds only in its host tier (--host-prefix-cache) "
+        "is worth against one on its device (1.0: the same)",
+        launch=True,
+    )
     cache_index_blocks: int = setting(
         1 << 20,
         flag="--routing-cache-index-blocks",
@@ -145,6 +154,7 @@ class RoutingPolicy:
         positive_finite("stale_after_s")
         positive_finite("slow_step_s")
         positive_finite("cache_weight", minimum_inclusive=True)
+        positive_finite("host_cache_weight", minimum_inclusive=True)
         if self.routing_policy not in ROUTING_POLICIES:
             raise ValueError(f"routing_policy must be one of {ROUTING_POLICIES}, got {self.routing_policy!r}")
 
@@ -243,9 +253,9 @@ class ReplicaSet:
         if r is not None:
             r.index.apply(events)
 
-    def cached_hashes(self, replica: str) -> set[bytes]:
-        """The hashes the router believes replica caches."""
-        return self._replicas[replica].index.hashes()
+    def cached_hashes(self, replica: str, tier: int = DEVICE) -> set[bytes]:
+        """The hashes the router believes replica caches in this tier (router/cache_index.py)."""
+        return self._replicas[replica].index.hashes(tier)
 
     def mark_down(self, replica: str, now: float, reason: str = "stream broke") -> None:
         """The replica's stream broke (or the link gave up on it): down until its next ready report. Its
@@ -327,8 +337,10 @@ class ReplicaSet:
             }
         if p.routing_policy == "cache_aware" and block_hashes and prompt_tokens > 0:
             for rid in cands:
-                hits[rid] = self._replicas[rid].index.matched_blocks(block_hashes) * block_size
-                scores[rid] += p.cache_weight * hits[rid] / prompt_tokens
+                device, host = self._replicas[rid].index.match(block_hashes)
+                hits[rid] = (device + host) * block_size
+                worth = (device + p.host_cache_weight * host) * block_size
+                scores[rid] += p.cache_weight * worth / prompt_tokens
         chosen = self._best(cands, scores)
         self._last_choice = chosen
         r = self._replicas[chosen]

@@ -27,16 +27,24 @@ How the scheduler drives it:
       register_full_blocks(seq)
 - preemption, finish and abort: free(seq), as before.
 With caching off, match_prefix returns 0 and register_full_blocks does nothing, so the same calls work.
+
+Host tier (host_tier, scheduler/swap.py, when it caches prefixes): a cached block evicted here is
+copied to host memory first (the copy goes into `copies_out`), and a prefix match goes on past the
+device's blocks into the host tier's: each block found only there gets a fresh device block, registered
+at once, and a copy back (`copies_in`). Both lists are the step's, made by every rank before its
+forward (swap-outs first); the scheduler takes them with `take_copies` when the step is planned.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from collections import OrderedDict
 
 from common.block_hash import adapter_extra, block_hashes, matchable_blocks
-from common.kv_events import KvEventLog
+from common.kv_events import KvEventLog, KvEvents
 from scheduler.sequence import Sequence
+from scheduler.swap import HostBlockPool
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -44,7 +52,13 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = False,
+        host_tier: HostBlockPool | None = None,
+    ):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
         self.num_blocks = num_blocks
@@ -65,9 +79,19 @@ class BlockManager:
         # valid), and how many of its leading blocks register_full_blocks has already handled.
         self._seq_hashes: dict[int, list[bytes]] = {}
         self._seq_registered: dict[int, int] = {}
-        # Metrics: tokens looked up at admission, and how many of them were found cached.
+        # Metrics: tokens looked up at admission, and how many of them were found cached here; of the
+        # tokens not found here, those looked up in the host tier and found there.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.host_cache_queries = 0
+        self.host_cache_hits = 0
+        # The host tier of the prefix cache, when there is one (and this pool caches prefixes).
+        on = enable_prefix_caching and host_tier is not None and host_tier.cache_prefixes
+        self.host_tier = host_tier if on else None
+        # This step's block copies: (device, host) evicted blocks kept in the host tier, and
+        # (host, device) host-tier blocks brought back.
+        self.copies_out: list[tuple[int, int]] = []
+        self.copies_in: list[tuple[int, int]] = []
         # Hashes stored in and evicted from the prefix cache since the engine last took them; a new
         # pool starts with a reset (routers forget what the replica held before).
         self.events = KvEventLog()
@@ -82,8 +106,27 @@ class BlockManager:
         return len(self._cached)
 
     def cached_hashes(self) -> list[bytes]:
-        """Every hash the prefix cache holds (a router's snapshot)."""
+        """Every hash the prefix cache holds on the device."""
         return list(self._cached)
+
+    def take_events(self) -> KvEvents:
+        """What both tiers stored and removed since the last take (reset: a new pool, snapshot due)."""
+        events = self.events.take()
+        if self.host_tier is None:
+            return events
+        host = self.host_tier.events.take()
+        return dataclasses.replace(events, host_stored=host.stored, host_removed=host.removed)
+
+    def snapshot_events(self) -> KvEvents:
+        """Everything both tiers hold, as a snapshot (a router's first message)."""
+        host = () if self.host_tier is None else tuple(self.host_tier.cached_hashes())
+        return KvEvents(stored=tuple(self._cached), host_stored=host, reset=True)
+
+    def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The step's (device, host) offloads and (host, device) restores, and starts the next step's."""
+        copies = self.copies_out, self.copies_in
+        self.copies_out, self.copies_in = [], []
+        return copies
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """Extra blocks seq needs so that its first num_tokens tokens have a slot."""
@@ -100,14 +143,16 @@ class BlockManager:
             return 0
         return len(self._matched_blocks(seq)) * self.block_size
 
-    def _matched_blocks(self, seq: Sequence) -> list[int]:
+    def _matched_blocks(self, seq: Sequence) -> list[tuple[bytes, int | None]]:
+        """(hash, device block) of each leading block of seq cached in either tier; None for a block
+        only the host tier holds."""
         max_blocks = matchable_blocks(seq.num_tokens, self.block_size)
         matched = []
         for h in self._hashes(seq, max_blocks):
             block = self._cached.get(h)
-            if block is None:
+            if block is None and not (self.host_tier is not None and self.host_tier.has(h)):
                 break
-            matched.append(block)
+            matched.append((h, block))
         return matched
 
     def _hashes(self, seq: Sequence, num_full_blocks: int) -> list[bytes]:
@@ -120,7 +165,7 @@ class BlockManager:
             self._seq_hashes[seq.seq_id] = known
         return known[:num_full_blocks]
 
-    def _cached_blocks_for(self, seq: Sequence, num_cached_tokens: int) -> list[int]:
+    def _cached_blocks_for(self, seq: Sequence, num_cached_tokens: int) -> list[tuple[bytes, int | None]]:
         """The blocks behind the scheduler's claim that num_cached_tokens of seq are cached."""
         if num_cached_tokens == 0:
             return []
@@ -169,9 +214,11 @@ class BlockManager:
         num_cached_tokens: at admission, the leading tokens to be taken from the prefix cache
         (match_prefix's answer); those blocks cost nothing new, but a cached block that nobody holds
         stops counting as free once it is reused."""
-        return self._fits(seq, num_tokens, reserve, self._cached_blocks_for(seq, num_cached_tokens))
+        reused = [b for _, b in self._cached_blocks_for(seq, num_cached_tokens) if b is not None]
+        return self._fits(seq, num_tokens, reserve, reused)
 
     def _fits(self, seq: Sequence, num_tokens: int, reserve: int, cached: list[int]) -> bool:
+        """cached: device blocks seq reuses (blocks restored from the host tier need fresh ones)."""
         taken_from_free = sum(1 for b in cached if self._ref_count[b] == 0)
         fresh = self.blocks_needed(seq, num_tokens) - len(cached)
         return fresh + reserve <= self.num_free_blocks - taken_from_free
@@ -185,24 +232,40 @@ class BlockManager:
         blocks of that prefix, and the scheduler sets seq.num_computed_tokens to it. count_query: this
         admission counts in the prefix-cache metrics (a client request's first; not a sequence coming
         back after a preemption or a swap, which would count the same prompt again)."""
-        cached = self._cached_blocks_for(seq, num_cached_tokens)
-        if not self._fits(seq, num_tokens, 0, cached):
+        matched = self._cached_blocks_for(seq, num_cached_tokens)
+        reused = [b for _, b in matched if b is not None]
+        if not self._fits(seq, num_tokens, 0, reused):
             return False
         if self.enable_prefix_caching and not seq.block_table:
             if count_query:
-                self.prefix_cache_queries += seq.num_tokens
-                self.prefix_cache_hits += num_cached_tokens
-            self._seq_registered[seq.seq_id] = len(cached)
-        # Reused blocks leave the evictable set before any fresh block is taken, so taking fresh blocks
-        # can never evict the very blocks this sequence is about to reuse.
-        for block in cached:
+                self._count_query(seq.num_tokens, len(reused), len(matched) - len(reused))
+            self._seq_registered[seq.seq_id] = len(matched)
+        # Reused blocks leave the evictable set, and host blocks to restore are kept, before any fresh
+        # block is taken: taking fresh blocks (which may evict, and offload to the host tier) can never
+        # evict the very blocks this sequence is about to reuse.
+        for block in reused:
             if self._ref_count[block] == 0:
                 del self._evictable[block]
             self._ref_count[block] += 1
-        seq.block_table.extend(cached)
+        restore = {h: self.host_tier.restore(h) for h, b in matched if b is None}
+        for h, block in matched:
+            if block is None:  # a fresh block, registered now: the copy lands before the forward
+                block = self._take_fresh_block()
+                self._block_hash[block] = h
+                self._cached[h] = block
+                self.events.stored(h)
+                self.copies_in.append((restore[h], block))
+            seq.block_table.append(block)
         for _ in range(self.blocks_needed(seq, num_tokens)):
             seq.block_table.append(self._take_fresh_block())
         return True
+
+    def _count_query(self, num_tokens: int, device_blocks: int, host_blocks: int) -> None:
+        self.prefix_cache_queries += num_tokens
+        self.prefix_cache_hits += device_blocks * self.block_size
+        if self.host_tier is not None:
+            self.host_cache_queries += num_tokens - device_blocks * self.block_size
+            self.host_cache_hits += host_blocks * self.block_size
 
     def share(self, seq: Sequence, source: Sequence, num_tokens: int) -> int:
         """Gives seq (holding no blocks, with the same leading tokens) source's blocks of its first
@@ -222,9 +285,13 @@ class BlockManager:
             block = heapq.heappop(self._free)
         else:
             block, _ = self._evictable.popitem(last=False)
-            del self._cached[self._block_hash[block]]
-            self.events.removed(self._block_hash[block])
+            h = self._block_hash[block]
+            del self._cached[h]
+            self.events.removed(h)
             self._block_hash[block] = None
+            copy = None if self.host_tier is None else self.host_tier.offload(h, block)
+            if copy is not None:  # read before this step's forward (and swap-ins) write the block
+                self.copies_out.append(copy)
         self._ref_count[block] = 1
         return block
 

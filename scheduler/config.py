@@ -47,6 +47,13 @@ class SchedulerConfig:
         rule=at_least(0),
         launch=True,
     )
+    host_prefix_cache: bool = setting(
+        False,
+        help="keep full prefix blocks evicted from the device in the swap space (host memory, least "
+        "recently used evicted, and whenever a preempted sequence needs the room) and copy them back "
+        "instead of recomputing them; needs --enable-prefix-caching and --swap-space",
+        launch=True,
+    )
     fallback_static: bool = setting(
         False, help="switch to static batching while throughput is 10% below its recent baseline", launch=True
     )
@@ -83,6 +90,8 @@ class SchedulerConfig:
         settings.validate(self)
         if not self.workers:
             raise ValueError("at least one --worker HOST:PORT is required")
+        if self.host_prefix_cache and not (self.enable_prefix_caching and self.swap_space > 0):
+            raise ValueError("--host-prefix-cache needs --enable-prefix-caching and --swap-space > 0")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora")
 

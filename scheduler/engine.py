@@ -217,10 +217,17 @@ class Engine:
             i.draft_model_name for i in info.describe
         ):
             raise ValueError("--speculative-method draft: the shard workers hold no --speculative-model")
-        blocks = BlockManager(cap.num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)
-        host_blocks = HostBlockPool(cap.num_host_blocks) if cap.num_host_blocks else None
+        host_blocks = None
+        if cap.num_host_blocks:
+            host_blocks = HostBlockPool(cap.num_host_blocks, cache_prefixes=cfg.host_prefix_cache)
+        blocks = BlockManager(cap.num_blocks, cfg.block_size, cfg.enable_prefix_caching, host_blocks)
         if cfg.swap_space:
-            log.info("swap space: %d host blocks per rank (%.2f GiB)", cap.num_host_blocks, cfg.swap_space)
+            log.info(
+                "swap space: %d host blocks per rank (%.2f GiB)%s",
+                cap.num_host_blocks,
+                cfg.swap_space,
+                ", shared with the prefix cache's host tier" if cfg.host_prefix_cache else "",
+            )
         if self.scheduler is None:
             policy = cfg.resolved_policy(cap.max_model_len)
             self.scheduler = Scheduler(policy, blocks, first.eos_token_ids, host_blocks, self.speculator)
@@ -382,7 +389,7 @@ class Engine:
         if self.scheduler is not None:
             window = self.scheduler.admission_window(self.config.admission_window)
             load = self.load_report()
-            kv, cached = self.scheduler.blocks.events.take(), self.scheduler.blocks.cached_hashes
+            kv, cached = self.scheduler.blocks.take_events(), self.scheduler.blocks.snapshot_events
         elif force_load:
             load = self.load_report()
         self.routers.publish(outputs, window, load, force_load, kv, cached)

@@ -17,6 +17,7 @@ class _StateCollector:
     def collect(self):
         snap = self.engine.snapshot()
         running = waiting = swapped = used = total = queries = hits = cached = 0
+        yield from _host_tier(snap)
         if snap is not None:
             running, waiting, swapped = snap.running, snap.waiting, snap.swapped
             total, used = snap.kv_blocks_total, snap.kv_blocks_total - snap.kv_blocks_free
@@ -54,6 +55,24 @@ class _StateCollector:
         )
         if self.engine.speculator is not None:
             yield from _speculation(self.engine.speculator.totals)
+
+
+def _host_tier(snap):
+    """The prefix cache's host tier (--host-prefix-cache), vLLM's prefix_cache_queries / _hits shape:
+    the tokens the device's cache missed, looked up in host memory, and those found there."""
+    for family, name, field, help_text in (
+        (CounterMetricFamily, "host_prefix_cache_queries", "host_cache_queries",
+         "Prompt tokens the device's prefix cache missed, looked up in the host tier."),
+        (CounterMetricFamily, "host_prefix_cache_hits", "host_cache_hits",
+         "Prompt tokens found in the host tier (copied back, not recomputed)."),
+        (GaugeMetricFamily, "host_prefix_cache_blocks", "host_cache_blocks",
+         "Host blocks holding cached prefixes."),
+        (CounterMetricFamily, "kv_offloaded_blocks", "offloaded_blocks",
+         "Prefix blocks evicted from the device and copied to the host tier."),
+        (CounterMetricFamily, "kv_restored_blocks", "restored_blocks",
+         "Host-tier blocks copied back to the device for a prompt."),
+    ):  # fmt: skip
+        yield family(f"tpserve_{name}", help_text, value=0 if snap is None else getattr(snap, field))
 
 
 def _speculation(t):

@@ -33,7 +33,9 @@ class SchedulerOutput:
     # Swapped sequences back on the device this step (they are scheduled too).
     swapped_in: list[Sequence] = field(default_factory=list)
     # Block copies every rank makes before this step's forward: (device block, host block) out, then
-    # (host block, device block) in. A step never carries both kinds (see Scheduler.schedule).
+    # (host block, device block) in: preempted sequences swapped out and back, and the prefix cache's
+    # host tier (evicted blocks kept, matched ones restored). No host block is both read and written in
+    # one step (scheduler/swap.py).
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     # Sequences admitted from the waiting queue this step (first time, or back after a preemption).
@@ -78,6 +80,13 @@ class SchedulerSnapshot:
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache since start
     prefix_cache_hits: int  # of those, tokens found cached
     prefix_cache_blocks: int  # blocks holding reusable prefixes
+    # The host tier (--host-prefix-cache): prompt tokens the device did not serve, looked up there, and
+    # found there; blocks it caches; device blocks copied into it and back since start.
+    host_cache_queries: int = 0
+    host_cache_hits: int = 0
+    host_cache_blocks: int = 0
+    offloaded_blocks: int = 0
+    restored_blocks: int = 0
 
     @property
     def in_flight(self) -> int:

@@ -153,11 +153,11 @@ class RouterStreams:
         load: ReplicaLoad | None,
         force_load: bool = False,
         kv: KvEvents | None = None,
-        cached: Callable[[], list[bytes]] | None = None,
+        cached: Callable[[], KvEvents] | None = None,
     ) -> None:
         """Sends each router its outputs of a step with its share of the credit, the load and the
         prefix cache's change (kv), one message each. Outputs of requests no router owns any more are
-        dropped. cached(): every hash the cache holds, for a router's first message (a snapshot); None
+        dropped. cached(): a snapshot of every hash the cache holds, for a router's first message; None
         while there is no cache (the ranks have not reported yet). A change with reset set (a new cache,
         whose log began with it) is itself a snapshot."""
         snapshot = None
@@ -173,7 +173,7 @@ class RouterStreams:
                 events = None
             elif stream.needs_snapshot:
                 if snapshot is None:
-                    snapshot = KvEvents(stored=tuple(cached()), reset=True)
+                    snapshot = cached()
                 events, stream.needs_snapshot = snapshot, False
             msg = stream.message(outs, shares[stream], load, force_load, events)
             if msg is not None:

@@ -118,6 +118,8 @@ class Scheduler:
 
     def schedule(self, now: float = 0.0) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.host_blocks is not None:
+            self.host_blocks.begin_step()  # the last step's copies are made
         budget = self.policy.max_num_batched_tokens
         self._speculating = self.proposer is not None and self.proposer.enabled(len(self._by_request))
 
@@ -149,12 +151,15 @@ class Scheduler:
             budget -= num_new + len(drafts)
             i += 1
 
-        # Nothing comes in during a step that preempts: blocks are short. This also keeps swap-ins
-        # (which free host blocks) out of steps with swap-outs (which take them).
+        # Nothing comes in during a step that preempts: blocks are short.
         if not out.preempted:
             budget = self._swap_in(out, budget)
             if not self.swapped:  # swapped sequences come back before anyone new is admitted
                 self._admit(out, budget, now)
+        # The host tier's copies: evicted prefix blocks kept, and matched ones brought back.
+        offloads, restores = self.blocks.take_copies()
+        out.swap_out += offloads
+        out.swap_in += restores
         # Sequences waiting for their grammar are introduced to the workers, whose rank 0 compiles it; when
         # that is all there is to do, rank 0 waits a little for one to finish before it answers.
         out.grammar_waiting = [s for s in self.waiting if not s.grammar_ready]
@@ -432,4 +437,9 @@ class Scheduler:
             prefix_cache_queries=b.prefix_cache_queries,
             prefix_cache_hits=b.prefix_cache_hits,
             prefix_cache_blocks=b.num_cached_blocks,
+            host_cache_queries=b.host_cache_queries,
+            host_cache_hits=b.host_cache_hits,
+            host_cache_blocks=0 if b.host_tier is None else b.host_tier.num_cached_blocks,
+            offloaded_blocks=0 if b.host_tier is None else b.host_tier.offloaded_blocks,
+            restored_blocks=0 if b.host_tier is None else b.host_tier.restored_blocks,
         )

@@ -33,8 +33,9 @@ def expected(prompt: list[int], n: int) -> list[int]:
 class FakeWorkerGroup:
     """Stands in for scheduler/workers.py's WorkerGroup: one rank that answers steps with next_token."""
 
-    def __init__(self, num_blocks: int = 64):
+    def __init__(self, num_blocks: int = 64, num_host_blocks: int = 0):
         self.num_blocks = num_blocks
+        self.num_host_blocks = num_host_blocks  # swap space (and the prefix cache's host tier)
         self.up = True  # connect() succeeds
         self.fail_steps: set[int] = set()  # steps (counted over the group's life) that lose the rank
         self.gate: asyncio.Semaphore | None = None  # when set up, each step waits for a release
@@ -60,7 +61,7 @@ class FakeWorkerGroup:
             rank=0, world_size=1, model_name="fake", vocab_size=VOCAB, max_position_embeddings=512,
             eos_token_ids=[EOS], num_kv_blocks=self.num_blocks,
         )  # fmt: skip
-        return WorkerGroupInfo((describe,), Capacity(self.num_blocks, 512, 0))
+        return WorkerGroupInfo((describe,), Capacity(self.num_blocks, 512, self.num_host_blocks))
 
     def lose_while_idle(self) -> None:
         """The rank's stream ends on its own (the process was killed) while nothing is stepping."""

@@ -7,11 +7,13 @@ from __future__ import annotations
 import asyncio
 import random
 
+import pytest
+
 from common.block_hash import block_hashes
 from common.kv_events import KvEvents
 from common.load import ReplicaLoad
 from common.pb.tpserve.internal.v1 import scheduler_pb2
-from router.cache_index import CacheIndex
+from router.cache_index import HOST, CacheIndex
 from router.in_flight import InFlight
 from router.replicas import ReplicaSet, RoutingPolicy
 from scheduler.config import SchedulerConfig
@@ -110,6 +112,25 @@ def test_the_index_is_bounded_and_counts_what_it_drops():
     assert index.matched_blocks([b"2", b"3", b"9", b"4"]) == 2
 
 
+def test_the_index_keeps_each_tier_and_a_host_block_is_worth_less_than_a_device_block():
+    index = CacheIndex(capacity=10)
+    index.apply(KvEvents(stored=(b"1", b"2"), host_stored=(b"2", b"3", b"4")))
+    assert index.match([b"1", b"2", b"3", b"5", b"4"]) == (2, 1)  # 2 is on the device too
+    index.apply(KvEvents(removed=(b"2",), host_removed=(b"3",)))
+    assert index.match([b"1", b"2", b"3"]) == (1, 1) and index.hashes(HOST) == {b"2", b"4"}
+    index.apply(KvEvents(reset=True, host_stored=(b"9",)))
+    assert index.hashes() == set() and index.hashes(HOST) == {b"9"} and len(index) == 1
+    # Three idle replicas: a holds the prefix on its device, b only in its host tier, c not at all.
+    rs = three()
+    rs.kv_events("a", KvEvents(stored=tuple(HASHES[:4])))
+    rs.kv_events("b", KvEvents(host_stored=tuple(HASHES)))
+    assert rs.choose(len(PROMPT), HASHES, now=1.0) == "b"  # 7 host blocks beat 4 device ones (0.8 each)
+    rs.kv_events("a", KvEvents(stored=tuple(HASHES)))
+    assert rs.choose(len(PROMPT), HASHES, now=1.0) == "a"  # the same prefix: the device wins
+    rs.kv_events("a", KvEvents(reset=True))
+    assert rs.choose(len(PROMPT), HASHES, now=1.0) == "b"  # a host hit beats nothing
+
+
 def test_a_request_wanting_prompt_logprobs_has_no_cacheable_prefix():
     add = scheduler_pb2.AddRequest(request_id="r", prompt_token_ids=PROMPT)
     req = InFlight(add, 0.0, None)
@@ -121,17 +142,31 @@ def test_a_request_wanting_prompt_logprobs_has_no_cacheable_prefix():
     assert InFlight(add, 0.0, None).block_hashes(BS) == []
 
 
-def test_the_routers_index_equals_the_schedulers_cache_after_every_step():
+@pytest.mark.parametrize("host_blocks", [0, 24], ids=["device", "device+host"])
+def test_the_routers_index_equals_the_schedulers_cache_after_every_step(host_blocks):
     """A long random run: requests over a few shared prefixes through a small cache (so blocks are
-    evicted), aborts, ranks lost and back (a fresh cache), a second router joining midway. After every
-    step, each router's index (fed only by the messages on its stream) is the scheduler's set of hashes."""
+    evicted; with a host tier, offloaded, evicted from it and restored), aborts, ranks lost and back (a
+    fresh cache), a second router joining midway. After every step, each router's index (fed only by
+    the messages on its stream) is the scheduler's set of hashes, in each tier."""
+
+    def tiers(blocks):
+        host = set() if blocks.host_tier is None else set(blocks.host_tier.cached_hashes())
+        return set(blocks.cached_hashes()), host
+
+    def indexed(index):
+        return index.cached_hashes("x"), index.cached_hashes("x", HOST)
 
     async def go():
         rng = random.Random(0)
-        group = FakeWorkerGroup(num_blocks=40)
+        group = FakeWorkerGroup(num_blocks=40, num_host_blocks=host_blocks)
         group.fail_steps = {120, 260}
         config = SchedulerConfig(
-            workers=("fake:0",), block_size=4, enable_prefix_caching=True, worker_recovery_timeout_s=30.0
+            workers=("fake:0",),
+            block_size=4,
+            enable_prefix_caching=True,
+            worker_recovery_timeout_s=30.0,
+            swap_space=1.0 if host_blocks else 0.0,
+            host_prefix_cache=bool(host_blocks),
         )
         engine = Engine(config, group)
         routers = {"r1": RouterStream()}
@@ -162,9 +197,9 @@ def test_the_routers_index_equals_the_schedulers_cache_after_every_step():
         def checked_publish(result):
             publish(result)
             drain()
-            cached = set(engine.scheduler.blocks.cached_hashes())
+            cached = tiers(engine.scheduler.blocks)
             for name in routers:
-                assert indexes[name].cached_hashes("x") == cached, (name, state["steps"])
+                assert indexed(indexes[name]) == cached, (name, state["steps"])
             state["steps"] += 1
             state["checked"] += 1
             if state["steps"] == 150:  # a second router connects: it starts from a snapshot
@@ -195,8 +230,11 @@ def test_the_routers_index_equals_the_schedulers_cache_after_every_step():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
         drain()
-        assert indexes["r1"].cached_hashes("x") == set(engine.scheduler.blocks.cached_hashes())
+        blocks = engine.scheduler.blocks
+        assert indexed(indexes["r1"]) == tiers(blocks)
         assert state["checked"] > 300 and group.connects == 3
-        assert engine.scheduler.blocks.prefix_cache_hits > 0  # the run did reuse (and so evict) blocks
+        assert blocks.prefix_cache_hits > 0  # the run did reuse (and so evict) blocks
+        if host_blocks:  # and the host tier took evicted blocks and gave some back
+            assert blocks.host_tier.offloaded_blocks > host_blocks and blocks.host_tier.restored_blocks > 0
 
     asyncio.run(go())
