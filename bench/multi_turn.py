@@ -14,7 +14,11 @@ The prefix cache's host tier (--host-prefix-cache), on and off, over a deliberat
 working set, the blocks of every conversation's final history and the system prompts, over the
 replicas; host memory is --swap-space GiB per rank):
 
-    python -m bench.multi_turn --replicas 1 --policies cache_aware --host-tier both --device-share 0.33
+    python -m bench.multi_turn --replicas 1 --policies cache_aware --host-tier both --device-share 0.33 \
+        --system-tokens 128 --turns 6 --max-new-tokens 32 --concurrency 24 --max-num-seqs 4
+
+(every conversation in flight and 4 sequences running: a conversation's next turn comes after the
+others', so what it left on the device is gone by then unless the device holds the working set).
 
 Ratios within one run are what to read: on a shared CPU the absolute figures move with the neighbours.
 """
@@ -112,6 +116,7 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=6, help="conversations in flight at once")
     p.add_argument("--num-kv-blocks", type=int, default=512, help="per replica (16 tokens each)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-num-seqs", type=int, default=0, help="per replica (0: the scheduler's default)")
     p.add_argument("--host-tier", choices=("off", "on", "both"), default="off", help="--host-prefix-cache")
     p.add_argument("--swap-space", type=float, default=1.0, help="GiB per rank, with --host-tier")
     p.add_argument(
@@ -132,6 +137,8 @@ def main() -> None:
     for policy, tier in ((p, t) for p in args.policies.split(",") for t in tiers):
         flags = ("--replicas", str(args.replicas), "--enable-prefix-caching", "--routing-policy", policy)
         flags += ("--num-kv-blocks", str(args.num_kv_blocks), "--max-num-batched-tokens", "2048")
+        if args.max_num_seqs:
+            flags += ("--max-num-seqs", str(args.max_num_seqs))
         if args.host_tier != "off":  # the same swap space both ways: only the tier differs
             flags += ("--swap-space", str(args.swap_space)) + (
                 ("--host-prefix-cache",) if tier == "on" else ()

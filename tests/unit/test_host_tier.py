@@ -79,7 +79,7 @@ def test_an_evicted_prefix_comes_back_from_host_memory_without_a_prefill():
         p = prompt(1, 3 * BS + 5)  # 3 full blocks, then part of one
         d.add(p)
         d.drain()
-        for i in (2, 3):  # other prompts take every device block: p's are evicted
+        for i in (2, 3, 4):  # other prompts take every device block: p's are evicted
             d.add(prompt(i, 3 * BS + 5))
             d.drain()
         assert not set(d.sched.blocks.cached_hashes()) & set(block_hashes(p, BS, 3))
@@ -130,6 +130,20 @@ def test_preempted_sequences_take_host_blocks_from_the_cache():
     events = host.events.take()
     assert host.cached_hashes() == [] and events.stored == events.removed == ()  # stored, then removed
     host.check_invariants([7])
+
+
+def test_host_blocks_a_swap_in_reads_are_not_written_in_the_same_step():
+    """The ranks make a step's swap-outs before its swap-ins: a host block released by a swap-in and
+    taken by an offload in the same step would be overwritten before it is read."""
+    host = HostBlockPool(2, cache_prefixes=True)
+    host.swap_out(7, [10, 11])
+    host.begin_step()
+    assert host.swap_in(7, [3, 4]) == [(0, 3), (1, 4)]
+    assert host.num_free_blocks == 2 and not host.can_swap_out(1)
+    assert host.offload(b"a", 5) is None  # nothing may be written this step
+    host.begin_step()
+    assert host.offload(b"a", 5) == (5, 0)
+    host.check_invariants([])
 
 
 def test_a_tier_that_is_off_keeps_nothing():
@@ -186,5 +200,5 @@ def test_step_request_carries_offloads_and_restores():
     d.drain()
     d.add(prompt(1, 2 * BS) + [5, 6], max_new=1)
     plan = d.builder.build(d.sched.schedule())
-    assert list(plan.swap_in_src) == [host for _, host in evicting.swap_out]
+    assert sorted(plan.swap_in_src) == sorted(host for _, host in evicting.swap_out)
     assert step_arrays(plan)["query_lens"] == [2]  # two new tokens; the two blocks came from host memory
