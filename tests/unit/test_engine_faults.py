@@ -154,3 +154,35 @@ def test_an_idle_router_holding_old_credit_does_not_starve_a_new_one():
             await h.wait(lambda: h.engine.snapshot().in_flight == 0)
 
     run(go())
+
+
+def test_a_rank_lost_while_the_host_tier_holds_blocks_recovers():
+    """The ranks' host memory goes with them: the engine's new pools start with an empty host tier (the
+    router is told, by a snapshot), every request is recomputed to the tokens it would have had, and the
+    new tier takes evicted prefixes and serves them again."""
+
+    async def go():
+        group = FakeWorkerGroup(num_blocks=12, num_host_blocks=16)
+        tier = dict(enable_prefix_caching=True, swap_space=1.0, host_prefix_cache=True, block_size=4)
+        async with Harness(group, **tier) as h:
+            prefixes = [[3 + p] * 16 for p in range(3)]
+
+            async def serve(name, n):
+                prompts = {f"{name}{i}": prefixes[i % 3] + [50 + i] for i in range(n)}
+                for rid, prompt in prompts.items():  # one after another: each evicts the one before
+                    h.engine.add(add_request(rid, prompt, 6), h.stream)
+                    await h.wait(lambda rid=rid: h.finished(rid))
+                    assert h.tokens(rid) == expected(prompt, 6)
+
+            await serve("a", 6)
+            old = h.engine.scheduler.blocks
+            assert old.host_tier.num_cached_blocks > 0 and old.host_tier.restored_blocks > 0
+            resets = sum(m.kv_events.reset for m in h.messages)
+            group.fail_steps = {group.steps + 3}
+            await serve("b", 6)  # lost in its first request, which is recomputed
+            new = h.engine.scheduler.blocks
+            assert group.connects == 2 and new is not old and new.host_tier is not old.host_tier
+            assert sum(m.kv_events.reset for m in h.messages) == resets + 1
+            assert new.host_tier.offloaded_blocks > 0 and new.host_tier.restored_blocks > 0
+
+    run(go())
