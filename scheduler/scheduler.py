@@ -7,6 +7,7 @@ when a block cannot be had, the newest running sequence is preempted. With host 
 for it, its KV is swapped out to them and it waits in `swapped` with its progress kept; otherwise its
 blocks are freed and it is recomputed later from the tokens kept here. Either way the output is the
 same. Swapped sequences come back (into fresh device blocks) before any waiting sequence is admitted.
+The prefix cache's host tier shares those host blocks (scheduler/swap.py): its copies ride the same lists.
 """
 
 from __future__ import annotations
