@@ -143,17 +143,18 @@ def test_at_three_times_the_sustainable_load_requests_are_refused_at_once_or_ser
 async def behind_a_queue(target: str, lows: int) -> tuple[list[dict], dict]:
     async with grpc.aio.insecure_channel(target) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
-        started, long = asyncio.Event(), 2 * TOKENS
-        first = asyncio.ensure_future(one(stub, 0, False, priority=1, started=started, tokens=long))
-        queued = [asyncio.ensure_future(one(stub, i, False, priority=1, tokens=long)) for i in range(1, lows)]
-        await started.wait()  # the first runs: the others, sent after it, are on their way or queued
+        # Sent together, they reach the router in any order: the high one goes once any of them runs.
+        started = asyncio.Event()
+        sent = [one(stub, i, False, priority=1, started=started, tokens=2 * TOKENS) for i in range(lows)]
+        low = asyncio.gather(*sent)
+        await started.wait()
         high = await one(stub, lows, objectives=False, priority=0)
-        return [await first, *await asyncio.gather(*queued)], high
+        return await low, high
 
 
 def test_a_higher_priority_goes_before_the_queue_and_preempts_a_running_one(stack):
     """Ordering, not timing. Ten requests of priority 1, 64 tokens each: two run (--max-num-seqs 2), the
-    router holds the rest. One of priority 0 sent once the first has its first token goes before every
+    router holds the rest. One of priority 0 sent once one of them has its first token goes before every
     queued one, and gets its first token before either running one ends: it took a running one's place
     (the router's credit counts places of lower priority, the scheduler preempts). Margin: the 63 tokens
     left to the running ones, for the round trip router -> scheduler."""
