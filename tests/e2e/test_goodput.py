@@ -9,11 +9,14 @@ at the client. The overload is a fixed number of requests (3x the sustainable ra
 Poisson arrival times fixed in advance: a client slowed by the shared cores sends late, in bursts (more
 overload), never fewer.
 
-Tolerance. This machine is shared: other processes change the stack's speed under a run, so a promise
-made from the rate measured a moment before can be broken by a slowdown that is no fault of the server.
-So each wait is measured twice: in wall time, and in work, the tokens the stack produced for all streams
-during the wait divided by the calibration's token rate (seconds of work at the speed measured; a
-slowdown lengthens the first, not the second). A wait passes if either is within its bound:
+Tolerance. This machine is shared: other processes change the stack's speed by 2x and more within
+seconds (measured: 137 tokens/s in the calibration, 270 in the next seconds, then a stall that took an
+admitted request to 2.65 s), so a promise made from the speed the server measured when a request arrived
+can be broken by a slowdown that is no fault of the server. So each wait is measured twice: in wall
+time, and in work: the tokens the stack produced for all streams during the wait, divided by its token
+rate over the 2 s before the request arrived (the speed it promised on; the calibration's while less
+than 0.5 s of the overload preceded it). A slowdown after the promise lengthens the first, not the
+second. A wait passes if either is within its bound:
 - an admitted request's TTFT: its objective x 1.5 + 250 ms (the estimate is of a queue with a crude
   model of its service);
 - a refusal: 1 s from the call (the router answers before queuing);
@@ -112,10 +115,16 @@ def test_at_three_times_the_sustainable_load_requests_are_refused_at_once_or_ser
     served = [r for r in results if r["code"] == "OK"]
     refused = [r for r in results if r["code"] == "RESOURCE_EXHAUSTED"]
     produced = sorted(t for r in served for t in r["times"])
+    t0 = min(r["start"] for r in results)
+
+    def tokens(start: float, end: float) -> int:
+        return bisect_left(produced, end) - bisect_right(produced, start)
 
     def work_s(start: float, end: float) -> float:
-        """Seconds of work at the calibration's speed that the stack did between start and end."""
-        return (bisect_left(produced, end) - bisect_right(produced, start)) / token_rate
+        """The stack's output between start and end in seconds at the speed it had before start."""
+        since = max(t0, start - 2.0)
+        rate = tokens(since, start) / (start - since) if start - since >= 0.5 else token_rate
+        return tokens(start, end) / max(rate, 1e-9)
 
     def within(wall_s: float, start: float, bound_s: float) -> bool:
         return wall_s <= WALL_BACKSTOP * bound_s and min(wall_s, work_s(start, start + wall_s)) <= bound_s
