@@ -2,10 +2,15 @@
 
 Who is admitted next is decided here, not in the scheduler (which only ever receives as many requests as
 it has credit for, see `Credits`):
-- shortest bucket first, so interactive prompts keep a low time to first token behind long ones;
-- FIFO within a bucket;
+- higher priority first (the request's `priority`, vLLM's sense: lower value first, default 0);
+- within a priority, shortest bucket first, so interactive prompts keep a low time to first token behind
+  long ones; FIFO within a bucket;
 - aging: a request that has waited longer than max_wait_s goes before every newer one, whatever its
-  bucket (the oldest overdue first), so a long prompt is never starved by a stream of short ones.
+  bucket and priority (the oldest overdue first), so neither a long prompt nor a low priority is ever
+  starved by a stream of short or higher-priority ones: no request waits here much past max_wait_s
+  beyond the time to serve the overdue requests that arrived before it. Past that bound, under a backlog
+  that stays overdue, the order is first come, first served (with latency objectives the admission
+  estimate keeps the backlog short of that: router/slo.py).
 - a bound: at most max_queued requests wait; past that, push refuses and the router answers
   RESOURCE_EXHAUSTED at once.
 
@@ -41,6 +46,7 @@ class _Entry:
     item: Any
     key: Hashable
     bucket: int
+    priority: int
     arrival: float
     order: int  # push order across buckets: ties in arrival time go to the earlier push
 
@@ -84,10 +90,11 @@ def bucket_name(lower: int, upper: int | None) -> str:
 
 
 class AdmissionQueue:
-    """Bucketed FIFO queues with aging and a bound on the total.
+    """FIFO queues per (priority, bucket) with aging and a bound on the total.
 
-    Operations: push O(log edges), pop O(buckets), remove O(1) (each bucket is an OrderedDict keyed by
-    the request's key), len O(1), stats O(buckets).
+    Operations: push O(log edges), pop O(priorities x buckets) (priorities: the distinct values waiting,
+    few in practice), remove O(1) (each queue is an OrderedDict keyed by the request's key), len O(1),
+    stats O(priorities x buckets).
     """
 
     def __init__(self, policy: AdmissionPolicy | None = None):
@@ -97,8 +104,9 @@ class AdmissionQueue:
         self.max_wait_s = policy.max_queue_wait_ms / 1000.0
         bounds = (0, *self.edges, None)
         self._bounds: list[tuple[int, int | None]] = list(zip(bounds[:-1], bounds[1:], strict=True))
-        self._buckets: list[OrderedDict[Hashable, _Entry]] = [OrderedDict() for _ in self._bounds]
-        self._where: dict[Hashable, int] = {}  # key -> bucket index, for remove and __contains__
+        # priority -> one FIFO per bucket; a priority with nothing waiting is dropped.
+        self._queues: dict[int, list[OrderedDict[Hashable, _Entry]]] = {}
+        self._where: dict[Hashable, _Entry] = {}  # for remove and __contains__
         self._order = count()
 
     def __len__(self) -> int:
@@ -111,7 +119,9 @@ class AdmissionQueue:
         """Index of the bucket a prompt of this many tokens goes to (0: the shortest)."""
         return bisect_right(self.edges, prompt_tokens)
 
-    def push(self, item: Any, prompt_tokens: int, now: float, key: Hashable | None = None) -> bool:
+    def push(
+        self, item: Any, prompt_tokens: int, now: float, key: Hashable | None = None, priority: int = 0
+    ) -> bool:
         """Queues item; False (and nothing queued) when max_queued requests already wait.
 
         key identifies the item for remove (the request id); it defaults to the item itself. A key
@@ -124,38 +134,54 @@ class AdmissionQueue:
             raise ValueError(f"{key!r} is already queued")
         if len(self._where) >= self.max_queued:
             return False
-        b = self.bucket_of(prompt_tokens)
-        self._buckets[b][key] = _Entry(item, key, b, now, next(self._order))
-        self._where[key] = b
+        entry = _Entry(item, key, self.bucket_of(prompt_tokens), priority, now, next(self._order))
+        self._queue(entry)[key] = entry
+        self._where[key] = entry
         return True
 
-    def requeue(self, item: Any, prompt_tokens: int, arrival: float, key: Hashable | None = None) -> None:
+    def best_priority(self) -> int | None:
+        """The highest priority waiting (the lowest value); None when none waits."""
+        return min(self._queues, default=None)
+
+    def ahead(self, prompt_tokens: int, priority: int = 0) -> int:
+        """How many queued requests leave before one pushed now with this prompt length and priority
+        (those of higher priority, and of its own in its bucket or a shorter one), aging aside."""
+        b = self.bucket_of(prompt_tokens)
+        return sum(
+            len(q)
+            for p, queues in self._queues.items()
+            if p <= priority
+            for q in queues[: None if p < priority else b + 1]
+        )
+
+    def requeue(
+        self, item: Any, prompt_tokens: int, arrival: float, key: Hashable | None = None, priority: int = 0
+    ) -> None:
         """Puts back a request that was popped but could not run (its replica failed before it streamed
-        anything), with its original arrival time: ahead of every later arrival in its bucket, and aged
+        anything), with its original arrival time: ahead of every later arrival in its queue, and aged
         from when it first came. Never refused: the request was accepted once already.
         """
         key = item if key is None else key
         if key in self._where:
             raise ValueError(f"{key!r} is already queued")
-        b = self.bucket_of(prompt_tokens)
-        bucket = self._buckets[b]
-        entry = _Entry(item, key, b, arrival, next(self._order))
-        later = [e for e in bucket.values() if e.arrival > arrival]  # rare: failover only, O(bucket)
+        entry = _Entry(item, key, self.bucket_of(prompt_tokens), priority, arrival, next(self._order))
+        queue = self._queue(entry)
+        later = [e for e in queue.values() if e.arrival > arrival]  # rare: failover only, O(queue)
         for e in later:
-            del bucket[e.key]
-        bucket[key] = entry
+            del queue[e.key]
+        queue[key] = entry
         for e in later:
-            bucket[e.key] = e
-        self._where[key] = b
+            queue[e.key] = e
+        self._where[key] = entry
 
     def pop(self, now: float) -> Any | None:
         """Removes and returns the request to admit next, or None when none waits.
 
-        Each bucket's head is its oldest entry, so the oldest request overall is the oldest head: if it
+        Each queue's head is its oldest entry, so the oldest request overall is the oldest head: if it
         has waited longer than max_wait_s it goes first (and no other can be more overdue); otherwise
-        the head of the shortest non-empty bucket goes.
+        the head of the highest priority's shortest non-empty bucket goes.
         """
-        heads = [next(iter(q.values())) for q in self._buckets if q]
+        heads = [next(iter(q.values())) for p in sorted(self._queues) for q in self._queues[p] if q]
         if not heads:
             return None
         oldest = min(heads, key=lambda e: (e.arrival, e.order))  # requeued entries keep their arrival
@@ -169,22 +195,33 @@ class AdmissionQueue:
         Returns its item, or None when the key is not queued (already popped, or never queued): a
         request already popped belongs to the scheduler, and the router sends it an AbortRequest instead.
         """
-        b = self._where.pop(key, None)
-        if b is None:
+        entry = self._where.get(key)
+        if entry is None:
             return None
-        return self._buckets[b].pop(key).item
+        self._take(entry)
+        return entry.item
 
     def stats(self, now: float) -> list[BucketStats]:
         """Per bucket, shortest first: how many wait and for how long the oldest has."""
         out = []
-        for (lower, upper), q in zip(self._bounds, self._buckets, strict=True):
-            oldest = max(0.0, now - next(iter(q.values())).arrival) if q else 0.0
-            out.append(BucketStats(bucket_name(lower, upper), lower, upper, len(q), oldest))
+        for b, (lower, upper) in enumerate(self._bounds):
+            queues = [qs[b] for qs in self._queues.values() if qs[b]]
+            first = min((next(iter(q.values())).arrival for q in queues), default=now)
+            waiting = sum(len(q) for q in queues)
+            out.append(BucketStats(bucket_name(lower, upper), lower, upper, waiting, max(0.0, now - first)))
         return out
 
+    def _queue(self, entry: _Entry) -> OrderedDict[Hashable, _Entry]:
+        if entry.priority not in self._queues:
+            self._queues[entry.priority] = [OrderedDict() for _ in self._bounds]
+        return self._queues[entry.priority][entry.bucket]
+
     def _take(self, entry: _Entry) -> None:
-        del self._buckets[entry.bucket][entry.key]
+        queues = self._queues[entry.priority]
+        del queues[entry.bucket][entry.key]
         del self._where[entry.key]
+        if not any(queues):
+            del self._queues[entry.priority]
 
 
 class Credits:

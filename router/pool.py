@@ -1,10 +1,11 @@
 """The replicas behind the router: one link each, one shared admission queue, the choice and failover.
 
-Requests wait in ONE length-bucketed AdmissionQueue (router/buckets.py: short first, aged ones never
-starved, a bound answered with RESOURCE_EXHAUSTED). A request is bound to a replica only when it leaves
-the queue: whenever some replica has credit, the next request is popped and ReplicaSet.choose picks among
-the replicas that have credit (router/replicas.py: the prefix each replica caches, known exactly from its
-KV events, against its load). So a busy replica never holds requests an idle one could start.
+Requests wait in ONE length-bucketed AdmissionQueue (router/buckets.py: higher priority first, then short
+first, aged ones never starved, a bound answered with RESOURCE_EXHAUSTED). A request is bound to a replica
+only when it leaves the queue: whenever some replica has credit, the next request is popped and
+ReplicaSet.choose picks among the replicas that have credit (router/replicas.py: the prefix each replica
+caches, known exactly from its KV events, against its load). So a busy replica never holds requests an
+idle one could start.
 
 Failover and resume. A replica whose stream breaks, or whose reports stop for stale_after_s (checked every
 check_s; the scheduler reports at least every 0.5 s), is marked down and its stream dropped (the
@@ -175,11 +176,13 @@ class SchedulerPool:
             raise SchedulerUnavailable("no replica is ready")
         now = time.monotonic()
         # Its TTFT behind those that leave the queue first; SloRefused when that misses its objective.
-        ahead = self.admission.stats(now)[: self.admission.bucket_of(len(add.prompt_token_ids)) + 1]
+        ahead = self.admission.ahead(len(add.prompt_token_ids), add.priority)
         loads = self._loads(now)
         free = sum(self.links[t].credits.available for t in loads if t in self.links)
-        predicted = self.slo.check(objectives, loads, sum(b.waiting for b in ahead), free)
-        if not self.admission.push(add.request_id, len(add.prompt_token_ids), now, add.request_id):
+        predicted = self.slo.check(objectives, loads, ahead, free)
+        if not self.admission.push(
+            add.request_id, len(add.prompt_token_ids), now, add.request_id, add.priority
+        ):
             raise QueueFull(f"{len(self.admission)} requests are already waiting; try again later")
         req = InFlight(add, now, asyncio.Queue(), prompt=tuple(add.prompt_token_ids))
         req.objectives, req.predicted_ttft = objectives, predicted
@@ -263,7 +266,7 @@ class SchedulerPool:
         up = [link for t, link in self.links.items() if self.replicas.is_up(t, now)]
         share = -(-len(self.admission) // max(1, len(up)))
         for link in up:
-            link.report_queued(share)
+            link.report_queued(share, self.admission.best_priority())
 
     # ---- what the links report ----
 
@@ -357,7 +360,9 @@ class SchedulerPool:
             self.on_resume(req.add.request_id)
         self.slo.ended(target, req.add.request_id, None)
         req.routed = None
-        self.admission.requeue(req.add.request_id, len(req.prompt), req.arrival, req.add.request_id)
+        self.admission.requeue(
+            req.add.request_id, len(req.prompt), req.arrival, req.add.request_id, req.add.priority
+        )
         return outcome
 
     def _fail_over(self, target: str, reason: str) -> None:

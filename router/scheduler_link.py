@@ -73,7 +73,7 @@ class SchedulerLink:
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._task: asyncio.Task | None = None
         self.credits = Credits()
-        self._reported_queued = 0
+        self._reported_queued: tuple[int, int | None] = (0, None)
         self._dropping = False  # drop() cancelled the call: not the task being cancelled
 
     @property
@@ -97,11 +97,12 @@ class SchedulerLink:
             abort = scheduler_pb2.AbortRequest(request_id=request_id)
             self._outbox.put_nowait(scheduler_pb2.RouterMessage(abort=abort))
 
-    def report_queued(self, queued: int) -> None:
-        """Tells the scheduler how many requests wait here for it (min_batch_size, static fallback)."""
-        if queued != self._reported_queued and self._call is not None:
-            self._reported_queued = queued
-            depth = scheduler_pb2.QueueDepth(queued=queued)
+    def report_queued(self, queued: int, best_priority: int | None = None) -> None:
+        """Tells the scheduler how many requests wait here for it (min_batch_size, static fallback) and
+        the highest priority among them (priority preemption)."""
+        if (queued, best_priority) != self._reported_queued and self._call is not None:
+            self._reported_queued = (queued, best_priority)
+            depth = scheduler_pb2.QueueDepth(queued=queued, best_priority=best_priority)
             self._outbox.put_nowait(scheduler_pb2.RouterMessage(queue_depth=depth))
 
     def drop(self) -> None:
@@ -119,7 +120,7 @@ class SchedulerLink:
                 )
                 self._outbox = asyncio.Queue()
                 self.credits.reset()
-                self._reported_queued = 0
+                self._reported_queued = (0, None)
                 self._call = self.stub.Connect(self._drain(self._outbox))
                 log.info("connected to the scheduler at %s", self.target)
                 self.owner.on_connected(self)

@@ -11,8 +11,9 @@ Admission (`SloEstimator.refusal`). When a request arrives the router predicts i
     queue_wait     = max(0, ahead + 1 - free_slots) / drain_rate
     drain_rate     = sum over up replicas of max_num_seqs / service_s
 
-- ahead: requests that leave the router's queue before it (its bucket and the shorter ones) plus those the
-  schedulers hold waiting; free_slots: requests the replicas would take now (their credit).
+- ahead: requests that leave the router's queue before it (higher priorities, and its own in its bucket
+  and the shorter ones: AdmissionQueue.ahead) plus those the schedulers hold waiting; free_slots:
+  requests the replicas would take now (their credit).
 - first_token_s: the recent time from sending a request to a replica to its first token (queue there
   and prefill), per replica (an EWMA; the best replica's, since the choice is made when it leaves the queue).
 - service_s: the recent time from sending a request to its end (an EWMA, per replica). A replica serves

@@ -349,3 +349,19 @@ class BlockManager:
                 for b in table:
                     counts[b] += 1
             assert counts == self._ref_count, "reference counts differ from the tables holding the blocks"
+
+    def counts(self) -> dict[str, int]:
+        """The block and prefix-cache counts of a SchedulerSnapshot (scheduler/plan.py)."""
+        tier = self.host_tier
+        return dict(
+            kv_blocks_total=self.num_blocks,
+            kv_blocks_free=self.num_free_blocks,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
+            prefix_cache_blocks=self.num_cached_blocks,
+            host_cache_queries=self.host_cache_queries,
+            host_cache_hits=self.host_cache_hits,
+            host_cache_blocks=0 if tier is None else tier.num_cached_blocks,
+            offloaded_blocks=0 if tier is None else tier.offloaded_blocks,
+            restored_blocks=0 if tier is None else tier.restored_blocks,
+        )

@@ -365,9 +365,7 @@ class Engine:
     def refuse(self, stream: RouterStream, request_id: str, code: int, message: str) -> None:
         """The error, and the credit the refused add used given back, in one message."""
         error = scheduler_pb2.RequestOutput(request_id=request_id, error=message, error_code=code)
-        window = (
-            None if self.scheduler is None else self.scheduler.admission_window(self.config.admission_window)
-        )
+        window = None if self.scheduler is None else self._admission_window()
         share = self.routers.shares(window).get(stream)
         stream.send(stream.message([error], share, self.load_report()))
 
@@ -382,12 +380,17 @@ class Engine:
         self._wakeup.set()
         self._report()
 
+    def _admission_window(self) -> int:
+        """The credit to share among the routers: free slots, and places a request they queue would take
+        by priority (scheduler/priority.py)."""
+        return self.scheduler.admission_window(self.config.admission_window, self.routers.best_priority())
+
     def _report(self, outputs=(), force_load: bool = False) -> None:
         """Sends each router its outputs, with the credit and the load when they changed, and what the
         prefix cache stored and evicted since the last report (a snapshot to a router that needs one)."""
         window = load = kv = cached = None
         if self.scheduler is not None:
-            window = self.scheduler.admission_window(self.config.admission_window)
+            window = self._admission_window()
             load = self.load_report()
             kv, cached = self.scheduler.blocks.take_events(), self.scheduler.blocks.snapshot_events
         elif force_load:

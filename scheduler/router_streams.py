@@ -60,6 +60,7 @@ class RouterStream:
         self.outbox: asyncio.Queue = asyncio.Queue()
         self.adds_received = 0  # AddRequests read from this stream (stamped on credit and load)
         self.queued = 0  # requests the router holds in its queue for lack of credit (its QueueDepth)
+        self.best_priority: int | None = None  # the highest priority among them (None: none queued)
         self._last_credit: tuple[int, int] | None = None
         self._last_load: ReplicaLoad | None = None
         self.needs_snapshot = True  # of the prefix cache: the router knows nothing of it yet
@@ -127,6 +128,10 @@ class RouterStreams:
     def queued(self) -> int:
         """Requests the routers hold for lack of credit: on their way here."""
         return sum(s.queued for s in self._streams)
+
+    def best_priority(self) -> int | None:
+        """The highest priority any router holds for lack of credit (None: none queued)."""
+        return min((s.best_priority for s in self._streams if s.best_priority is not None), default=None)
 
     def shards_ready(self, ready: bool, model_info=None, stream: RouterStream | None = None) -> None:
         """The shards' state, with the model's description when known (its limits may have changed)."""

@@ -2,12 +2,13 @@
 
 There is no prefill phase and no decode phase: every sequence has num_computed_tokens catching up with
 its token count, under a per-step token budget and a sequence cap. A prompt longer than what is left of
-the budget is split across steps (chunked prefill). Running sequences are served first, oldest first;
-when a block cannot be had, the newest running sequence is preempted. With host blocks (swap space) free
-for it, its KV is swapped out to them and it waits in `swapped` with its progress kept; otherwise its
-blocks are freed and it is recomputed later from the tokens kept here. Either way the output is the
-same. Swapped sequences come back (into fresh device blocks) before any waiting sequence is admitted.
-The prefix cache's host tier shares those host blocks (scheduler/swap.py): its copies ride the same lists.
+the budget is split across steps (chunked prefill). Running sequences are served by priority, then
+oldest first; when a block cannot be had, the last of them is preempted, as for a waiting one of strictly
+higher priority that does not fit (scheduler/priority.py). With host blocks (swap space) free for it, its
+KV is swapped out to them and it waits in `swapped` with its progress kept; otherwise its blocks are
+freed and it is recomputed later from the tokens kept here: the output is the same. Swapped sequences
+come back before any waiting one of no higher priority. The prefix cache's host tier shares those host
+blocks (scheduler/swap.py): its copies ride the same lists.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import dataclasses
 from collections import deque
 
 from common.pb.tpserve.v1.generation_pb2 import FINISH_REASON_ABORTED, FINISH_REASON_EOS, FINISH_REASON_LENGTH
-from scheduler import forks, lora_slots, plan
+from scheduler import forks, lora_slots, plan, priority
 from scheduler.batch_wait import BatchWait
 from scheduler.block_manager import BlockManager, blocks_for
 from scheduler.plan import Proposer, ScheduledSeq, SchedulerOutput, SchedulerSnapshot, SequenceUpdate
@@ -49,8 +50,8 @@ class Scheduler:
         self.proposer = proposer
         self._speculating = False  # whether this step makes proposals (Proposer.enabled, per step)
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # admission order: the last is the first to be preempted
-        self.swapped: list[Sequence] = []  # oldest (lowest seq_id) first: the first to come back
+        self.running: list[Sequence] = []  # by priority, then admission: the last is preempted first
+        self.swapped: list[Sequence] = []  # by priority, then oldest (lowest seq_id): the first to come back
         self._by_request: dict[str, Sequence] = {}
         self._forgotten: list[int] = []
         self._static_batch: set[int] = set()  # static mode: the batch being served
@@ -122,9 +123,10 @@ class Scheduler:
         if self.host_blocks is not None:
             self.host_blocks.begin_step()  # the last step's copies are made
         budget = self.policy.max_num_batched_tokens
+        head = self._make_room(out, now)  # a higher priority waiting preempts lower ones it needs room from
         self._speculating = self.proposer is not None and self.proposer.enabled(len(self._by_request))
 
-        # Running sequences first, oldest first: each needs its next token (or its next prompt chunk).
+        # Running sequences first, by priority then oldest: each needs its next token (or prompt chunk).
         # later[i]: blocks the sequences after running[i] need for their next token. Proposals leave
         # them free, so they never cost another sequence its blocks.
         later = [0] * len(self.running)
@@ -152,10 +154,11 @@ class Scheduler:
             budget -= num_new + len(drafts)
             i += 1
 
-        # Nothing comes in during a step that preempts: blocks are short.
+        # Nothing comes in during a step that preempts: blocks are short. Swapped ones come back first,
+        # unless the head of the waiting queue ranks higher.
         if not out.preempted:
-            budget = self._swap_in(out, budget)
-            if not self.swapped:  # swapped sequences come back before anyone new is admitted
+            budget = self._swap_in(out, budget, head)
+            if not self.swapped or priority.yields_to(self.swapped[0], head):
                 self._admit(out, budget, now)
         # The host tier's copies: evicted prefix blocks kept, and matched ones brought back.
         offloads, restores = self.blocks.take_copies()
@@ -182,12 +185,12 @@ class Scheduler:
         )
         return self.proposer.propose(seq, room)[:room] if room > 0 else []
 
-    def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
-        """Brings swapped sequences back, oldest first, into fresh device blocks (never shared with the
-        prefix cache): they continue where they were. Returns the budget left."""
+    def _swap_in(self, out: SchedulerOutput, budget: int, head: Sequence | None) -> int:
+        """Brings swapped sequences back, by priority then oldest first, into fresh device blocks (never
+        shared with the prefix cache), unless head (the next to admit) ranks higher. Returns budget left."""
         while self.swapped and budget > 0 and len(self.running) < self.policy.max_num_seqs:
             seq = self.swapped[0]
-            if not lora_slots.fits(seq, self.running, self.policy.max_loras):
+            if not lora_slots.fits(seq, self.running, self.policy.max_loras) or priority.yields_to(seq, head):
                 break
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             reserve = self._watermark_blocks if self.running else 0
@@ -197,7 +200,7 @@ class Scheduler:
             out.swap_in += self.host_blocks.swap_in(seq.seq_id, seq.block_table)
             self.swapped.pop(0)
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            priority.insert(self.running, seq)
             out.swapped_in.append(seq)
             out.scheduled.append(self._scheduled(seq, num_new))
             budget -= num_new
@@ -214,12 +217,7 @@ class Scheduler:
                 return
             self._static_batch = {s.seq_id for s in list(self.waiting)[: self.policy.static_batch_size]}
 
-        # Sequences whose grammar is still compiling, or choices waiting for their first choice's prompt
-        # blocks, are passed over (they hold nothing); the others go by priority and slack (slack.py),
-        # within max_loras adapters in the step (lora_slots.py).
-        ready = [s for s in self.waiting if s.grammar_ready and not forks.waits(s, self.blocks.block_size)]
-        order = admission_order(ready, now, self.step_s, self.policy.max_num_batched_tokens)
-        for seq in lora_slots.within_max_loras(order, self.running, self.policy.max_loras):
+        for seq in self._candidates(now):
             if budget <= 0 or len(self.running) >= self.policy.max_num_seqs:
                 break
             if static and seq.seq_id not in self._static_batch:
@@ -247,10 +245,25 @@ class Scheduler:
             forks.unfork(seq)
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            priority.insert(self.running, seq)
             out.admitted.append(seq)
             out.scheduled.append(self._scheduled(seq, num_new))
             budget -= num_new
+
+    def _candidates(self, now: float):
+        """The waiting in admission order (slack.py, lora_slots.py), but those not ready (grammar, fork)."""
+        ready = [s for s in self.waiting if s.grammar_ready and not forks.waits(s, self.blocks.block_size)]
+        order = admission_order(ready, now, self.step_s, self.policy.max_num_batched_tokens)
+        return lora_slots.within_max_loras(order, self.running, self.policy.max_loras)
+
+    def _make_room(self, out: SchedulerOutput, now: float) -> Sequence | None:
+        """Preempts lower priorities (priority.victim) while the next to admit finds no slot or blocks
+        (priority.fits); it comes in next step (none does in a step that preempts). Returns it, or None."""
+        head = next(iter(self._candidates(now)), None) if self.batching == "continuous" else None
+        args = (self.blocks, self.policy, self._watermark_blocks, now, self.step_s)
+        while (v := priority.to_preempt(head, self.running, *args)) is not None:
+            self._preempt(v, out)
+        return head
 
     def _scheduled(self, seq: Sequence, num_new: int, drafts: list[int] = ()) -> ScheduledSeq:
         start = seq.num_computed_tokens
@@ -280,7 +293,7 @@ class Scheduler:
             self._release(seq, host=False)
             seq.status = SequenceStatus.SWAPPED
             self.swapped.append(seq)
-            self.swapped.sort(key=lambda s: s.seq_id)
+            self.swapped.sort(key=lambda s: (s.priority, s.seq_id))
             out.swapped_out.append(seq)
             return
         self._release(seq)
@@ -403,16 +416,16 @@ class Scheduler:
         now (scheduler/batch_wait.py)."""
         return self._batch_wait.deadline(self, now, queued, admission_depth)
 
-    def admission_window(self, depth: int) -> int:
-        """How many more requests to take in now: enough to fill the free slots of the batch, but no
-        more than `depth` waiting here, so the router's queue (and its order) holds the rest."""
+    def admission_window(self, depth: int, best_priority: int | None = None) -> int:
+        """How many more requests to take in now: enough to fill the free slots of the batch (and the
+        places of running sequences of lower priority than best_priority, the best a router queues), but
+        no more than `depth` waiting here, so the router's queue (and its order) holds the rest."""
         if self.batching == "static":
             slots = 0 if self._static_batch else self.policy.static_batch_size
         else:
             slots = self.policy.max_num_seqs - len(self.running) - len(self.swapped)
+            slots += priority.preemptible(self.running, best_priority)
         return max(0, min(slots, depth) - len(self.waiting))
-
-    # ---- introspection ----
 
     def check_invariants(self) -> None:
         """Raises AssertionError unless the block accounting adds up (BlockManager.check_invariants over
@@ -427,20 +440,10 @@ class Scheduler:
     def snapshot(self) -> SchedulerSnapshot:
         """The counts every report reads (load reports, GetStats, metrics, the static fallback), so a
         number means the same thing in each."""
-        b = self.blocks
         return SchedulerSnapshot(
             waiting=len(self.waiting),
             running=len(self.running),
             swapped=len(self.swapped),
-            kv_blocks_total=b.num_blocks,
-            kv_blocks_free=b.num_free_blocks,
             num_preemptions=self.num_preemptions,
-            prefix_cache_queries=b.prefix_cache_queries,
-            prefix_cache_hits=b.prefix_cache_hits,
-            prefix_cache_blocks=b.num_cached_blocks,
-            host_cache_queries=b.host_cache_queries,
-            host_cache_hits=b.host_cache_hits,
-            host_cache_blocks=0 if b.host_tier is None else b.host_tier.num_cached_blocks,
-            offloaded_blocks=0 if b.host_tier is None else b.host_tier.offloaded_blocks,
-            restored_blocks=0 if b.host_tier is None else b.host_tier.restored_blocks,
+            **self.blocks.counts(),
         )

@@ -58,6 +58,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             self.engine.abort(msg.abort.request_id)
         elif msg.HasField("queue_depth"):
             router.queued = msg.queue_depth.queued
+            has_best = msg.queue_depth.HasField("best_priority")
+            router.best_priority = msg.queue_depth.best_priority if has_best else None
             self.engine.queued_changed()
 
     async def GetModelInfo(self, request, context):

@@ -146,7 +146,13 @@ FIELDS = (
     _r("mm_processor_kwargs", CHAT, "vLLM", "text only"),
     _r("media_io_kwargs", CHAT, "vLLM", "text only"),
     _r("prompt_embeds", COMPLETIONS, "vLLM", "token ids or text only"),
-    _s("priority", BOTH, "vLLM", "lower is served first (vLLM's sense) [0]; within one, least slack first"),
+    _s(
+        "priority",
+        BOTH,
+        "vLLM",
+        "lower is served first (vLLM's sense) [0] and preempts a lower one when the batch is full; "
+        "within one, least slack first",
+    ),
     _r("cache_salt", BOTH, "vLLM", "the prefix cache is not salted"),
     _r("logits_processors", BOTH, "vLLM", "no custom processors"),
     _r("return_tokens_as_token_ids", BOTH, "vLLM", "not implemented", (None, False)),

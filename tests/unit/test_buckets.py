@@ -285,3 +285,74 @@ def admit(queue: AdmissionQueue, credits: Credits, now: float) -> list:
     while len(queue) and credits.take():
         out.append(queue.pop(now))
     return out
+
+
+def test_higher_priority_first_then_shortest_bucket_then_fifo():
+    q = AdmissionQueue()
+    q.push("short", SHORT, 0.0)
+    q.push("long-high", LONG, 0.1, priority=-1)
+    q.push("short-low", SHORT, 0.2, priority=3)
+    q.push("medium-high", MEDIUM, 0.3, priority=-1)
+    q.push("short-2", SHORT, 0.4)
+    assert drain(q, 0.5) == ["medium-high", "long-high", "short", "short-2", "short-low"]
+    assert len(q) == 0 and q.stats(0.5)[0].waiting == 0
+
+
+def test_a_stream_of_higher_priorities_does_not_delay_a_low_one_past_the_aging_bound():
+    max_wait, tick = 1.0, 0.01
+    q = AdmissionQueue(AdmissionPolicy(max_queue_wait_ms=max_wait * 1000, max_queued_requests=10_000))
+    q.push("low", SHORT, now=0.0, priority=5)
+    popped_at, n = None, 0
+    for step in range(1, 1000):  # higher priorities arrive twice as fast as requests leave
+        now = step * tick
+        for _ in range(2):
+            q.push(f"h{n}", SHORT, now, priority=0)
+            n += 1
+        if q.pop(now) == "low":
+            popped_at = now
+            break
+    assert popped_at is not None
+    assert max_wait < popped_at <= max_wait + tick + 1e-9  # the first admission after the bound passed
+
+
+def test_an_overdue_low_priority_goes_before_a_fresh_high_one_and_the_oldest_overdue_first():
+    q = AdmissionQueue(AdmissionPolicy(max_queue_wait_ms=1.0 * 1000))
+    q.push("low-old", LONG, 0.0, priority=9)
+    q.push("high-old", SHORT, 0.5, priority=-9)
+    q.push("high-fresh", SHORT, 1.9, priority=-9)
+    assert q.pop(2.0) == "low-old"  # waited 2 s > 1 s, the oldest overdue
+    assert drain(q, 2.0) == ["high-old", "high-fresh"]
+
+
+def test_ahead_counts_what_leaves_the_queue_before_a_new_request():
+    q = AdmissionQueue()
+    q.push("s0", SHORT, 0.0)
+    q.push("l0", LONG, 0.0)
+    q.push("s-high", SHORT, 0.0, priority=-1)
+    q.push("l-high", LONG, 0.0, priority=-1)
+    q.push("s-low", SHORT, 0.0, priority=1)
+    assert q.ahead(SHORT, 0) == 3  # both higher ones, and s0
+    assert q.ahead(LONG, 0) == 4  # and l0
+    assert q.ahead(SHORT, -1) == 1 and q.ahead(MEDIUM, -1) == 1 and q.ahead(LONG, -1) == 2
+    assert q.ahead(SHORT, 1) == 5  # every other one goes first
+    assert q.ahead(SHORT, -5) == 0
+
+
+def test_requeue_and_remove_keep_each_request_in_its_priority():
+    q = AdmissionQueue()
+    q.push("low", SHORT, 0.0, key="r-low", priority=1)
+    q.push("high", SHORT, 0.1, key="r-high", priority=-1)
+    assert q.pop(0.2) == "high"
+    q.push("high-later", SHORT, 0.3, key="r-later", priority=-1)
+    q.requeue("high", SHORT, 0.1, key="r-high", priority=-1)  # its replica failed: back, by arrival
+    assert "r-high" in q and q.remove("r-low") == "low" and "r-low" not in q
+    assert drain(q, 0.4) == ["high", "high-later"] and len(q) == 0
+
+
+def test_best_priority_is_what_the_schedulers_hear_of():
+    q = AdmissionQueue()
+    assert q.best_priority() is None
+    q.push("a", SHORT, 0.0, priority=2)
+    q.push("b", LONG, 0.0, priority=-1)
+    assert q.best_priority() == -1
+    assert q.pop(0.0) == "b" and q.best_priority() == 2

@@ -92,6 +92,7 @@ class Seq:
     admitted_before: bool = False
     num_computed_tokens: int = 0
     num_tokens: int = 16
+    num_output_tokens: int = 0
 
 
 def names(seqs, now, step_s=0.1, tokens_per_step=64):
@@ -120,9 +121,21 @@ def test_slack_counts_the_prefill_steps_left():
     assert slack(Seq("b"), 1.0, 0.1, 64) == float("inf")
 
 
-def test_preempted_sequences_keep_their_place():
-    seqs = [Seq("new", priority=-10, ttft_deadline=0.5), Seq("preempted", priority=10, admitted_before=True)]
-    assert names(seqs, 0.0) == ["preempted", "new"]
+def test_preempted_sequences_keep_their_place_but_not_before_a_higher_priority_or_an_urgent_one():
+    seqs = [
+        Seq("new", ttft_deadline=0.5),  # slack 0.4 s: not urgent
+        Seq("preempted", admitted_before=True, num_output_tokens=3),
+        Seq("new-lower", priority=1),
+        Seq("new-higher", priority=-1),  # what may preempt it (scheduler/priority.py) goes first
+        Seq("urgent-lowest", priority=5, ttft_deadline=0.15),  # slack 0.05 s < one step
+    ]
+    assert names(seqs, 0.0) == ["urgent-lowest", "new-higher", "preempted", "new", "new-lower"]
+
+
+def test_a_deadline_is_for_the_first_token_only():
+    out = Seq("first-token-out", ttft_deadline=0.0, num_output_tokens=1)  # past due, but it was met
+    assert slack(out, 1.0, 0.1, 64) == float("inf")
+    assert names([Seq("plain", priority=-1), out], 1.0) == ["plain", "first-token-out"]
 
 
 def test_no_starvation_of_an_admitted_request_under_a_stream_of_higher_priority_ones():
