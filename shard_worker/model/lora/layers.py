@@ -97,10 +97,12 @@ class LoRALinearMethod(LinearMethod):
     """Wraps a layer's own method (unquantized or any quantized one): its weights and product are the
     base's; the adapters' stacked weights are this method's."""
 
-    def __init__(self, base: LinearMethod, lora_a: torch.Tensor, lora_b: torch.Tensor):
+    def __init__(self, base: LinearMethod, lora_a: torch.Tensor, lora_b: torch.Tensor, occupied=None):
+        """occupied[s]: slot s holds an adapter that adapts this layer (None: every slot does)."""
         self.base = base
         self.lora_a = lora_a
         self.lora_b = lora_b
+        self.occupied = [True] * lora_a.shape[0] if occupied is None else list(occupied)
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, params_dtype):
         self.base.create_weights(layer, input_size_per_partition, output_partition_sizes, params_dtype)
@@ -111,7 +113,8 @@ class LoRALinearMethod(LinearMethod):
     def apply(self, layer, x, bias=None):
         y = self.base.apply(layer, x, bias)
         batch = _batch.get()
-        if batch is None:
+        # Skipped when the step's adapters leave this layer alone (the same on every rank).
+        if batch is None or not any(n and o for n, o in zip(batch.counts, self.occupied, strict=False)):
             return y
         delta = lora_delta(x.reshape(-1, x.shape[-1]), self.lora_a, self.lora_b, batch)
         # In place: the base product is this call's own fresh tensor.
