@@ -54,7 +54,10 @@ class LoRAAdmin:
     def __contains__(self, name: str) -> bool:
         """Whether a request on this adapter is taken: served, or unloaded moments ago (a request the
         router accepted before the unload may still be on the wire: UNLOAD_GRACE_S)."""
-        return name in self.served or name in self.draining
+        if name in self.served:
+            return True
+        unloaded = self.draining.get(name)  # after the grace, never: tidy may be dropping it from the ranks
+        return unloaded is not None and time.monotonic() - unloaded[1] < UNLOAD_GRACE_S
 
     async def load(self, name: str, path: str, ready: bool) -> None:
         if not self.enabled:

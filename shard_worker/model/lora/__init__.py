@@ -48,8 +48,10 @@ class LoRAAdapters:
         self.methods: dict[str, LoRALinearMethod] = {}
         for name, layer in model.named_modules():
             if adaptable(name, layer, mapping):
+                base = layer.quant_method
+                base = base.base if isinstance(base, LoRALinearMethod) else base  # one wrapper at most
                 a, b = stack_layer(layer, [{}] * max_loras, max_rank, dtype, device)
-                layer.quant_method = LoRALinearMethod(layer.quant_method, a, b, [False] * max_loras)
+                layer.quant_method = LoRALinearMethod(base, a, b, [False] * max_loras)
                 self.methods[name] = layer.quant_method
         self.layers = {name: layer for name, layer in model.named_modules() if name in self.methods}
         self.paths: dict[str, str] = {}
