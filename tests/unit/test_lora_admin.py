@@ -70,6 +70,7 @@ def test_load_on_every_rank_or_none_unload_after_the_accepted_requests(monkeypat
             await h.wait(lambda: group.steps >= 1)
             assert await admin.unload("b") == 1
             h.engine.add(_on("b", "r2"), h.stream)  # new ones are refused
+            await h.wait(lambda: h.outputs("r2"))
             assert h.outputs("r2")[-1].error_code == grpc.StatusCode.NOT_FOUND.value[0]
             with pytest.raises(LoRAError) as e:
                 await admin.load("b", "/b", ready=True)
