@@ -24,14 +24,18 @@ from tests.unit.greedy import new_runner
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_batched_product_equals_a_loop_over_rows(dtype):
+@pytest.mark.parametrize("even", [False, True], ids=["uneven", "even"])
+def test_batched_product_equals_a_loop_over_rows(dtype, even):
     torch.manual_seed(0)
     slots, k, d_in, d_out = 3, 16, 64, 48
     a, b = torch.randn(slots, k, d_in, dtype=dtype), torch.randn(slots, d_out, k, dtype=dtype)
-    seq_slots, query_lens = [2, -1, 0, 2, 1, -1], [5, 3, 1, 1, 7, 2]
+    seq_slots = [2, -1, 0, 2, 1, -1]
+    query_lens = [1, 3, 1, 1, 2, 2] if even else [5, 3, 1, 1, 20, 2]
     x = torch.randn(sum(query_lens), d_in, dtype=dtype)
     batch = LoRABatch.build(seq_slots, query_lens, slots, "cpu")
-    # float32 takes F.grouped_mm; float64 (which torch's grouped_mm does not take) the loop over adapters.
+    # Even shares: one padded bmm per side. Else float32 takes F.grouped_mm; float64 (which torch's
+    # grouped_mm does not take) the loop over adapters.
+    assert (batch.padded is not None) == even
     assert _grouped_ok(x, a, b) == (dtype == torch.float32)
     got = torch.zeros(x.shape[0], d_out, dtype=dtype).index_add(0, batch.order, lora_delta(x, a, b, batch))
     row_slots = np.repeat(seq_slots, query_lens)
