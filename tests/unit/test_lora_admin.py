@@ -1,14 +1,19 @@
-"""The scheduler's side of LoRA adapters loaded and unloaded while serving (scheduler/lora_admin.py),
-over a fake rank: a load reaches every rank or none, an unload refuses new requests and lets the accepted
-ones finish before the ranks drop it, and ranks that come back are given the runtime adapters again."""
+"""LoRA adapters loaded and unloaded while serving, over fakes. The scheduler's side (scheduler/
+lora_admin.py): a load reaches every rank or none, an unload refuses new requests and lets the accepted
+ones finish before the ranks drop it, and ranks that come back are given the runtime adapters again. The
+router's (router/lora.py): the same all-or-nothing load over replicas, and an unload from every one."""
 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import grpc
 import pytest
 
+from common.pb.tpserve.v1 import generation_pb2 as pb
+from router.frontend import RequestFailed
+from router.lora import LoRANames
 from scheduler import lora_admin
 from scheduler.lora_admin import LoRAError
 from tests.unit.engine_harness import FakeWorkerGroup, Harness, add_request, expected, run
@@ -97,5 +102,61 @@ def test_load_on_every_rank_or_none_unload_after_the_accepted_requests(monkeypat
             h.engine.add(_on("c", "r3"), h.stream)
             await h.wait(lambda: h.finished("r3"))
             assert h.tokens("r3") == expected([3, 4, 5], 6)
+
+    run(go())
+
+
+class SchedulerStub:
+    """A replica's scheduler as the router's LoRANames calls it; `refuse`: (code, details) to raise."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, str]] = []
+        self.refuse: tuple | None = None
+
+    async def LoadLoRAAdapter(self, request, timeout):
+        return self._answer("load", request, pb.LoadLoRAAdapterResponse())
+
+    async def UnloadLoRAAdapter(self, request, timeout):
+        return self._answer("unload", request, pb.UnloadLoRAAdapterResponse(requests_finishing=2))
+
+    def _answer(self, what, request, answer):
+        self.calls.append((what, request.lora_name))
+        if self.refuse:
+            raise RankError(*self.refuse)
+        return answer
+
+
+def test_the_router_loads_on_every_replica_or_none_and_unloads_from_every_one():
+    stubs = {"r1": SchedulerStub(), "r2": SchedulerStub()}
+    links = {t: SimpleNamespace(target=t, stub=s) for t, s in stubs.items()}
+    pool = SimpleNamespace(links=links, model_info=None, queued_on_adapter=lambda name: 0)
+    names = LoRANames(SimpleNamespace(enable_lora=True, lora_modules=("a=/a",)), pool, RequestFailed)
+
+    async def go():
+        stubs["r2"].refuse = (grpc.StatusCode.INVALID_ARGUMENT, "rank 64 is above --max-lora-rank 16")
+        with pytest.raises(RequestFailed) as e:
+            await names.load("b", "/b")
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.message == "replica r2: rank 64 is above --max-lora-rank 16"
+        assert stubs["r1"].calls == [("load", "b"), ("unload", "b")]  # r1 had taken it: no longer
+        assert "b" not in names and names.names() == ["a"]
+        stubs["r2"].refuse = None
+        await names.load("b", "/b")
+        assert names.names() == ["a", "b"] and names.path("b") == "/b"
+        with pytest.raises(RequestFailed) as e:
+            await names.load("b", "/b")
+        assert e.value.code == grpc.StatusCode.ALREADY_EXISTS
+        assert await names.unload("b") == 4  # requests finishing on both replicas
+        # A replica that cannot be reached: the name is no longer routed, and the call says so.
+        await names.load("c", "/c")
+        stubs["r1"].refuse = (grpc.StatusCode.UNAVAILABLE, "connection refused")
+        with pytest.raises(RequestFailed) as e:
+            await names.unload("c")
+        assert e.value.code == grpc.StatusCode.UNAVAILABLE
+        assert "replica r1 did not unload it" in e.value.message
+        assert "c" not in names
+        with pytest.raises(RequestFailed) as e:
+            await names.unload("c")
+        assert e.value.code == grpc.StatusCode.NOT_FOUND
 
     run(go())
