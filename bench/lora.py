@@ -114,16 +114,20 @@ def profile(args, adapters: dict[str, Path]) -> list[dict]:
 
     modules = tuple(f"{n}={p}" for n, p in adapters.items())
     runner = ModelRunner(
-        args.model, torch.float32, torch.device("cpu"), TensorParallel(), lora=(modules, args.rank)
+        args.model,
+        torch.float32,
+        torch.device("cpu"),
+        TensorParallel(),
+        lora=(modules, args.rank, len(adapters)),
     )
-    rows = []
+    rows, names = [], list(adapters)
     for c in args.concurrency:
         inputs, blocks = synthetic_step([(1, 256)] * c, 16)
         runner.allocate_kv_cache(blocks + 1, 16)
         times = {}
         for name, seqs in (
             ("base", None),
-            ("lora", [SimpleNamespace(lora_slot=i % len(adapters)) for i in range(c)]),
+            ("lora", [SimpleNamespace(lora_name=names[i % len(names)]) for i in range(c)]),
         ):
             inputs.sequences = seqs
             samples = []

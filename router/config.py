@@ -121,11 +121,6 @@ class RouterConfig:
     tls: TlsFiles | None = None  # the public port; tls.ca set: clients must present certificates
     internal_tls: TlsFiles | None = None  # mutual TLS to the scheduler
 
-    @property
-    def lora_names(self) -> tuple[str, ...]:
-        """The adapters served, in --lora-modules order (NAME of each NAME=PATH)."""
-        return tuple(m.partition("=")[0] for m in self.lora_modules) if self.enable_lora else ()
-
     def __post_init__(self):
         settings.validate(self)
         if self.lora_modules and not self.enable_lora:

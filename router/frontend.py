@@ -28,6 +28,7 @@ from router.buckets import bucket_name
 from router.chat import chat_prompt, check_chat
 from router.choices import choice_ids, choice_seed, merged
 from router.config import RouterConfig
+from router.lora import LoRANames
 from router.metrics import RouterMetrics
 from router.pool import SchedulerPool
 from router.scheduler_link import QueueFull, SchedulerUnavailable
@@ -78,6 +79,9 @@ class Frontend:
         self._tracer = tracing.tracer("tpserve.router")
         self._limits: Limits | None = None
         self._sampling_defaults = SamplingConfig.model_defaults(config.model)
+        # The LoRA adapters served, loaded and unloaded while serving on every replica (router/lora.py).
+        self.loras = LoRANames(config, pool, RequestFailed)
+        pool.on_link_connected = self.loras.reconnected
 
     # ---- what the APIs call ----
 
@@ -111,7 +115,7 @@ class Frontend:
         parent: the caller's trace context (W3C traceparent), if any."""
         start = time.perf_counter()
         span = self._tracer.start_span("tpserve.Generate", context=parent, kind=SpanKind.SERVER)
-        lora = request.lora_name if request.lora_name in self.config.lora_names else ""
+        lora = request.lora_name if request.lora_name in self.loras else ""
         if lora:
             self.metrics.lora_requests.labels(lora_name=lora).inc()
             self.metrics.lora_in_flight.labels(lora_name=lora).inc()
@@ -212,7 +216,7 @@ class Frontend:
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e), prompt_field(request)) from None
 
     async def _generate(self, request, span, start: float):
-        if request.lora_name and request.lora_name not in self.config.lora_names:
+        if request.lora_name and request.lora_name not in self.loras:
             raise RequestFailed(
                 grpc.StatusCode.NOT_FOUND, f"LoRA adapter {request.lora_name!r} is not served", "lora_name"
             )

@@ -12,7 +12,7 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from common import tracing
-from common.pb.tpserve.v1 import generation_pb2_grpc
+from common.pb.tpserve.v1 import generation_pb2, generation_pb2_grpc
 from router.frontend import Frontend, RequestFailed
 
 
@@ -49,3 +49,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             return await self.frontend.stats()
         except RequestFailed as e:
             await context.abort_with_status(rich_status(e))
+
+    async def LoadLoRAAdapter(self, request, context):
+        try:
+            await self.frontend.loras.load(request.lora_name, request.lora_path)
+        except RequestFailed as e:
+            await context.abort_with_status(rich_status(e))
+        return generation_pb2.LoadLoRAAdapterResponse()
+
+    async def UnloadLoRAAdapter(self, request, context):
+        try:
+            finishing = await self.frontend.loras.unload(request.lora_name)
+        except RequestFailed as e:
+            await context.abort_with_status(rich_status(e))
+        return generation_pb2.UnloadLoRAAdapterResponse(requests_finishing=finishing)

@@ -72,6 +72,7 @@ class SchedulerPool:
         self.on_admit = lambda add, waited_s: None  # the servicer's metrics hook
         self.on_failover = lambda replica, resent, failed: None
         self.on_resume = lambda request_id: None  # a request that had streamed goes on elsewhere
+        self.on_link_connected = lambda link: None  # a replica's stream (re)connected (router/lora.py)
         self.membership = Membership(
             self._add,
             self._remove,
@@ -190,6 +191,10 @@ class SchedulerPool:
         self._pump()
         return req.queue
 
+    def queued_on_adapter(self, lora_name: str) -> int:
+        """Requests on a LoRA adapter waiting in the admission queue (not sent to a replica)."""
+        return sum(1 for r in self._requests.values() if r.routed is None and r.add.lora_name == lora_name)
+
     def abort(self, request_id: str) -> None:
         """The router no longer wants request_id (finished by stop string, cancelled, disconnected)."""
         req = self._requests.pop(request_id, None)
@@ -271,6 +276,7 @@ class SchedulerPool:
     # ---- what the links report ----
 
     def on_connected(self, link: SchedulerLink) -> None:
+        self.on_link_connected(link)
         info = self.model_info
         if info is not None and link.model_info is not None:
             mine = link.model_info

@@ -7,6 +7,7 @@ Plain Python beside the generated messages: no torch, no gRPC.
 from __future__ import annotations
 
 import time
+from collections.abc import Container
 
 from common.pb.tpserve.internal.v1 import scheduler_pb2
 from common.pb.tpserve.internal.v1.scheduler_pb2 import (
@@ -28,7 +29,7 @@ class RequestError(Exception):
 
 
 def sequence_for(
-    msg: scheduler_pb2.AddRequest, scheduler: Scheduler | None, seq_id: int, lora_names: tuple[str, ...]
+    msg: scheduler_pb2.AddRequest, scheduler: Scheduler | None, seq_id: int, lora_names: Container[str]
 ) -> Sequence:
     """The request as sequence seq_id; RequestError when this replica refuses it. lora_names: the LoRA
     adapters it serves."""

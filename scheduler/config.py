@@ -95,11 +95,6 @@ class SchedulerConfig:
         if self.lora_modules and not self.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora")
 
-    @property
-    def lora_names(self) -> frozenset[str]:
-        """The adapters served (NAME of each --lora-modules NAME=PATH)."""
-        return frozenset(m.partition("=")[0] for m in self.lora_modules) if self.enable_lora else frozenset()
-
     def resolved_policy(self, max_model_len: int) -> SchedulingPolicy:
         """The policy with max_model_len settled (the model's, capped by the KV pool: see capacity.py)."""
         return replace(self.policy, max_model_len=max_model_len)

@@ -26,13 +26,18 @@ from collections import deque
 from common import tracing
 from common.load import ReplicaLoad
 from common.pb.tpserve.internal.v1 import scheduler_pb2, worker_pb2
-from common.pb.tpserve.internal.v1.scheduler_pb2 import ERROR_CODE_INVALID_ARGUMENT, ERROR_CODE_UNAVAILABLE
+from common.pb.tpserve.internal.v1.scheduler_pb2 import (
+    ERROR_CODE_INVALID_ARGUMENT,
+    ERROR_CODE_NOT_FOUND,
+    ERROR_CODE_UNAVAILABLE,
+)
 from common.pb.tpserve.v1 import generation_pb2
 from scheduler.add_request import RequestError, sequence_for
 from scheduler.batch import StepBuilder
 from scheduler.block_manager import BlockManager
 from scheduler.config import SchedulerConfig
 from scheduler.fallback import FallbackPolicy, ThroughputFallback
+from scheduler.lora_admin import LoRAAdmin
 from scheduler.metrics import SchedulerMetrics
 from scheduler.plan import SchedulerOutput, SchedulerSnapshot, split_sampled
 from scheduler.reports import StepResult, StepTotals, load_report, stats, step_outputs
@@ -64,6 +69,8 @@ class Engine:
         self.fallback = ThroughputFallback(FallbackPolicy()) if config.fallback_static else None
         # Speculative decoding's proposer, and its count of what the verifications accepted.
         self.speculator = Speculator(config.speculative) if config.speculative.enabled else None
+        # The LoRA adapters served: loaded and unloaded while serving (scheduler/lora_admin.py).
+        self.loras = LoRAAdmin(config.enable_lora, config.lora_modules, self.workers, self._on_adapter)
         self._builder = StepBuilder()
         self._recent_steps: deque[float] = deque(maxlen=8)  # seconds per step, for the load reports
         self._wakeup = asyncio.Event()
@@ -176,6 +183,13 @@ class Engine:
         for request_id, reason in ended:
             self.spans.end(request_id, reason)
             self.routers.release(request_id)
+        if ended and self.loras.draining:
+            self.loras.tidy()
+
+    def _on_adapter(self, lora_name: str) -> int:
+        """The requests in flight on a LoRA adapter."""
+        seqs = () if self.scheduler is None else self.scheduler.sequences()
+        return sum(1 for s in seqs if s.lora_name == lora_name)
 
     def _fail(self, request_ids: list[str], code: int, message: str, reason: str = "failed") -> None:
         """Ends these requests with an error their routers pass on (UNAVAILABLE: they may go elsewhere)."""
@@ -248,6 +262,12 @@ class Engine:
             block_size=cfg.block_size,
         )
         self._builder.forget_all()
+        lost = await self.loras.restore()  # adapters loaded while serving, on ranks that came back
+        self._fail(
+            [s.request_id for s in self.scheduler.sequences() if s.lora_name in lost],
+            ERROR_CODE_NOT_FOUND,
+            "its LoRA adapter no longer loads on the replica's ranks",
+        )
         log.info(
             "model %s on %d rank(s) (%s), max_model_len %d",
             first.model_name,
@@ -347,7 +367,7 @@ class Engine:
         """Takes a request in; a refusal goes back on the stream as the request's error."""
         stream.adds_received += 1
         try:
-            seq = sequence_for(msg, self.scheduler, self._next_seq_id, self.config.lora_names)
+            seq = sequence_for(msg, self.scheduler, self._next_seq_id, self.loras)
             self.scheduler.add(seq)
         except RequestError as e:
             self.refuse(stream, msg.request_id, e.code, str(e))
@@ -404,6 +424,8 @@ class Engine:
         while True:
             await asyncio.sleep(LOAD_REPORT_INTERVAL_S)
             self._report(force_load=True)
+            if self.loras.draining:
+                self.loras.tidy()  # an unloaded adapter whose requests all ended while idle
 
     # ---- what the replica reports ----
 

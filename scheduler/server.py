@@ -14,9 +14,11 @@ from common import metrics, security, tracing
 from common.grpc_util import SERVER_OPTIONS, check_ports_free, write_port_file
 from common.pb.tpserve.internal.v1 import scheduler_pb2_grpc
 from common.pb.tpserve.internal.v1.scheduler_pb2 import ERROR_CODE_INTERNAL
+from common.pb.tpserve.v1 import generation_pb2
 from scheduler import config as scheduler_config
 from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
+from scheduler.lora_admin import LoRAError
 from scheduler.router_streams import RouterStream
 
 log = logging.getLogger("tpserve.scheduler")
@@ -69,6 +71,20 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     async def GetStats(self, request, context):
         return self.engine.stats()
+
+    async def LoadLoRAAdapter(self, request, context):
+        try:
+            await self.engine.loras.load(request.lora_name, request.lora_path, self.engine.ready.is_set())
+        except LoRAError as e:
+            await context.abort(e.code, e.message)
+        return generation_pb2.LoadLoRAAdapterResponse()
+
+    async def UnloadLoRAAdapter(self, request, context):
+        try:
+            finishing = await self.engine.loras.unload(request.lora_name)
+        except LoRAError as e:
+            await context.abort(e.code, e.message)
+        return generation_pb2.UnloadLoRAAdapterResponse(requests_finishing=finishing)
 
 
 async def serve(config: SchedulerConfig) -> None:

@@ -166,6 +166,16 @@ class WorkerGroup:
                 raise WorkersLost(f"rank {rank}'s step stream ended")
         return replies
 
+    async def on_every_rank(self, method: str, request) -> list:
+        """Calls a unary ShardWorker method (LoadLoRAAdapter, ...) on every rank at once, beside the step
+        stream: each rank's answer, or the exception it raised, in rank order ([] when not connected)."""
+        stubs = [worker_pb2_grpc.ShardWorkerStub(ch) for ch in self._channels]
+        calls = (
+            getattr(s, method)(request, timeout=self.config.step_timeout_s, metadata=self._metadata)
+            for s in stubs
+        )
+        return await asyncio.gather(*calls, return_exceptions=True)
+
     async def close(self) -> None:
         streams, channels = self._streams, self._channels
         self._streams, self._channels = [], []  # first, so the watchers know these ends are ours

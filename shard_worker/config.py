@@ -130,6 +130,19 @@ class WorkerConfig:
         rule=at_least(1),
         launch=True,
     )
+    max_loras: int = setting(
+        4,
+        help="most distinct LoRA adapters in one step: each rank's device slots of adapter weights",
+        rule=at_least(1),
+        launch=True,
+    )
+    max_cpu_loras: int = setting(
+        0,
+        help="LoRA adapters kept read on the host (the least recently used evicted, read again from its "
+        "path when a request needs it); 0: --max-loras (vLLM's default); at least --max-loras",
+        rule=at_least(0),
+        launch=True,
+    )
     metrics_port: int | None = None
     tracing: TracingConfig = TracingConfig()
     internal_tls: TlsFiles | None = None  # mutual TLS: only a scheduler with a certificate gets in
@@ -142,6 +155,10 @@ class WorkerConfig:
             raise ValueError(f"--speculative-model {self.speculative_model}: no config.json there")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora")
+        if 0 < self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"--max-cpu-loras {self.max_cpu_loras} must be at least --max-loras {self.max_loras}"
+            )
         if not self.rank < self.world_size:
             raise ValueError(f"--rank {self.rank} must be in [0, --world-size {self.world_size})")
         if self.world_size > 1 and ":" not in self.dist_init:

@@ -25,7 +25,7 @@ from shard_worker.capacity import CudaMemory, kv_budget, synthetic_step, worst_s
 from shard_worker.cuda_graphs import CudaGraphRunner, capture_bytes, graphs_unsupported
 from shard_worker.draft import DraftModel
 from shard_worker.model.loader import load_model
-from shard_worker.model.lora import LoRAAdapters, lora_batch, lora_slot, step_lora_batch
+from shard_worker.model.lora import LoRAAdapters, check_lora, lora_batch, step_lora_batch
 from shard_worker.model.quant.base import weight_bytes
 from shard_worker.parallel import TensorParallel
 from shard_worker.sampling import Sampler, SequenceState
@@ -50,7 +50,7 @@ class ModelRunner:
         linear_dtype: torch.dtype | None = None,
         prepack_linear: bool = True,
         quantization: str | None = None,
-        lora: tuple[tuple[str, ...], int] | None = None,
+        lora: tuple | None = None,
         kv_cache_dtype: torch.dtype | None = None,
     ):
         """load_format "auto" reads the checkpoint's weights; "dummy" fills them with small random values
@@ -63,7 +63,8 @@ class ModelRunner:
         (model/quant/unquantized.py), None for dtype. prepack_linear: on CPU, hold them in oneDNN's
         layout; False only to measure what that gains. quantization: --quantization (int8, fp8: an
         unquantized checkpoint quantized while it loads), None for the checkpoint's own format.
-        lora: (--lora-modules, --max-lora-rank) with --enable-lora (shard_worker/model/lora), or None.
+        lora: (--lora-modules, --max-lora-rank[, --max-loras, --max-cpu-loras]) with --enable-lora
+        (shard_worker/model/lora), or None.
         kv_cache_dtype: the KV cache's elements (attention/kv_dtype.py), None for dtype."""
         self.model_dir = Path(model_dir)
         self.dtype = dtype
@@ -95,7 +96,10 @@ class ModelRunner:
             prepack_linear,
             quantization,
         )
-        self.lora = None if lora is None else LoRAAdapters(self.model, *lora, dtype, self.device)
+        self.lora = None
+        if lora is not None:
+            modules, max_rank, *slots = lora
+            self.lora = LoRAAdapters(self.model, modules, max_rank, dtype, self.device, *slots)
         self.graphs: CudaGraphRunner | None = None
         reason = graphs_unsupported(self.attention, tp.world_size, _nccl_version()) if cuda_graphs else None
         if reason is not None:
@@ -329,8 +333,8 @@ class ModelRunner:
         out.forward_seconds = time.perf_counter() - start
         return out
 
-    def lora_slot(self, name: str) -> int:
-        return lora_slot(self.lora, name)
+    def check_lora(self, name: str) -> None:
+        check_lora(self.lora, name)
 
     def _check(self, inputs: StepInputs) -> None:
         num_seqs = len(inputs.seq_ids)

@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -19,12 +20,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from common import metrics, security, tracing
 from common.grpc_util import SCHEDULER_METADATA_KEY, SERVER_OPTIONS, check_ports_free, write_port_file
 from common.pb.tpserve.internal.v1 import worker_pb2, worker_pb2_grpc
+from common.pb.tpserve.v1 import generation_pb2
 from common.sampling import SamplingConfig
 from shard_worker import config as worker_config
 from shard_worker import devices
 from shard_worker.attention.kv_dtype import kv_cache_dtype
 from shard_worker.config import StepThreads, WorkerConfig
 from shard_worker.metrics import WorkerMetrics
+from shard_worker.model.lora.adapters import CONFIG_FILE, WEIGHTS_FILE
 from shard_worker.startup import StartupPhases, compile_counts, configure_compile_cache
 from shard_worker.step import SequenceInit, WorkerStep
 from shard_worker.worker import Worker
@@ -226,6 +229,27 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
             self._stepping = None
             self._step_lock.release()
 
+    def LoadLoRAAdapter(self, request, context):
+        lora, name, path = self.runner.lora, request.lora_name, request.lora_path
+        if lora is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the worker was started without --enable-lora")
+        try:
+            weights = lora.read(name, path)  # off the step's lock: reads files and shapes only
+        except (ValueError, OSError) as e:
+            missing = not all((Path(path) / f).is_file() for f in (CONFIG_FILE, WEIGHTS_FILE))
+            context.abort(grpc.StatusCode.NOT_FOUND if missing else grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        with self._device_lock:  # between two steps
+            lora.install(name, path, weights)
+        log.info("rank %d: LoRA adapter %r loaded from %s", self.config.rank, name, path)
+        return generation_pb2.LoadLoRAAdapterResponse()
+
+    def UnloadLoRAAdapter(self, request, context):
+        if self.runner.lora is not None:
+            with self._device_lock:
+                if self.runner.lora.remove(request.lora_name):
+                    log.info("rank %d: LoRA adapter %r unloaded", self.config.rank, request.lora_name)
+        return generation_pb2.UnloadLoRAAdapterResponse()
+
     @contextlib.contextmanager
     def _failing_on_error(self, what: str):
         try:
@@ -317,7 +341,9 @@ def serve(config: WorkerConfig) -> None:
             linear_dtype=None if linear is None else getattr(torch, linear),
             quantization=config.quantization,
             kv_cache_dtype=kv_cache_dtype(config.kv_cache_dtype, getattr(torch, config.dtype)),
-            lora=(config.lora_modules, config.max_lora_rank) if config.enable_lora else None,
+            lora=(config.lora_modules, config.max_lora_rank, config.max_loras, config.max_cpu_loras)
+            if config.enable_lora
+            else None,
         )
     if linear is not None:  # after the model loaded: a refusal is the only line a failed start writes
         log.info(

@@ -36,7 +36,7 @@ class WorkerSequence:
     prompt_top: int = 0
     grammar_pending: bool = False  # rank 0: its grammar is compiling and not yet reported ready
     draft: object | None = None  # the draft model's progress on it (shard_worker/draft.py)
-    lora_slot: int = -1  # its LoRA adapter's slot (shard_worker/model/lora); -1: the base model
+    lora_name: str = ""  # its LoRA adapter (shard_worker/model/lora); "": the base model
 
 
 class Worker:
@@ -83,7 +83,7 @@ class Worker:
         sampler = self.runner.sampler
         for init in step.new_sequences:
             self.forget([init.seq_id])  # a sequence introduced again is rebuilt from its tokens
-            lora_slot = self.runner.lora_slot(init.lora_name)  # before anything is taken for it
+            self.runner.check_lora(init.lora_name)  # before anything is taken for it
             state = sampler.new_state(init) if sampler is not None else None
             self.sequences[init.seq_id] = WorkerSequence(
                 init.seq_id,
@@ -92,7 +92,7 @@ class Worker:
                 prompt=init.token_ids[: init.num_prompt_tokens] if init.want_prompt_logprobs else None,
                 prompt_top=init.prompt_logprobs,
                 grammar_pending=state is not None and init.sampling.structured is not None,
-                lora_slot=lora_slot,
+                lora_name=init.lora_name,
             )
         ready, errors = self._grammars(step.grammar_wait_ms / 1000)
         # Swap out first: its device blocks may be handed to this step's tokens or swap ins.

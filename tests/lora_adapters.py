@@ -34,12 +34,23 @@ def make_adapter(
     return Path(out_dir)
 
 
-def set_rank_in_config(adapter_dir, rank: int) -> None:
-    """Rewrites adapter_config.json's r (the tensors keep theirs)."""
-    path = Path(adapter_dir) / "adapter_config.json"
-    config = json.loads(path.read_text())
-    config["r"] = rank
-    path.write_text(json.dumps(config))
+def copy_adapter(adapter, dest, config=None, tensors=None) -> Path:
+    """A copy of an adapter directory, its config updated with `config`, its tensors passed through
+    tensors(dict) when given: adapters that must be refused."""
+    from safetensors.torch import load_file, save_file
+
+    dest = Path(dest)
+    dest.mkdir()
+    cfg = json.loads((Path(adapter) / "adapter_config.json").read_text())
+    (dest / "adapter_config.json").write_text(json.dumps(cfg | (config or {})))
+    weights = load_file(Path(adapter) / "adapter_model.safetensors")
+    save_file(tensors(weights) if tensors else weights, dest / "adapter_model.safetensors")
+    return dest
+
+
+def narrower(weights: dict) -> dict:
+    """An adapter's tensors as if its model had 32 hidden features (q_proj's A cut): another base."""
+    return {k: v[:, :32].contiguous() if "q_proj.lora_A" in k else v for k, v in weights.items()}
 
 
 def hf_lora_greedy(model_dir, adapter_dir, lens=None) -> dict[tuple[int, ...], list[int]]:

@@ -40,7 +40,7 @@ from common.security import TlsFiles
 from router.auth import ApiKeys, refusal
 from router.choices import merged
 from router.frontend import Frontend, RequestFailed
-from router.openai import protocol, tokenize
+from router.openai import lora, protocol, tokenize
 from router.openai.encoder import Encoder
 from router.openai.errors import ApiError, bad_request, from_failure
 from router.openai.tool_parsers import PARSERS, ForcedCalls
@@ -120,6 +120,8 @@ class OpenAIServer:
                 web.post("/ping", self.health),
                 web.get("/version", self.version),
                 web.get("/metrics", self.metrics),
+                web.post("/v1/load_lora_adapter", self.load_lora_adapter),
+                web.post("/v1/unload_lora_adapter", self.unload_lora_adapter),
             ]
         )
         self.app = app
@@ -202,17 +204,26 @@ class OpenAIServer:
 
     def _lora_card(self, info: pb.ModelInfo, name: str) -> dict:
         # vLLM's shape: an adapter is a model of its own whose parent is the base model.
-        path = dict(m.partition("=")[::2] for m in self.frontend.config.lora_modules)[name]
-        return self._card(info) | {"id": name, "root": path, "parent": info.model_name}
+        return self._card(info) | {
+            "id": name,
+            "root": self.frontend.loras.path(name),
+            "parent": info.model_name,
+        }
 
     async def models(self, request: web.Request) -> web.Response:
         info = self._model_info()
-        cards = [self._card(info)] + [self._lora_card(info, n) for n in self.frontend.config.lora_names]
+        cards = [self._card(info)] + [self._lora_card(info, n) for n in self.frontend.loras.names()]
         return web.json_response({"object": "list", "data": cards})
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        return await lora.load(self.frontend, await self._body(request))
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        return await lora.unload(self.frontend, await self._body(request))
 
     async def model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
-        if name in self.frontend.config.lora_names:
+        if name in self.frontend.loras:
             return web.json_response(self._lora_card(self._model_info(), name))
         return web.json_response(self._card(self._check_model(name)))
 
@@ -277,7 +288,7 @@ class OpenAIServer:
 
     async def _generate(self, request: web.Request, parse) -> web.StreamResponse:
         req = parse(await self._body(request), request.headers.get("X-Request-Id") or uuid.uuid4().hex)
-        if req.model in self.frontend.config.lora_names:  # an adapter of the served model
+        if req.model in self.frontend.loras:  # an adapter of the served model
             name = req.model  # the responses name the adapter, as vLLM's do
             for g in req.generates:
                 g.lora_name = req.model

@@ -3,14 +3,17 @@ tokens (float64) with the same adapter: two random adapters written by peft (all
 rank 8 with rsLoRA; attention only at rank 16) and the base model, every reference prompt on each, all
 at once in one batch. --max-loras 1 makes one adapter wait for the other (base-model requests pass it);
 chunked prefill (64 tokens a step), preemption (16 KV blocks) and the prefix cache are forced. Then the
-adapter names on the OpenAI API, and unknown ones refused; and --tp 2 on one adapter. Refusals at load
+adapter names on the OpenAI API, and unknown ones refused; adapters unloaded and loaded while requests
+stream, and refused at runtime load (the same server); and --tp 2 on one adapter. Refusals at start-up
 are tests/unit/test_lora.py's."""
 
 from __future__ import annotations
 
 import json
+import threading
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -18,7 +21,7 @@ import pytest
 from common.pb.tpserve.v1 import generation_pb2 as pb
 from common.pb.tpserve.v1 import generation_pb2_grpc
 from tests.conftest import launch
-from tests.lora_adapters import ATTENTION, hf_lora_greedy, make_adapter
+from tests.lora_adapters import ATTENTION, copy_adapter, hf_lora_greedy, make_adapter, narrower
 from tests.reference import GREEDY, MAX_NEW, run_concurrently
 
 FLAGS = ("--dtype", "float64", "--max-num-batched-tokens", "64", "--num-kv-blocks", "16")
@@ -59,7 +62,9 @@ def assert_served(stub, references) -> None:
             assert reason == pb.FINISH_REASON_LENGTH
 
 
-def test_adapters_and_base_in_one_batch_serve_transformers_peft_tokens(tiny_model, adapters, references):
+def test_adapters_and_base_in_one_batch_serve_transformers_peft_tokens(
+    tiny_model, adapters, references, tmp_path
+):
     flags = (*FLAGS, *lora_flags(adapters), "--max-loras", "1", "--enable-prefix-caching", "--http-port", "0")
     with launch(tiny_model, *flags) as (target, info), grpc.insecure_channel(target) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
@@ -100,6 +105,83 @@ def test_adapters_and_base_in_one_batch_serve_transformers_peft_tokens(tiny_mode
         assert f'tpserve_lora_requests_total{{lora_name="sql"}} {served}.0' in metrics
         assert 'tpserve_lora_requests_in_flight{lora_name="chat"} 0.0' in metrics
         assert "nope" not in metrics
+        check_loading_while_serving(stub, http, adapters, references, tmp_path)
+
+
+class Streams:
+    """Greedy requests on one adapter, each in its own thread, started once each has had a token; twice
+    the reference's tokens, so that they are still running (results: the reference's length of them)."""
+
+    def __init__(self, stub, name: str, refs: dict):
+        self.pool = ThreadPoolExecutor(len(refs))
+        self.first = threading.Semaphore(0)
+        self.futures = {ids: self.pool.submit(self._one, stub, name, ids) for ids in refs}
+        for _ in refs:
+            assert self.first.acquire(timeout=120), "a request got no first token"
+
+    def _one(self, stub, name, ids):
+        req = pb.GenerateRequest(
+            token_ids=ids, max_new_tokens=2 * MAX_NEW, ignore_eos=True, sampling=GREEDY, lora_name=name
+        )
+        tokens = []
+        for resp in stub.Generate(req, timeout=120):
+            if not tokens:
+                self.first.release()
+            tokens += resp.token_ids
+        assert len(tokens) == 2 * MAX_NEW
+        return tokens[:MAX_NEW]
+
+    def results(self) -> dict:
+        out = {ids: f.result() for ids, f in self.futures.items()}
+        self.pool.shutdown()
+        return out
+
+
+def check_loading_while_serving(stub, http: str, adapters, references, tmp) -> None:
+    """Unload `chat` while requests on it stream (they finish with peft's tokens; new ones get 404 /
+    NOT_FOUND), load the same weights as `chat2` while base-model requests stream, and refuse a missing
+    path, a rank above --max-lora-rank, another base's shapes and a name already loaded, losing nothing:
+    then base, sql and chat2 requests in one batch still serve peft's tokens. --max-loras 1 and the
+    default --max-cpu-loras (1) evict each adapter from the host and read it again at every switch."""
+    streams = Streams(stub, "chat", references["chat"])
+    unloaded = stub.UnloadLoRAAdapter(pb.UnloadLoRAAdapterRequest(lora_name="chat"))
+    assert unloaded.requests_finishing >= 1  # all four, unless one finished before the unload
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(pb.GenerateRequest(token_ids=[5, 6], max_new_tokens=2, lora_name="chat")))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    assert streams.results() == references["chat"]
+
+    streams = Streams(stub, "", references[""])
+    body = {"lora_name": "chat2", "lora_path": str(adapters["chat"])}
+    with urllib.request.urlopen(_post(f"{http}/load_lora_adapter", body), timeout=60) as r:
+        assert r.status == 200 and "chat2" in r.read().decode()
+    assert streams.results() == references[""]
+
+    def refused(body, status: int) -> str:
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(_post(f"{http}/load_lora_adapter", body), timeout=60)
+        assert e.value.code == status
+        return json.load(e.value)["error"]["message"]
+
+    sql = adapters["sql"]
+    assert "expected adapter_config.json" in refused({"lora_name": "x", "lora_path": str(tmp)}, 404)
+    high = copy_adapter(sql, tmp / "r64", config={"r": 64})
+    assert "rank 64 is above --max-lora-rank 16" in refused({"lora_name": "x", "lora_path": str(high)}, 400)
+    other = copy_adapter(sql, tmp / "other", tensors=narrower)
+    assert "another base model" in refused({"lora_name": "x", "lora_path": str(other)}, 400)
+    assert "already loaded" in refused(body, 409)
+    with pytest.raises(grpc.RpcError) as e:
+        stub.LoadLoRAAdapter(pb.LoadLoRAAdapterRequest(lora_name="y", lora_path=str(tmp / "none")))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.RpcError) as e:
+        stub.UnloadLoRAAdapter(pb.UnloadLoRAAdapterRequest(lora_name="chat"))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+    with urllib.request.urlopen(f"{http}/models", timeout=10) as r:
+        cards = {c["id"]: c for c in json.load(r)["data"]}
+    assert set(cards) - {c["id"] for c in cards.values() if c["parent"] is None} == {"sql", "chat2"}
+    assert cards["chat2"]["root"] == str(adapters["chat"])
+    assert_served(stub, {"": references[""], "sql": references["sql"], "chat2": references["chat"]})
 
 
 def _post(url: str, body: dict) -> urllib.request.Request:

@@ -4,12 +4,9 @@ scheduler's --max-loras (plain Python)."""
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from common.pb.tpserve.internal.v1 import scheduler_pb2
 from router.in_flight import InFlight
@@ -17,24 +14,28 @@ from scheduler.block_manager import BlockManager
 from scheduler.scheduler import Scheduler, SchedulingPolicy
 from scheduler.sequence import Sequence
 from shard_worker.model.layers.linear import QKVParallelLinear, RowParallelLinear
-from shard_worker.model.lora import LoRAAdapters, lora_slot
+from shard_worker.model.lora import LoRAAdapters, check_lora
 from shard_worker.model.lora.layers import LoRABatch, _grouped_ok, lora_delta, stack_layer
 from shard_worker.model.quant.unquantized import UnquantizedLinearMethod
 from shard_worker.parallel import TensorParallel
-from tests.lora_adapters import make_adapter
+from tests.lora_adapters import copy_adapter, make_adapter, narrower
 from tests.unit.fakes import one_each
 from tests.unit.greedy import new_runner
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_batched_product_equals_a_loop_over_rows(dtype):
+@pytest.mark.parametrize("even", [False, True], ids=["uneven", "even"])
+def test_batched_product_equals_a_loop_over_rows(dtype, even):
     torch.manual_seed(0)
     slots, k, d_in, d_out = 3, 16, 64, 48
     a, b = torch.randn(slots, k, d_in, dtype=dtype), torch.randn(slots, d_out, k, dtype=dtype)
-    seq_slots, query_lens = [2, -1, 0, 2, 1, -1], [5, 3, 1, 1, 7, 2]
+    seq_slots = [2, -1, 0, 2, 1, -1]
+    query_lens = [1, 3, 1, 1, 2, 2] if even else [5, 3, 1, 1, 20, 2]
     x = torch.randn(sum(query_lens), d_in, dtype=dtype)
     batch = LoRABatch.build(seq_slots, query_lens, slots, "cpu")
-    # float32 takes F.grouped_mm; float64 (which torch's grouped_mm does not take) the loop over adapters.
+    # Even shares: one padded bmm per side. Else float32 takes F.grouped_mm; float64 (which torch's
+    # grouped_mm does not take) the loop over adapters.
+    assert (batch.padded is not None) == even
     assert _grouped_ok(x, a, b) == (dtype == torch.float32)
     got = torch.zeros(x.shape[0], d_out, dtype=dtype).index_add(0, batch.order, lora_delta(x, a, b, batch))
     row_slots = np.repeat(seq_slots, query_lens)
@@ -81,15 +82,6 @@ def adapter(tiny_model, tmp_path_factory):
     return make_adapter(tiny_model, tmp_path_factory.mktemp("lora") / "a", seed=3, rank=8)
 
 
-def _copy(adapter, dest, config=None, tensors=None):
-    dest.mkdir()
-    cfg = json.loads((adapter / "adapter_config.json").read_text())
-    (dest / "adapter_config.json").write_text(json.dumps(cfg | (config or {})))
-    weights = load_file(adapter / "adapter_model.safetensors")
-    save_file(tensors(weights) if tensors else weights, dest / "adapter_model.safetensors")
-    return dest
-
-
 def test_refusals_are_one_line_naming_the_adapter(tiny_model, adapter, tmp_path):
     runner = new_runner(tiny_model, torch.float32)
 
@@ -101,24 +93,23 @@ def test_refusals_are_one_line_naming_the_adapter(tiny_model, adapter, tmp_path)
 
     assert "rank 8 is above --max-lora-rank 4" in refused(adapter, max_rank=4)
 
-    def narrower(weights):  # an adapter of a model with 32 hidden features
-        return {k: v[:, :32].contiguous() if "q_proj.lora_A" in k else v for k, v in weights.items()}
-
-    assert "another base model" in refused(_copy(adapter, tmp_path / "shape", tensors=narrower))
+    assert "another base model" in refused(copy_adapter(adapter, tmp_path / "shape", tensors=narrower))
 
     def embedding(weights):
         return {k.replace("self_attn.q_proj", "embed_tokens"): v for k, v in weights.items()}
 
     assert "target module 'embed_tokens' is not served" in refused(
-        _copy(adapter, tmp_path / "emb", tensors=embedding)
+        copy_adapter(adapter, tmp_path / "emb", tensors=embedding)
     )
-    assert "DoRA is not served" in refused(_copy(adapter, tmp_path / "dora", config={"use_dora": True}))
+    dora = copy_adapter(adapter, tmp_path / "dora", config={"use_dora": True})
+    assert "DoRA is not served" in refused(dora)
     assert "expected adapter_config.json" in refused(tmp_path)
-    # A served one: unknown names are a KeyError naming them, the base model slot -1.
+    # A served one: unknown names are a KeyError naming them ("" is the base model).
     lora = LoRAAdapters(runner.model, [f"good={adapter}"], 16, torch.float32, "cpu")
-    assert lora_slot(lora, "good") == 0 and lora_slot(lora, "") == -1
+    check_lora(lora, "good")
+    check_lora(lora, "")
     with pytest.raises(KeyError, match="'other'"):
-        lora_slot(lora, "other")
+        check_lora(lora, "other")
     wrapped = [m for m in runner.model.modules() if hasattr(getattr(m, "quant_method", None), "lora_a")]
     assert len(wrapped) == 2 * 4 and isinstance(wrapped[0].quant_method.base, UnquantizedLinearMethod)
 

@@ -19,6 +19,7 @@ from common.pb.tpserve.v1 import generation_pb2 as pb
 from common.security import TlsFiles
 from router.auth import ApiKeys
 from router.frontend import RequestFailed
+from router.lora import LoRANames
 from router.openai.encoder import Encoder
 from router.openai.errors import ApiError, from_failure
 from router.openai.protocol import parse_chat, parse_completion
@@ -343,8 +344,9 @@ class FakeFrontend:
     """Frontend's surface as OpenAIServer uses it. script(request) is the async generator to run."""
 
     def __init__(self, script):
-        self.config = SimpleNamespace(model="models/fake", lora_names=(), lora_modules=())
+        self.config = SimpleNamespace(model="models/fake", enable_lora=False, lora_modules=())
         self.pool = SimpleNamespace(ready=True)
+        self.loras = LoRANames(self.config, self.pool, RequestFailed)
         self.script = script
         self.requests: list[pb.GenerateRequest] = []
         self.started = asyncio.Event()
@@ -538,17 +540,24 @@ def test_http_keys_are_required_except_for_health():
                 assert "s3cret" not in json.dumps(body) and "wrong" not in body["error"]["message"]
         async with session.get(f"{url}/v1/models", headers={}) as r:
             out.append(r.status)
+        lora = {"lora_name": "x", "lora_path": "/x"}
+        for path in ("load_lora_adapter", "unload_lora_adapter"):  # vLLM's runtime LoRA endpoints
+            async with session.post(f"{url}/v1/{path}", json=lora) as r:
+                out.append(r.status)
         async with session.get(f"{url}/health") as r:
             out.append(r.status)
         ok = {"Authorization": "Bearer s3cret"}
         async with session.post(f"{url}/v1/completions", json={"prompt": "x"}, headers=ok) as r:
             out.append(r.status)
+        async with session.post(f"{url}/v1/load_lora_adapter", json=lora, headers=ok) as r:
+            out.append((r.status, (await r.json())["error"]["message"]))
         return out, len(frontend.requests)
 
     out, reached = serve(two_responses, test, keys=ApiKeys(["s3cret"]), on_refused=lambda: refused.append(1))
     assert out[:3] == [(401, "authentication_error", "Bearer")] * 3
-    assert out[3:] == [401, 200, 200]
-    assert reached == 1 and len(refused) == 4
+    assert out[3:-1] == [401, 401, 401, 200, 200]
+    assert out[-1] == (400, "the server was started without --enable-lora")
+    assert reached == 1 and len(refused) == 6
 
 
 @pytest.mark.parametrize("script", [forever_after_one, forever], ids=["streaming", "before-first-token"])

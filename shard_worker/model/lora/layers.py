@@ -34,11 +34,15 @@ from shard_worker.model.quant.base import LinearMethod
 @dataclass
 class LoRABatch:
     """The step's rows with an adapter: order [n], their row indices sorted by slot; counts[s] of them
-    use slot s (offsets: the running sums as int32, for grouped_mm)."""
+    use slot s (offsets: the running sums as int32, for grouped_mm). padded: when the slots' shares are
+    even (a decode step spread over adapters), each sorted row's place in a [slots * width] padding of
+    them, width = the largest count: one batched product per side instead of one small one per slot."""
 
     order: torch.Tensor
     counts: list[int]
     offsets: torch.Tensor
+    padded: torch.Tensor | None = None
+    width: int = 0
 
     @classmethod
     def build(cls, seq_slots, query_lens, num_slots: int, device) -> LoRABatch | None:
@@ -50,10 +54,19 @@ class LoRABatch:
             return None
         order = adapted[np.argsort(rows[adapted], kind="stable")]
         counts = np.bincount(rows[adapted], minlength=num_slots)
+        ends = np.cumsum(counts)
+        padded, width = None, int(counts.max())
+        # At most twice the rows' work in padding: then the batched product is the faster (1.6x for 8
+        # slots of 4 rows on CPU, where grouped_mm runs one small product per slot).
+        if width * num_slots <= 2 * len(order):
+            slot = rows[order]
+            padded = torch.from_numpy(slot * width + np.arange(len(order)) - (ends - counts)[slot]).to(device)
         return cls(
             torch.from_numpy(order).to(device),
             counts.tolist(),
-            torch.from_numpy(np.cumsum(counts).astype(np.int32)).to(device),
+            torch.from_numpy(ends.astype(np.int32)).to(device),
+            padded,
+            width,
         )
 
 
@@ -74,6 +87,11 @@ def lora_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: LoRABat
     """[n, out]: (x A_s^T) B_s^T for the batch's rows of x in batch.order, a [slots, K, in], b [slots,
     out, K]."""
     xs = x.index_select(0, batch.order)
+    if batch.padded is not None:  # a.transpose(1, 2) is contiguous: LoRALinearMethod holds it so
+        slots, width = a.shape[0], batch.width
+        rows = xs.new_zeros(slots * width, xs.shape[1]).index_copy_(0, batch.padded, xs)
+        shrink = torch.bmm(rows.view(slots, width, -1), a.transpose(1, 2))
+        return torch.bmm(shrink, b.transpose(1, 2)).view(slots * width, -1).index_select(0, batch.padded)
     if _grouped_ok(xs, a, b):
         shrink = F.grouped_mm(xs, a.transpose(1, 2), offs=batch.offsets)
         return F.grouped_mm(shrink, b.transpose(1, 2), offs=batch.offsets)
@@ -97,10 +115,24 @@ class LoRALinearMethod(LinearMethod):
     """Wraps a layer's own method (unquantized or any quantized one): its weights and product are the
     base's; the adapters' stacked weights are this method's."""
 
-    def __init__(self, base: LinearMethod, lora_a: torch.Tensor, lora_b: torch.Tensor):
+    def __init__(self, base: LinearMethod, lora_a: torch.Tensor, lora_b: torch.Tensor, occupied=None):
+        """occupied[s]: slot s holds an adapter that adapts this layer (None: every slot does)."""
         self.base = base
-        self.lora_a = lora_a
-        self.lora_b = lora_b
+        # Held transposed ([slots, in, K] and [slots, K, out], contiguous): the grouped products' own
+        # operands (a strided one costs the shrink 1.8x on CPU); lora_a / lora_b are views of them.
+        self.a_t = lora_a.transpose(1, 2).contiguous()
+        self.b_t = lora_b.transpose(1, 2).contiguous()
+        self.occupied = [True] * lora_a.shape[0] if occupied is None else list(occupied)
+
+    @property
+    def lora_a(self) -> torch.Tensor:
+        """[slots, K, in] (a view: writing it writes the held weights)."""
+        return self.a_t.transpose(1, 2)
+
+    @property
+    def lora_b(self) -> torch.Tensor:
+        """[slots, out, K] (a view)."""
+        return self.b_t.transpose(1, 2)
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, params_dtype):
         self.base.create_weights(layer, input_size_per_partition, output_partition_sizes, params_dtype)
@@ -111,7 +143,8 @@ class LoRALinearMethod(LinearMethod):
     def apply(self, layer, x, bias=None):
         y = self.base.apply(layer, x, bias)
         batch = _batch.get()
-        if batch is None:
+        # Skipped when the step's adapters leave this layer alone (the same on every rank).
+        if batch is None or not any(n and o for n, o in zip(batch.counts, self.occupied, strict=False)):
             return y
         delta = lora_delta(x.reshape(-1, x.shape[-1]), self.lora_a, self.lora_b, batch)
         # In place: the base product is this call's own fresh tensor.
