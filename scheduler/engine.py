@@ -236,12 +236,9 @@ class Engine:
             host_blocks = HostBlockPool(cap.num_host_blocks, cache_prefixes=cfg.host_prefix_cache)
         blocks = BlockManager(cap.num_blocks, cfg.block_size, cfg.enable_prefix_caching, host_blocks)
         if cfg.swap_space:
-            log.info(
-                "swap space: %d host blocks per rank (%.2f GiB)%s",
-                cap.num_host_blocks,
-                cfg.swap_space,
-                ", shared with the prefix cache's host tier" if cfg.host_prefix_cache else "",
-            )
+            tier = ", shared with the prefix cache's host tier" if cfg.host_prefix_cache else ""
+            gib = cfg.swap_space
+            log.info("swap space: %d host blocks per rank (%.2f GiB)%s", cap.num_host_blocks, gib, tier)
         if self.scheduler is None:
             policy = cfg.resolved_policy(cap.max_model_len)
             self.scheduler = Scheduler(policy, blocks, first.eos_token_ids, host_blocks, self.speculator)
