@@ -76,8 +76,12 @@ model-gemma3: $(MODEL_DIR)/gemma3/config.json
 run: install model
 	$(VENV)/bin/tpserve launch --model $(RUN_MODEL) --port 50051 --http-port 8000
 
+# Two workers, each running whole test files (pytest-xdist --dist loadfile: a module's server start is
+# shared by its tests; the SmolLM2 session stack starts once per worker). Serially the suite kept about
+# one core of two busy (its processes wait on each other). TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
 test: install model-tiny model-smollm2 model-gemma3
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) tests
 
 lint: install
 	$(VENV)/bin/ruff check .
