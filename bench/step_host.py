@@ -17,6 +17,7 @@ import argparse
 import statistics
 import time
 
+import numpy as np
 import torch
 
 from common.pb.tpserve.internal.v1 import scheduler_pb2, worker_pb2
@@ -41,6 +42,7 @@ def measure(num_seqs: int, context: int, steps: int) -> dict[str, float]:
     for i in range(num_seqs):
         sched.add(Sequence(i, f"r{i}", [5] * context, context, max_model_len - context))
     builder, tables = StepBuilder(), BlockTables(-(-max_model_len // BLOCK_SIZE))
+    rows_of: dict[int, int] = {}
 
     def step() -> tuple[list[float], int]:
         t0 = time.perf_counter()
@@ -49,7 +51,12 @@ def measure(num_seqs: int, context: int, steps: int) -> dict[str, float]:
         data = builder.build(out).SerializeToString()
         t2 = time.perf_counter()
         step = worker_step(worker_pb2.StepRequest.FromString(data))
-        table = tables.apply(step.seq_ids, step.table_reset, step.new_block_counts, step.new_block_ids)
+        # A row per sequence, taken the first time it appears (shard_worker/worker.py WorkerSequence.row).
+        for i in step.seq_ids:
+            if i not in rows_of:
+                rows_of[i] = tables.take_row()
+        rows = np.array([rows_of[i] for i in step.seq_ids])
+        table = tables.apply(rows, step.table_reset, step.new_block_counts, step.new_block_ids)
         # What ModelRunner.execute makes of it before the forward (the backend's own metadata aside).
         StepBatch.build(
             step.input_ids, step.query_lens, step.context_lens, table, BLOCK_SIZE, torch.device("cpu")
