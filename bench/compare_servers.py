@@ -272,6 +272,8 @@ async def main_async(a: argparse.Namespace) -> None:
                 f"{d.get('error') or d['errors'][:1]}",
                 flush=True,
             )
+            if a.out:  # after every run: a run stopped part way keeps what it measured
+                Path(a.out).write_text(json.dumps({"runs": runs, "details": counts}, indent=1))
     order = {lv.label: i for i, lv in enumerate(levels(a))}
     label = {r["name"]: r["name"].rsplit(" ", 1)[1] for r in runs}
     runs.sort(key=lambda r: order.get(label[r["name"]], -1))  # by level; servers keep their order
@@ -279,8 +281,7 @@ async def main_async(a: argparse.Namespace) -> None:
     reference = {r["name"]: f"{first} {label[r['name']]}" for r in runs}
     print(format_table(runs, counts, reference))
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"runs": runs, "details": counts}, f, indent=1)
+        Path(a.out).write_text(json.dumps({"runs": runs, "details": counts}, indent=1))
 
 
 def parser() -> argparse.ArgumentParser:
