@@ -205,7 +205,7 @@ class SchedulerPool:
         elif req.routed is not None and req.routed.replica in self.links:
             self.links[req.routed.replica].abort(request_id)
         if req.routed is not None:
-            self.slo.ended(req.routed.replica, request_id, None)
+            self._left(req.routed.replica, request_id, None)
 
     async def drain(self, timeout_s: float) -> None:
         """Waits up to timeout_s for the requests in flight to end; those left end with
@@ -223,7 +223,16 @@ class SchedulerPool:
 
     def done(self, request_id: str) -> None:
         """The request ended normally: stop routing to it."""
-        self._requests.pop(request_id, None)
+        req = self._requests.pop(request_id, None)
+        if req is not None and req.routed is not None:
+            self._left(req.routed.replica, request_id, None)
+
+    def _left(self, replica: str, request_id: str, seconds: float | None) -> None:
+        """A request left replica: its TPOT objective no longer holds the replica closed (slo.takes_decode),
+        so what waits here is offered again (no credit message need follow: the window may not change)."""
+        self.slo.ended(replica, request_id, seconds)
+        if len(self.admission):
+            self._pump()
 
     def _loads(self, now: float) -> dict[str, ReplicaLoad]:  # the up replicas'
         return {s.replica: s.load for s in self.replicas.stats(now) if s.up and s.load is not None}
@@ -304,7 +313,8 @@ class SchedulerPool:
         self.replicas.report(link.target, load, time.monotonic(), in_transit=in_transit)
         if not was_up:
             self._update_health()
-            self._pump()
+        if not was_up or len(self.admission):
+            self._pump()  # up again, or a new step time may reopen it (slo.takes_decode)
 
     def on_kv_events(self, link: SchedulerLink, msg: scheduler_pb2.KvEvents) -> None:
         if link.target in self.replicas:
@@ -332,7 +342,7 @@ class SchedulerPool:
                 self.slo.observed_ttft(req.predicted_ttft, now - req.arrival)
         if out.finish_reason or out.error:
             self._requests.pop(out.request_id, None)
-            self.slo.ended(link.target, out.request_id, None if out.error else now - req.sent_at)
+            self._left(link.target, out.request_id, None if out.error else now - req.sent_at)
 
     def on_lost(self, link: SchedulerLink, reason: str) -> None:
         if link.target not in self.replicas:
@@ -350,6 +360,7 @@ class SchedulerPool:
         cap = self.replicas.policy.max_attempts
         if not self.replicas.may_resend(req.routed):
             self._requests.pop(req.add.request_id, None)
+            self.slo.ended(target, req.add.request_id, None)
             req.queue.put_nowait(
                 scheduler_pb2.RequestOutput(
                     request_id=req.add.request_id,
