@@ -59,34 +59,31 @@ def add(request_id: str) -> scheduler_pb2.AddRequest:
     return scheduler_pb2.AddRequest(request_id=request_id, prompt_token_ids=[1, 2, 3])
 
 
-def test_a_request_held_by_the_tpot_gate_goes_when_the_slow_replica_finishes_its_requests():
+def held():
+    """r1 runs on a replica whose steps became too slow for its TPOT objective; r2 waits in the queue."""
     pool, link = stack()
     load(pool, link, running=0, step_s=0.0)
     pool.submit(add("r1"), TPOT)
     load(pool, link, running=1, step_s=0.5)  # slower than r1's objective allows: closed to new ones
     pool.submit(add("r2"), TPOT)
     assert link.sent == ["r1"]
+    return pool, link
+
+
+def test_a_request_held_by_the_tpot_gate_goes_when_the_slow_replica_finishes_its_requests():
+    pool, link = held()
     # r1 ends; the credit window is unchanged (it had room all along), so no credit message comes.
     pool.on_output(link, scheduler_pb2.RequestOutput(request_id="r1", token_ids=[7], finish_reason=2))
     assert link.sent == ["r1", "r2"]
 
 
 def test_a_request_held_by_the_tpot_gate_goes_when_the_replica_reports_a_faster_step():
-    pool, link = stack()
-    load(pool, link, running=0, step_s=0.0)
-    pool.submit(add("r1"), TPOT)
-    load(pool, link, running=1, step_s=0.5)
-    pool.submit(add("r2"), TPOT)
-    assert link.sent == ["r1"]
+    pool, link = held()
     load(pool, link, running=1, step_s=0.1)  # within the objective again
     assert link.sent == ["r1", "r2"]
 
 
 def test_a_request_the_router_ends_itself_opens_the_gate_too():
-    pool, link = stack()
-    load(pool, link, running=0, step_s=0.0)
-    pool.submit(add("r1"), TPOT)
-    load(pool, link, running=1, step_s=0.5)
-    pool.submit(add("r2"), TPOT)
+    pool, link = held()
     pool.done("r1")  # the frontend saw it finish
     assert link.sent == ["r1", "r2"]
