@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from common.pb.tpserve.internal.v1 import scheduler_pb2
 from common.pb.tpserve.v1 import generation_pb2
+from common.pb.tpserve.v1.generation_pb2 import FINISH_REASON_LENGTH
 from router.buckets import AdmissionQueue, Credits
 from router.pool import SchedulerPool
 from router.replicas import RoutingPolicy
@@ -73,7 +74,9 @@ def held():
 def test_a_request_held_by_the_tpot_gate_goes_when_the_slow_replica_finishes_its_requests():
     pool, link = held()
     # r1 ends; the credit window is unchanged (it had room all along), so no credit message comes.
-    pool.on_output(link, scheduler_pb2.RequestOutput(request_id="r1", token_ids=[7], finish_reason=2))
+    pool.on_output(
+        link, scheduler_pb2.RequestOutput(request_id="r1", token_ids=[7], finish_reason=FINISH_REASON_LENGTH)
+    )
     assert link.sent == ["r1", "r2"]
 
 
