@@ -12,6 +12,7 @@ import pytest
 from scheduler.batch import StepBuilder
 from scheduler.priority import victim
 from tests.unit.test_scheduler import seq
+from tests.unit.test_slo import Seq as SloSeq
 from tests.unit.test_swap import FakeWorker, make
 
 
@@ -96,14 +97,8 @@ def test_when_blocks_run_out_the_lowest_priority_gives_way_not_the_newest():
 
 
 @dataclass
-class Seq:
-    name: str
-    priority: int = 0
-    ttft_deadline: float | None = None
-    admitted_before: bool = True
-    num_computed_tokens: int = 0
-    num_tokens: int = 16
-    num_output_tokens: int = 0
+class Seq(SloSeq):
+    admitted_before: bool = True  # test_slo's waiting fake, as a running sequence (admitted before)
 
 
 def test_the_victim_is_the_last_of_strictly_lower_priority_that_the_newcomer_would_go_before():
