@@ -182,11 +182,13 @@ class Stack:
         groups = [self._spawn_workers(i, [0] * cfg.tp) for i in range(cfg.replicas)]
         router = self._spawn_router() if cfg.replicas == 1 else None
         self.worker_ports = [[self._port_of(c) for c in group] for group in groups]
-        log.info("start-up: every rank has loaded its weights, %.1fs", time.monotonic() - self.started)
+        self._log_phase("every rank has loaded its weights")
         for i, port in enumerate(self.scheduler_ports):
             self._port_of(self._spawn_scheduler(i, port))
+        self._log_phase("the scheduler(s) listen; they describe the workers, which warm up")
         router = router or self._spawn_router()
         router_addr = f"{'127.0.0.1' if cfg.host == '0.0.0.0' else cfg.host}:{self._port_of(router)}"
+        self._log_phase("the router listens; SERVING once a scheduler has its workers")
 
         auth = replace(cfg.health_auth, tls=cfg.tls is not None)
         try:
@@ -200,6 +202,9 @@ class Stack:
         except RuntimeError:
             self._raise_death()
         return router_addr
+
+    def _log_phase(self, what: str) -> None:
+        log.info("start-up: %s, %.1fs after launch", what, time.monotonic() - self.started)
 
     def restart(self, dead: Child) -> None:
         """Starts a dead scheduler, or the whole worker group of its replica after any rank died (a

@@ -19,7 +19,6 @@ import torch
 
 from common.sampling import SamplingConfig
 from shard_worker.attention import Attention, StepBatch, select_backend
-from shard_worker.attention.flex import PREFILL_MIN_QUERY
 from shard_worker.attention.kv_dtype import as_bits
 from shard_worker.capacity import CudaMemory, kv_budget, synthetic_step, worst_step
 from shard_worker.cuda_graphs import CudaGraphRunner, capture_bytes, graphs_unsupported
@@ -32,6 +31,7 @@ from shard_worker.sampling import Sampler, SequenceState
 from shard_worker.sampling.grammar import GrammarCompiler
 from shard_worker.sampling.rows import prompt_logprobs, sampled_rows, step_proposals
 from shard_worker.step import SequenceInit, StepInputs, StepOutputs
+from shard_worker.warm_up import KernelWarmUp, warm_up_steps
 
 log = logging.getLogger("tpserve.shard_worker")
 
@@ -52,6 +52,7 @@ class ModelRunner:
         quantization: str | None = None,
         lora: tuple | None = None,
         kv_cache_dtype: torch.dtype | None = None,
+        warm_kernels: bool = False,
     ):
         """load_format "auto" reads the checkpoint's weights; "dummy" fills them with small random values
         on the device from config.json alone (vLLM's name), for benchmarks at real shapes.
@@ -65,7 +66,9 @@ class ModelRunner:
         unquantized checkpoint quantized while it loads), None for the checkpoint's own format.
         lora: (--lora-modules, --max-lora-rank[, --max-loras, --max-cpu-loras]) with --enable-lora
         (shard_worker/model/lora), or None.
-        kv_cache_dtype: the KV cache's elements (attention/kv_dtype.py), None for dtype."""
+        kv_cache_dtype: the KV cache's elements (attention/kv_dtype.py), None for dtype.
+        warm_kernels: on CPU, compile the attention kernels on a thread while the weights load
+        (shard_worker/warm_up.py: a worker's start-up); warm_up waits for it."""
         self.model_dir = Path(model_dir)
         self.dtype = dtype
         self.kv_dtype = kv_cache_dtype or dtype
@@ -85,13 +88,20 @@ class ModelRunner:
             # Denormal floats make CPU matmuls many times slower, and random or tiny weights produce them.
             torch.set_flush_denormal(True)
         self.attention = select_backend(attention_backend, self.device, dtype)
+        self.kernel_warm_up: KernelWarmUp | None = None
+
+        def check(model: torch.nn.Module) -> None:  # the layers exist, their weights do not yet
+            self._check_layers(model)
+            if warm_kernels and self.device.type == "cpu":
+                self.kernel_warm_up = KernelWarmUp(self.attention, model, self.kv_dtype).start()
+
         self.config, self.model = load_model(
             self.model_dir,
             dtype,
             self.device,
             tp,
             load_format,
-            self._check_layers,
+            check,
             linear_dtype,
             prepack_linear,
             quantization,
@@ -350,19 +360,13 @@ class ModelRunner:
             )
 
     def warm_up(self, block_size: int) -> None:
-        """Runs the steps a first request brings, so that none of it compiles or initialises on a
-        request's path: a prompt (block tiles) beside a decode (one-token tiles), sampled greedily and by
-        a draw; then one sequence's short prompt, then its decode (the in-order one-token layout). Flex
-        compiles each tiling once with dynamic shapes, so later sizes reuse these kernels.
-        profile_num_blocks does this on CUDA; a worker that does not profile calls this before serving."""
-        max_len = self.config.max_position_embeddings
-        prompt_len = min(PREFILL_MIN_QUERY + block_size, max_len)
-        short = min(PREFILL_MIN_QUERY - 1, max_len)
-        steps = [
-            [(1, min(block_size + 1, max_len)), (prompt_len, prompt_len)],
-            [(short, short)],
-            [(1, min(short + 1, max_len))],
-        ]
+        """Runs the steps a first request brings (warm_up_steps), sampled greedily and by a draw, so that
+        none of it compiles or initialises on a request's path; first waits for the kernels compiled
+        while the weights loaded (warm_kernels). profile_num_blocks does this on CUDA; a worker that
+        does not profile calls this before serving."""
+        if self.kernel_warm_up is not None:
+            self.kernel_warm_up.wait()
+        steps = warm_up_steps(block_size, self.config.max_position_embeddings)
         configs = [SamplingConfig(temperature=0.0), SamplingConfig(temperature=0.7, top_p=0.9, top_k=50)]
         for lens in steps:
             step, num_blocks = synthetic_step(lens, block_size, sample=True)

@@ -134,6 +134,11 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
         # CUDA sizes its cache from the worst step's memory peak, which warms the kernels too; a CPU
         # cache is the host budget, and the kernels are warmed with the shapes requests bring.
         profiling = not request.num_kv_blocks and self.runner.device.type == "cuda"
+        kernels = self.runner.kernel_warm_up
+        if kernels is not None and "compile_kernels" not in self.phases.seconds:
+            waited = kernels.wait()  # compiling since the layers were built, beside load_weights
+            note = f"beside load_weights, {waited:.2f}s of it after; {self.phases.compile_note()}"
+            self.phases.record("compile_kernels", kernels.seconds, note)
         with self.phases.phase("kv_sizing", self.phases.compile_note if profiling else lambda: ""):
             num_blocks = request.num_kv_blocks or self.runner.profile_num_blocks(
                 block_size=request.block_size,
@@ -341,6 +346,7 @@ def serve(config: WorkerConfig) -> None:
             linear_dtype=None if linear is None else getattr(torch, linear),
             quantization=config.quantization,
             kv_cache_dtype=kv_cache_dtype(config.kv_cache_dtype, getattr(torch, config.dtype)),
+            warm_kernels=True,
             lora=(config.lora_modules, config.max_lora_rank, config.max_loras, config.max_cpu_loras)
             if config.enable_lora
             else None,

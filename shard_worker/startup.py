@@ -73,9 +73,11 @@ class StartupPhases:
         """Times the block as phase `name`; detail() adds a note to its log line once it has run."""
         start = time.perf_counter()
         yield
-        seconds = time.perf_counter() - start
+        self.record(name, time.perf_counter() - start, detail())
+
+    def record(self, name: str, seconds: float, note: str = "") -> None:
+        """Phase `name` took seconds (timed elsewhere: on another thread, beside another phase)."""
         self.seconds[name] = seconds
-        note = detail()
         note = f" ({note})" if note else ""
         log.info("rank %d: start-up phase %s took %.2fs%s", self.rank, name, seconds, note)
 

@@ -1,0 +1,119 @@
+"""What a worker runs before it serves, so that nothing compiles or initialises on a request's path.
+
+Two parts. The attention kernels need the layers' shapes, not the weights: KernelWarmUp compiles them
+(or loads them from the compile cache, shard_worker/startup.py) on a thread as soon as the model's layers
+exist, while the main thread reads the checkpoint. ModelRunner.warm_up then waits for it and runs the
+whole model over the same steps (sampling, the linear layers' first shapes), which no longer compiles.
+Through the backend's interface (prepare, forward), so whatever a backend compiles is covered.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+
+from shard_worker.attention import Attention, AttentionBackend, StepBatch
+from shard_worker.attention.flex import PREFILL_MIN_QUERY
+from shard_worker.capacity import synthetic_step
+
+log = logging.getLogger("tpserve.shard_worker")
+
+# The block size the kernels are warmed with before the scheduler says which it uses (its default,
+# scheduler/config.py). Another one is warmed by ModelRunner.warm_up when the scheduler describes it.
+EARLY_BLOCK_SIZE = 16
+
+
+def warm_up_steps(block_size: int, max_len: int) -> list[list[tuple[int, int]]]:
+    """The (query_len, context_len) sequences of each warm-up step: a prompt (block tiles) beside a
+    decode (one-token tiles); then one sequence's short prompt, then its decode (the in-order one-token
+    layout a first request brings). Flex compiles each tiling once with dynamic shapes, so later sizes
+    reuse these kernels."""
+    prompt_len = min(PREFILL_MIN_QUERY + block_size, max_len)
+    short = min(PREFILL_MIN_QUERY - 1, max_len)
+    return [
+        [(1, min(block_size + 1, max_len)), (prompt_len, prompt_len)],
+        [(short, short)],
+        [(1, min(short + 1, max_len))],
+    ]
+
+
+def attention_kinds(model: torch.nn.Module) -> list[Attention]:
+    """One attention layer of each kind in the model (heads, head_dim, scale, window): what a kernel is
+    compiled for. SmolLM2's 30 layers are one kind; Gemma 3's sliding and global layers two."""
+    kinds: dict[tuple, Attention] = {}
+    for layer in model.modules():
+        if isinstance(layer, Attention):
+            key = (layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.scale, layer.sliding_window)
+            kinds.setdefault(key, layer)
+    return list(kinds.values())
+
+
+def warm_attention(
+    backend: AttentionBackend,
+    model: torch.nn.Module,
+    block_size: int,
+    max_len: int,
+    kv_dtype: torch.dtype,
+) -> None:
+    """Runs each kind of attention layer of model over the warm-up steps, on zeros, as a step would run
+    them: keys and values in a scratch cache made like the model's (model.new_kv_caches, outside
+    inference mode, as ModelRunner allocates it), the rest under inference mode (ModelRunner.execute),
+    so that the kernels' guards see the same kinds of tensors."""
+    layers = attention_kinds(model)
+    device, dtype = backend.device, backend.dtype
+    for lens in warm_up_steps(block_size, max_len):
+        step, num_blocks = synthetic_step(lens, block_size)
+        (cache,) = model.new_kv_caches(num_blocks, block_size, kv_dtype, device)[:1]
+        with torch.inference_mode():
+            batch = StepBatch.build(
+                step.input_ids, step.query_lens, step.context_lens, step.block_table, block_size, device
+            )
+            ctx = backend.context(batch)
+            tokens = batch.num_tokens
+            for layer in layers:
+                q = torch.zeros(tokens, layer.num_heads, layer.head_dim, dtype=dtype, device=device)
+                k = torch.zeros(tokens, layer.num_kv_heads, layer.head_dim, dtype=dtype, device=device)
+                backend.forward(layer, q, k, torch.zeros_like(k), cache, ctx)
+
+
+class KernelWarmUp:
+    """warm_attention on a thread of its own, from start() until wait(). A failure is logged, not
+    raised: ModelRunner.warm_up compiles whatever is missing and fails there if it must."""
+
+    def __init__(self, backend: AttentionBackend, model: torch.nn.Module, kv_dtype: torch.dtype):
+        self.seconds: float | None = None  # how long it took, once done
+        self.error: BaseException | None = None
+        self._args = (backend, model, EARLY_BLOCK_SIZE, model.config.max_position_embeddings, kv_dtype)
+        self._thread = threading.Thread(target=self._run, name="kernel-warm-up", daemon=True)
+
+    def start(self) -> KernelWarmUp:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        start = time.perf_counter()
+        # Floats specialised in this thread's compiles (torch 2.13 keeps dynamo's settings per thread):
+        # the only float a kernel takes is its layer's constant scale, which dynamo otherwise traces as
+        # an input, then specialises and traces again (1.5-2 s of each start, warm cache or not).
+        torch._dynamo.config.specialize_float = True
+        try:
+            warm_attention(*self._args)
+        except Exception as e:  # noqa: BLE001 (reported by wait(), and retried by the full warm-up)
+            self.error = e
+        self.seconds = time.perf_counter() - start
+
+    def wait(self) -> float:
+        """Blocks until the thread is done; returns the seconds waited."""
+        start = time.perf_counter()
+        self._thread.join()
+        if self.error is not None:
+            log.warning(
+                "compiling the attention kernels while the weights loaded failed (%s: %s); the warm-up "
+                "compiles them",
+                type(self.error).__name__,
+                self.error,
+            )
+        return time.perf_counter() - start
