@@ -185,10 +185,10 @@ class Stack:
         self._log_phase("every rank has loaded its weights")
         for i, port in enumerate(self.scheduler_ports):
             self._port_of(self._spawn_scheduler(i, port))
-        self._log_phase("the scheduler(s) listen; they describe the workers, which warm up")
+        self._log_phase("the scheduler(s) listen, and describe the workers (which warm up)")
         router = router or self._spawn_router()
         router_addr = f"{'127.0.0.1' if cfg.host == '0.0.0.0' else cfg.host}:{self._port_of(router)}"
-        self._log_phase("the router listens; SERVING once a scheduler has its workers")
+        self._log_phase("the router listens")
 
         auth = replace(cfg.health_auth, tls=cfg.tls is not None)
         try:
