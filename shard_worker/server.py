@@ -28,7 +28,7 @@ from shard_worker.attention.kv_dtype import kv_cache_dtype
 from shard_worker.config import StepThreads, WorkerConfig
 from shard_worker.metrics import WorkerMetrics
 from shard_worker.model.lora.adapters import CONFIG_FILE, WEIGHTS_FILE
-from shard_worker.startup import StartupPhases, compile_counts, configure_compile_cache
+from shard_worker.startup import StartupPhases, compile_counts, configure_compile_cache, remember_vec_isa
 from shard_worker.step import SequenceInit, WorkerStep
 from shard_worker.worker import Worker
 
@@ -151,6 +151,7 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
         if not profiling:
             with self.phases.phase("warm_up", self.phases.compile_note):
                 self.runner.warm_up(request.block_size)
+            remember_vec_isa(self.phases.cache_dir)  # the kernels built: the probe's answer was right
         for name, seconds in self.phases.seconds.items():
             self.metrics.startup.labels(phase=name).set(seconds)
         compiled, cached = compile_counts()

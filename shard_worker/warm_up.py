@@ -18,6 +18,7 @@ import torch
 from shard_worker.attention import Attention, AttentionBackend, StepBatch
 from shard_worker.attention.flex import PREFILL_MIN_QUERY
 from shard_worker.capacity import synthetic_step
+from shard_worker.startup import install_vec_isa_probe
 
 log = logging.getLogger("tpserve.shard_worker")
 
@@ -100,6 +101,7 @@ class KernelWarmUp:
         # an input, then specialises and traces again (1.5-2 s of each start, warm cache or not).
         torch._dynamo.config.specialize_float = True
         try:
+            install_vec_isa_probe()  # here, not on the main thread: it imports inductor (1.8 s)
             warm_attention(*self._args)
         except Exception as e:  # noqa: BLE001 (reported by wait(), and retried by the full warm-up)
             self.error = e
