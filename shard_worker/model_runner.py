@@ -137,6 +137,7 @@ class ModelRunner:
         self.sampler = None
         if tp.rank == 0:
             grammars = GrammarCompiler(self.model_dir, self.config.vocab_size, self.config.eos_token_ids)
+            grammars.start()
             self.sampler = Sampler(self.config.vocab_size, self.device, self.config.eos_token_ids, grammars)
 
     def describe(self) -> dict:
@@ -389,9 +390,6 @@ class ModelRunner:
                 self.execute(step, states)
                 for state in states or ():
                     self.sampler.release(state)
-        if self.sampler is not None and self.sampler.grammar is not None:
-            # Its tokenizer (a second of CPU) after the kernels, not competing with them for the cores.
-            self.sampler.grammar.compiler.start()
 
     def _dummy_step(
         self,
