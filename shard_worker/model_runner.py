@@ -390,6 +390,8 @@ class ModelRunner:
                 self.execute(step, states)
                 for state in states or ():
                     self.sampler.release(state)
+        if self.sampler is not None and self.sampler.grammar is not None:
+            self.sampler.grammar.compiler.wait_started()  # its tokenizer: not beside a first request
 
     def _dummy_step(
         self,

@@ -49,6 +49,7 @@ class GrammarCompiler:
         self._executor = None
         self._lock = threading.Lock()
         self._cache: OrderedDict[GrammarSpec, Future] = OrderedDict()
+        self._warming: Future | None = None
 
     def start(self) -> None:
         """Builds llguidance's tokenizer on the compile thread now (about a second), so that the first
@@ -57,7 +58,13 @@ class GrammarCompiler:
         if any(
             Path(self.tokenizer_dir, name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")
         ):
-            self._pool.submit(self._warm)
+            self._warming = self._pool.submit(self._warm)
+
+    def wait_started(self) -> None:
+        """Until the tokenizer start() began building is built (or failed): a worker waits before it
+        serves, so that its first request does not share the cores with it."""
+        if self._warming is not None:
+            self._warming.result()
 
     def _warm(self) -> None:
         try:
