@@ -81,9 +81,10 @@ class WorkerMetrics:
         )
         self.startup = Gauge(
             "tpserve_worker_startup_phase_seconds",
-            "Seconds each phase of this rank's start-up took: load_weights, kv_sizing, warm_up (compiling "
-            "kernels or loading them from the compile cache), kv_allocate. Set again when a scheduler "
-            "reconnects (sizing, warm-up and allocation run again).",
+            "Seconds each phase of this rank's start-up took: load_weights, compile_kernels (CPU: the "
+            "attention kernels compiled or loaded from the compile cache on a thread, beside "
+            "load_weights), kv_sizing, warm_up (the steps a first request brings), kv_allocate. Set "
+            "again when a scheduler reconnects (sizing, warm-up and allocation run again).",
             ["phase"],
             registry=r,
         )
