@@ -24,8 +24,9 @@ LINEAR_DTYPES = ("auto", "dtype", "bfloat16")
 LOAD_FORMATS = ("auto", "dummy")
 # shard_worker/model/quant/__init__.py: none, or an online format.
 QUANTIZATION_CHOICES = ("none", "int8", "fp8")
-# shard_worker/attention/__init__.py: auto is triton on CUDA, flex on CPU float32, reference otherwise.
-ATTENTION_BACKENDS = ("auto", "flex", "triton", "reference")
+# shard_worker/attention/__init__.py: auto is triton on CUDA, cpu on CPU (flex without a C++ compiler),
+# reference for float64.
+ATTENTION_BACKENDS = ("auto", "cpu", "flex", "triton", "reference")
 # shard_worker/attention/kv_dtype.py: auto is --dtype.
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e4m3", "fp8_e5m2")
 
@@ -80,7 +81,8 @@ class WorkerConfig:
     )
     attention_backend: str = setting(
         "auto",
-        help="auto (triton on CUDA, flex on CPU float32, reference otherwise), flex, triton, or reference "
+        help="auto (triton on CUDA, cpu on CPU, reference in float64), cpu (our C++ paged kernel for "
+        "decodes, SDPA for prefills; float32, bfloat16, float16), flex (CPU float32), triton, or reference "
         "(one sequence at a time: exact, slow)",
         choices=ATTENTION_BACKENDS,
         launch=True,
