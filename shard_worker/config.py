@@ -17,7 +17,7 @@ from common.settings import at_least, setting
 from common.tracing import TracingConfig
 from shard_worker.startup import DEFAULT_COMPILE_CACHE_DIR
 
-DTYPES = ("float32", "bfloat16", "float16", "float64")
+DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 DEVICES = ("cpu", "cuda")
 # shard_worker/devices.py's linear_dtype: auto is bfloat16 for float32 models on CPUs with native bf16.
 LINEAR_DTYPES = ("auto", "dtype", "bfloat16")
@@ -47,7 +47,13 @@ class WorkerConfig:
     device: str = setting(
         "cpu", help="cpu, or cuda (rank r takes cuda:<r % devices>)", choices=DEVICES, launch=True
     )
-    dtype: str = setting("float32", help="weights, activations and KV cache", choices=DTYPES, launch=True)
+    dtype: str = setting(
+        "float32",
+        help="weights, activations and KV cache; auto: bfloat16 on CPUs with native bf16 (AVX-512 BF16, "
+        "AMX) and on GPUs that have it, float16 on older GPUs, float32 on other CPUs",
+        choices=DTYPES,
+        launch=True,
+    )
     linear_dtype: str = setting(
         "auto",
         help="weights of the projections, MLPs and LM head: dtype (as --dtype), bfloat16 (inputs rounded to "
