@@ -53,15 +53,17 @@ def attend_sequence(
         mask = key_pos <= query_pos
         if window is not None:
             mask &= key_pos > query_pos - window
+    # With a batch dimension: torch's CPU flash kernel takes 4-d inputs only, and 3-d ones fall back to
+    # the unfused math path (a 512-token prompt: 50 against 20 ms a layer).
     o = F.scaled_dot_product_attention(
-        q[start : start + q_len].transpose(0, 1),
-        keys,
-        values,
+        q[start : start + q_len].transpose(0, 1)[None],
+        keys[None],
+        values[None],
         attn_mask=mask,
         scale=layer.scale,
         enable_gqa=True,
     )
-    return o.transpose(0, 1)
+    return o[0].transpose(0, 1)
 
 
 class ReferenceBackend(AttentionBackend):

@@ -11,7 +11,8 @@
 // positions max(0, pos - window + 1) .. pos (window <= 0: from 0), its own included: the caller has
 // written this step's keys and values before calling.
 //
-// One work item is (token, KV head): the group's `rep` query heads share every key and value row read.
+// One work item is a token's query heads of one or all of its KV heads: the heads that share a KV head
+// share every key and value row read.
 // Scores for the whole visible context are computed first (one pass over the keys), then softmax, then
 // one pass over the values. The scores buffer is per thread and grows to the longest context seen.
 
@@ -176,14 +177,17 @@ inline const float* kv_row(const char* p, int d, float* buf) {
   }
 }
 
-// One (token, KV head) item. D: the head size when known at compile time (the inner loops then unroll
+// One item: token i's query heads of KV heads g0 .. g1-1. Every visible key's row is read once for all of
+// them (the heads of one slot are contiguous: several KV heads per item read longer runs, which the
+// prefetcher streams better). D: the head size when known at compile time (the inner loops then unroll
 // completely), 0 for any.
 template <int D, int KV>
-void attend_item(const Args& a, int64_t i, int g, Scratch& s) {
+void attend_item(const Args& a, int64_t i, int g0, int g1, Scratch& s) {
   const int d = D > 0 ? D : a.d;
   constexpr int64_t es = KV == F32 ? 4 : (KV == BF16 || KV == F16) ? 2 : 1;
   const int64_t q_es = elem_size(a.q_dtype);
   const int rep = a.heads / a.kv_heads;
+  const int nh = (g1 - g0) * rep;  // query heads of this item, ordered (KV head, head in group)
   const int bs = a.block_size;
   const int64_t p = a.pos[i];
   const int64_t first = a.window > 0 ? (p - a.window + 1 > 0 ? p - a.window + 1 : 0) : 0;
@@ -191,32 +195,35 @@ void attend_item(const Args& a, int64_t i, int g, Scratch& s) {
   const int32_t* blocks = a.table + a.seq[i] * a.table_stride;
   const char* qrow = a.q + a.tokens[i] * a.q_token_stride * q_es;
   float* qf = s.q.data();
-  for (int r = 0; r < rep; ++r) {
-    load_row(qrow + (static_cast<int64_t>(g) * rep + r) * a.q_head_stride * q_es, a.q_dtype, d, qf + r * d);
-    const float sc = a.scale * a.k_scale;
+  const float sc = a.scale * a.k_scale;
+  for (int h = 0; h < nh; ++h) {
+    load_row(qrow + (static_cast<int64_t>(g0) * rep + h) * a.q_head_stride * q_es, a.q_dtype, d, qf + h * d);
 #pragma omp simd
-    for (int x = 0; x < d; ++x) qf[r * d + x] *= sc;
+    for (int x = 0; x < d; ++x) qf[h * d + x] *= sc;
   }
-  if (static_cast<int64_t>(s.scores.size()) < rep * count) s.scores.resize(rep * count);
+  if (static_cast<int64_t>(s.scores.size()) < nh * count) s.scores.resize(nh * count);
   float* scores = s.scores.data();
   // Scores: one pass over the visible keys, block by block.
   for (int64_t j = first; j <= p;) {
     const int64_t b = j / bs, end = (b + 1) * bs < p + 1 ? (b + 1) * bs : p + 1;
-    const char* base = a.k_cache + (blocks[b] * a.block_stride + static_cast<int64_t>(g) * d) * es;
+    const char* base = a.k_cache + (blocks[b] * a.block_stride + static_cast<int64_t>(g0) * d) * es;
     for (; j < end; ++j) {
-      const float* k = kv_row<KV>(base + (j - b * bs) * a.slot_stride * es, d, s.row.data());
-      for (int r = 0; r < rep; ++r) {
-        const float* qr = qf + r * d;
-        float acc = 0.f;
+      const char* slot = base + (j - b * bs) * a.slot_stride * es;
+      for (int g = 0; g < g1 - g0; ++g) {
+        const float* k = kv_row<KV>(slot + static_cast<int64_t>(g) * d * es, d, s.row.data());
+        for (int r = 0; r < rep; ++r) {
+          const float* qh = qf + (g * rep + r) * d;
+          float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-        for (int x = 0; x < d; ++x) acc += qr[x] * k[x];
-        scores[r * count + (j - first)] = acc;
+          for (int x = 0; x < d; ++x) acc += qh[x] * k[x];
+          scores[(g * rep + r) * count + (j - first)] = acc;
+        }
       }
     }
   }
   // Softmax per head (v_scale folded into the normaliser).
-  for (int r = 0; r < rep; ++r) {
-    float* sr = scores + r * count;
+  for (int h = 0; h < nh; ++h) {
+    float* sr = scores + h * count;
     float m = sr[0];
 #pragma omp simd reduction(max : m)
     for (int64_t j = 1; j < count; ++j) m = sr[j] > m ? sr[j] : m;
@@ -230,28 +237,32 @@ void attend_item(const Args& a, int64_t i, int g, Scratch& s) {
 #pragma omp simd
     for (int64_t j = 0; j < count; ++j) sr[j] *= inv;
   }
-  // Values: one pass, every head of the group accumulating from the same row.
+  // Values: one pass, every head of a group accumulating from the same row.
+  if (static_cast<int64_t>(s.acc.size()) < nh * d) s.acc.resize(nh * d);
   float* acc = s.acc.data();
-  std::fill(acc, acc + rep * d, 0.f);
+  std::fill(acc, acc + nh * d, 0.f);
   for (int64_t j = first; j <= p;) {
     const int64_t b = j / bs, end = (b + 1) * bs < p + 1 ? (b + 1) * bs : p + 1;
-    const char* base = a.v_cache + (blocks[b] * a.block_stride + static_cast<int64_t>(g) * d) * es;
+    const char* base = a.v_cache + (blocks[b] * a.block_stride + static_cast<int64_t>(g0) * d) * es;
     for (; j < end; ++j) {
-      const float* v = kv_row<KV>(base + (j - b * bs) * a.slot_stride * es, d, s.row.data());
-      for (int r = 0; r < rep; ++r) {
-        const float w = scores[r * count + (j - first)];
-        float* ar = acc + r * d;
+      const char* slot = base + (j - b * bs) * a.slot_stride * es;
+      for (int g = 0; g < g1 - g0; ++g) {
+        const float* v = kv_row<KV>(slot + static_cast<int64_t>(g) * d * es, d, s.row.data());
+        for (int r = 0; r < rep; ++r) {
+          const float w = scores[(g * rep + r) * count + (j - first)];
+          float* ah = acc + (g * rep + r) * d;
 #pragma omp simd
-        for (int x = 0; x < d; ++x) ar[x] += w * v[x];
+          for (int x = 0; x < d; ++x) ah[x] += w * v[x];
+        }
       }
     }
   }
   char* orow = a.out + a.tokens[i] * a.o_token_stride * q_es;
-  for (int r = 0; r < rep; ++r)
-    store_row(acc + r * d, a.q_dtype, d, orow + (static_cast<int64_t>(g) * rep + r) * a.o_head_stride * q_es);
+  for (int h = 0; h < nh; ++h)
+    store_row(acc + h * d, a.q_dtype, d, orow + (static_cast<int64_t>(g0) * rep + h) * a.o_head_stride * q_es);
 }
 
-using ItemFn = void (*)(const Args&, int64_t, int, Scratch&);
+using ItemFn = void (*)(const Args&, int64_t, int, int, Scratch&);
 
 template <int D>
 ItemFn item_for_kv(int kv_dtype) {
@@ -306,21 +317,28 @@ int tp_paged_attention(int q_dtype, int kv_dtype, const void* q, void* out, int6
                block_size,     scale,          k_scale,                           v_scale,
                window};
   const ItemFn item = item_for(d, kv_dtype);
-  const int rep = heads / kv_heads;
-  const int64_t items = n * kv_heads;
   // Small steps run on the calling thread: a parallel region costs more than a few short rows.
   int64_t total_keys = 0;
   for (int64_t i = 0; i < n; ++i) total_keys += pos[i] + 1;
-  const int threads = (num_threads > 1 && items > 1 && total_keys * kv_heads * d > (1 << 16)) ? num_threads : 1;
+  const bool parallel = num_threads > 1 && total_keys * heads * d > (1 << 16);
+  // A token's KV heads in one item where there are tokens enough to keep every thread busy; else one KV
+  // head an item, so that a lone long sequence still spreads over the threads.
+  const int per_item = parallel && n < 2 * num_threads ? 1 : kv_heads;
+  const int groups = kv_heads / per_item;
+  const int64_t items = n * groups;
+  const int threads = parallel && items > 1 ? num_threads : 1;
 
 #pragma omp parallel num_threads(threads)
   {
     Scratch s;
-    s.q.resize(static_cast<size_t>(rep) * d);
-    s.acc.resize(static_cast<size_t>(rep) * d);
+    s.q.resize(static_cast<size_t>(heads) * d);
+    s.acc.resize(static_cast<size_t>(heads) * d);
     s.row.resize(d);
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t it = 0; it < items; ++it) item(a, it / kv_heads, static_cast<int>(it % kv_heads), s);
+    for (int64_t it = 0; it < items; ++it) {
+      const int g0 = static_cast<int>(it % groups) * per_item;
+      item(a, it / groups, g0, g0 + per_item, s);
+    }
   }
   return 0;
 }
