@@ -25,6 +25,9 @@ log = logging.getLogger("tpserve.shard_worker")
 # The block size the kernels are warmed with before the scheduler says which it uses (its default,
 # scheduler/config.py). Another one is warmed by ModelRunner.warm_up when the scheduler describes it.
 EARLY_BLOCK_SIZE = 16
+# Backends whose kernels torch.compile builds, for which inductor's instruction-set probe is set up
+# (shard_worker/startup.py); the cpu backend's library is built once per machine by its own module.
+COMPILED_BY_INDUCTOR = ("flex",)
 
 
 def warm_up_steps(block_size: int, max_len: int) -> list[list[tuple[int, int]]]:
@@ -101,7 +104,8 @@ class KernelWarmUp:
         # an input, then specialises and traces again (1.5-2 s of each start, warm cache or not).
         torch._dynamo.config.specialize_float = True
         try:
-            install_vec_isa_probe()  # here, not on the main thread: it imports inductor (1.8 s)
+            if self._args[0].name in COMPILED_BY_INDUCTOR:  # importing inductor: 1.8 s, off the main thread
+                install_vec_isa_probe()
             warm_attention(*self._args)
         except Exception as e:  # noqa: BLE001 (reported by wait(), and retried by the full warm-up)
             self.error = e

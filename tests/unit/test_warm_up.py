@@ -33,7 +33,11 @@ def greedy_tokens(runner: ModelRunner) -> list[int]:
 def test_kernels_compiled_while_loading_serve_the_warm_up_and_later_steps(tiny_model):
     torch._dynamo.reset()  # forget kernels compiled by earlier tests: the thread must build them
     before = counters["stats"]["unique_graphs"]
-    runner = ModelRunner(tiny_model, torch.float32, torch.device("cpu"), TensorParallel(), warm_kernels=True)
+    cpu = torch.device("cpu")
+    # flex: the backend whose kernels compile at start-up.
+    runner = ModelRunner(
+        tiny_model, torch.float32, cpu, TensorParallel(), attention_backend="flex", warm_kernels=True
+    )
     kernels = runner.kernel_warm_up
     assert kernels is not None
     kernels.wait()
@@ -48,7 +52,6 @@ def test_kernels_compiled_while_loading_serve_the_warm_up_and_later_steps(tiny_m
 
     # The kernels the thread built attend as the per-sequence reference does (scale included: the
     # thread specialises it).
-    cpu = torch.device("cpu")
     reference = ModelRunner(tiny_model, torch.float32, cpu, TensorParallel(), attention_backend="reference")
     assert reference.kernel_warm_up is None
     assert greedy_tokens(reference) == tokens
@@ -60,3 +63,16 @@ def test_one_layer_per_kind_is_warmed(tiny_model):
     assert len(kinds) == 1  # every layer of the tiny Llama has the same heads, scale and no window
     kinds[0].sliding_window = 8  # a windowed layer is another kernel
     assert len(attention_kinds(runner.model)) == 2
+
+
+def test_the_default_cpu_backend_is_warmed_too(tiny_model):
+    """The cpu backend compiles nothing at start-up; the thread runs its kernel and SDPA paths over the
+    same steps without an error, and the tokens are the reference attention's."""
+    runner = ModelRunner(tiny_model, torch.float32, torch.device("cpu"), TensorParallel(), warm_kernels=True)
+    assert runner.attention.name == "cpu"
+    runner.warm_up(16)
+    assert runner.kernel_warm_up.error is None
+    reference = ModelRunner(
+        tiny_model, torch.float32, torch.device("cpu"), TensorParallel(), attention_backend="reference"
+    )
+    assert greedy_tokens(reference) == greedy_tokens(runner)
