@@ -10,6 +10,7 @@ Through the backend's interface (prepare, forward), so whatever a backend compil
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 
@@ -28,6 +29,7 @@ EARLY_BLOCK_SIZE = 16
 # Backends whose kernels torch.compile builds, for which inductor's instruction-set probe is set up
 # (shard_worker/startup.py); the cpu backend's library is built once per machine by its own module.
 COMPILED_BY_INDUCTOR = ("flex",)
+SWITCH_INTERVAL_S = 0.0005
 
 
 def warm_up_steps(block_size: int, max_len: int) -> list[list[tuple[int, int]]]:
@@ -94,6 +96,11 @@ class KernelWarmUp:
         self._thread = threading.Thread(target=self._run, name="kernel-warm-up", daemon=True)
 
     def start(self) -> KernelWarmUp:
+        # The main thread loads the weights meanwhile: torch calls that release the GIL, between short
+        # stretches of Python that need it back. At the default 5 ms switch interval each of those waited
+        # on this thread's tracing (SmolLM2's load 2 s -> 5 s); 0.5 ms while it runs.
+        self._switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(self._switch_interval, SWITCH_INTERVAL_S))
         self._thread.start()
         return self
 
@@ -110,6 +117,7 @@ class KernelWarmUp:
         except Exception as e:  # noqa: BLE001 (reported by wait(), and retried by the full warm-up)
             self.error = e
         self.seconds = time.perf_counter() - start
+        sys.setswitchinterval(self._switch_interval)
 
     def wait(self) -> float:
         """Blocks until the thread is done; returns the seconds waited."""
