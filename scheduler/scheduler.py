@@ -1,14 +1,13 @@
 """Forms the batch of every model iteration (continuous batching), or whole batches (static mode).
 
-There is no prefill phase and no decode phase: every sequence has num_computed_tokens catching up with
-its token count, under a per-step token budget and a sequence cap. A prompt longer than what is left of
-the budget is split across steps (chunked prefill). Running sequences are served by priority, then
-oldest first; when a block cannot be had, the last of them is preempted, as for a waiting one of strictly
-higher priority that does not fit (scheduler/priority.py). With host blocks (swap space) free for it, its
-KV is swapped out to them and it waits in `swapped` with its progress kept; otherwise its blocks are
-freed and it is recomputed later from the tokens kept here: the output is the same. Swapped sequences
-come back before any waiting one of no higher priority. The prefix cache's host tier shares those host
-blocks (scheduler/swap.py): its copies ride the same lists.
+No prefill phase and no decode phase: every sequence has num_computed_tokens catching up with its token
+count, under a per-step token budget and a sequence cap. A prompt longer than what is left of the budget
+is split across steps (chunked prefill). Running sequences are served by priority, then oldest first;
+when a block cannot be had, the last of them is preempted, as for a waiting one of strictly higher
+priority that does not fit (scheduler/priority.py). With host blocks (swap space) free for it, its KV is
+swapped out to them and it waits in `swapped` with its progress kept; otherwise its blocks are freed and
+it is recomputed later from the tokens kept here: the output is the same. Swapped sequences come back
+before any waiting one of no higher priority. The prefix cache's host tier shares those host blocks.
 """
 
 from __future__ import annotations
@@ -84,16 +83,19 @@ class Scheduler:
     def abort(self, request_id: str) -> Sequence | None:
         """Drops a request wherever it is; its blocks are free at once. None if it is not in flight."""
         seq = self._by_request.get(request_id)
-        if seq is None:
-            return None
+        if seq is not None:
+            self.end(seq, FINISH_REASON_ABORTED)
+        return seq
+
+    def end(self, seq: Sequence, reason: int) -> None:
+        """Ends seq wherever it is (waiting, swapped out or running) for this FinishReason."""
         if seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         elif seq.status is SequenceStatus.SWAPPED:
             self.swapped.remove(seq)
         else:
             self.running.remove(seq)
-        self._finish(seq, FINISH_REASON_ABORTED)
-        return seq
+        self._finish(seq, reason)
 
     def grammars_ready(self, seq_ids) -> None:
         """Rank 0 reports these sequences' grammars compiled: they may be admitted."""
@@ -345,9 +347,7 @@ class Scheduler:
         order), the 1 to num_samples tokens the worker produced: the proposals it accepted, then one
         more. Each is appended in turn and the stop conditions checked after each; a stop drops the
         rest. Proposals not accepted are rolled back: their KV is not counted as computed, and blocks
-        the sequence no longer needs go back to the pool.
-
-        Sequences aborted while the step ran are skipped: their tokens are dropped."""
+        the sequence no longer needs go back to the pool. Sequences aborted meanwhile are skipped."""
         plan.check_sampled(out, sampled)  # all of it before any sequence changes
         updates = []
         tokens_of = iter(sampled)
@@ -381,7 +381,8 @@ class Scheduler:
     def _stop_reason(self, seq: Sequence, token: int) -> int | None:
         if token in seq.stop_token_ids or (not seq.ignore_eos and token in self.eos_token_ids):
             return FINISH_REASON_EOS
-        if seq.num_output_tokens >= seq.max_new_tokens or seq.num_tokens >= self.policy.max_model_len:
+        known = seq.num_prompt_tokens + seq.num_output_tokens  # num_tokens, but for placeholders
+        if seq.num_output_tokens >= seq.max_new_tokens or known >= self.policy.max_model_len:
             return FINISH_REASON_LENGTH
         return None
 
