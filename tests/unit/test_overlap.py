@@ -256,3 +256,36 @@ def test_async_scheduling_refuses_speculative_decoding():
         SchedulerConfig(
             workers=("w:0",), async_scheduling=True, speculative=SpeculativePolicy(speculative_method="ngram")
         )
+
+
+def test_a_sequence_ended_while_its_next_step_is_in_flight_gets_nothing_from_it():
+    """The scheduler's side alone: plan and advance N, then N+1; N's token is a stop for s."""
+    from scheduler.block_manager import BlockManager
+    from scheduler.overlap import PLACEHOLDER, advance, apply
+    from scheduler.scheduler import Scheduler
+    from scheduler.sequence import Sequence
+
+    blocks = BlockManager(8, BLOCK)
+    sched = Scheduler(SchedulingPolicy(max_model_len=256), blocks, eos_token_ids=[1])
+    s, t = Sequence(0, "s", [5] * 20, 20, 10), Sequence(1, "t", [6] * 20, 20, 10)
+    sched.add(s), sched.add(t)
+    n = sched.schedule()
+    advance(n), blocks.step_sent(0, [0, 1])
+    n1 = sched.schedule()  # planned while N is in flight: one placeholder each
+    assert [i.num_new_tokens for i in n1.scheduled] == [1, 1]
+    assert s.token_ids[-1] == PLACEHOLDER and s.num_computed_tokens == 20
+    advance(n1), blocks.step_sent(1, [0, 1])
+    updates = apply(sched, n, [[1], [7]])  # EOS for s
+    blocks.step_returned(0)
+    assert [(u.seq.request_id, u.new_tokens, u.finished) for u in updates] == [
+        ("s", [1], True),
+        ("t", [7], False),
+    ]
+    assert s.token_ids == [5] * 20 + [1] and s.is_finished  # its placeholder for N+1 is gone
+    assert t.token_ids == [6] * 20 + [7, PLACEHOLDER]
+    assert blocks.num_free_blocks == 8 - 4  # s's blocks wait for N+1, which writes to them
+    updates = apply(sched, n1, [[9], [8]])
+    blocks.step_returned(1)
+    assert [(u.seq.request_id, u.new_tokens) for u in updates] == [("t", [8])]  # nothing for s
+    assert blocks.num_free_blocks == 8 - 2
+    sched.check_invariants()
