@@ -42,6 +42,8 @@ class PagedFake(FakeWorkerGroup):
         self.max_in_flight = 0
         self.placeholders = 0
         self.after_step = lambda: None
+        self.grammars: set[int] = set()  # sequences with a grammar (reported compiled at once)
+        self.behind_grammar = 0
 
     async def connect(self, on_lost=lambda: None):
         info = await super().connect(on_lost)
@@ -49,6 +51,10 @@ class PagedFake(FakeWorkerGroup):
         return info
 
     async def send(self, data: bytes) -> None:
+        for queued in self.sent:  # a step sent while one with a grammar sequence is in flight
+            self.behind_grammar += bool(
+                self.grammars & set(arr(worker_pb2.StepRequest.FromString(queued).seq_ids))
+            )
         self.sent.append(data)
         self.max_in_flight = max(self.max_in_flight, len(self.sent))
 
@@ -69,6 +75,8 @@ class PagedFake(FakeWorkerGroup):
         for seq_id in req.forgotten_seq_ids:
             self.tables.pop(seq_id, None), self.last.pop(seq_id, None)
             self.forgotten.append(seq_id)
+        ready = [i.seq_id for i in req.new_sequences if i.sampling.HasField("structured_output")]
+        self.grammars.update(ready)
         if self.gate is not None:
             await self.gate.acquire()
         if self.steps in self.fail_steps:
@@ -98,7 +106,9 @@ class PagedFake(FakeWorkerGroup):
                 )
                 tokens.append(self.last[seq_id])
         self.after_step()
-        return [worker_pb2.StepResponse(step_id=step_id, token_ids=tokens, token_counts=[1] * len(tokens))]
+        reply = worker_pb2.StepResponse(step_id=step_id, token_ids=tokens, token_counts=[1] * len(tokens))
+        reply.grammar_ready_seq_ids.extend(ready)
+        return [reply]
 
 
 def prompts(n: int, base: int = 3) -> dict[str, list[int]]:
@@ -251,6 +261,24 @@ def test_prefix_caching_and_async_scheduling():
         assert tokens_of(overlap[rid]) == tokens_of(serial[rid]) == expected(prompt, max_new)
 
 
+def test_steps_with_a_grammar_sequence_are_not_planned_ahead_of():
+    async def go():
+        group = PagedFake()
+        async with Harness(group, async_scheduling=True) as h:
+            msg = add_request("g", [4] * 20, 12)
+            msg.sampling.structured_output.json_object = True
+            h.engine.add(msg, h.stream)
+            h.engine.add(add_request("plain", [9] * 30, 40), h.stream)
+            await h.wait(lambda: h.finished("g") and h.finished("plain"))
+            assert h.tokens("g") == expected([4] * 20, 12)
+            assert h.tokens("plain") == expected([9] * 30, 40)
+        return group
+
+    group = run(go())
+    assert group.grammars == {0} and group.behind_grammar == 0
+    assert group.max_in_flight == 2  # once the grammar sequence ended, steps went ahead again
+
+
 def test_async_scheduling_refuses_speculative_decoding():
     with pytest.raises(ValueError, match="async-scheduling"):
         SchedulerConfig(
@@ -289,3 +317,21 @@ def test_a_sequence_ended_while_its_next_step_is_in_flight_gets_nothing_from_it(
     assert [(u.seq.request_id, u.new_tokens) for u in updates] == [("t", [8])]  # nothing for s
     assert blocks.num_free_blocks == 8 - 2
     sched.check_invariants()
+
+
+def test_a_rank_puts_in_the_token_it_last_sampled_for_each_placeholder():
+    from types import SimpleNamespace
+
+    import torch
+
+    from shard_worker.parallel import TensorParallel
+    from shard_worker.worker import Worker, WorkerSequence
+
+    worker = Worker(SimpleNamespace(tp=TensorParallel(), device=torch.device("cpu")))
+    batch = [WorkerSequence(i, i, SimpleNamespace(output_ids=out)) for i, out in enumerate([[4, 8], [], [3]])]
+    step = SimpleNamespace(query_lens=np.array([1, 3, 1]))
+    step.input_ids = np.array([-1, 5, 6, 7, -1])  # a decode, a prompt, a decode
+    assert worker._fill_placeholders(step, batch).tolist() == [8, 5, 6, 7, 3]
+    step.input_ids = np.array([-1, 5, -1, 7, 2])  # a placeholder for a sequence that sampled nothing
+    with pytest.raises(ValueError, match="sequence 1 has a placeholder"):
+        worker._fill_placeholders(step, batch)
