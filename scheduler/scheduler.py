@@ -138,6 +138,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.num_pending and self._stop_reason(seq, -1, ahead=seq.num_pending) is not None:
+                i += 1  # async scheduling (overlap.py): its token in flight ends it; no step after that
+                continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             num_new = forks.limit(seq, num_new, seq.num_computed_tokens, self.blocks.block_size)
             drafts = self._propose(seq, budget - num_new) if num_new == 1 else []
@@ -156,8 +159,7 @@ class Scheduler:
             budget -= num_new + len(drafts)
             i += 1
 
-        # Nothing comes in during a step that preempts: blocks are short. Swapped ones come back first,
-        # unless the head of the waiting queue ranks higher.
+        # None comes in during a step that preempts; swapped ones first, unless the waiting head outranks.
         if not out.preempted:
             budget = self._swap_in(out, budget, head)
             if not self.swapped or priority.yields_to(self.swapped[0], head):
@@ -166,11 +168,9 @@ class Scheduler:
         offloads, restores = self.blocks.take_copies()
         out.swap_out += offloads
         out.swap_in += restores
-        # Sequences waiting for their grammar are introduced to the workers, whose rank 0 compiles it; when
-        # that is all there is to do, rank 0 waits a little for one to finish before it answers.
+        # Introduced to the workers, whose rank 0 compiles their grammar (and waits a little if that is all).
         out.grammar_waiting = [s for s in self.waiting if not s.grammar_ready]
-        # The workers hear of finished sequences with the next step that goes out.
-        if not out.is_empty:
+        if not out.is_empty:  # the workers hear of finished sequences with the next step that goes out
             out.forgotten_seq_ids, self._forgotten = self._forgotten, []
         return out
 
@@ -378,11 +378,11 @@ class Scheduler:
             updates.append(SequenceUpdate(seq, tokens[:kept], reason is not None))
         return updates
 
-    def _stop_reason(self, seq: Sequence, token: int) -> int | None:
+    def _stop_reason(self, seq: Sequence, token: int, ahead: int = 0) -> int | None:
         if token in seq.stop_token_ids or (not seq.ignore_eos and token in self.eos_token_ids):
             return FINISH_REASON_EOS
-        known = seq.num_prompt_tokens + seq.num_output_tokens  # num_tokens, but for placeholders
-        if seq.num_output_tokens >= seq.max_new_tokens or known >= self.policy.max_model_len:
+        outputs = seq.num_output_tokens + ahead  # ahead: placeholders counted (overlap.py) or not
+        if outputs >= seq.max_new_tokens or seq.num_prompt_tokens + outputs >= self.policy.max_model_len:
             return FINISH_REASON_LENGTH
         return None
 

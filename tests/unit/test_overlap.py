@@ -335,3 +335,37 @@ def test_a_rank_puts_in_the_token_it_last_sampled_for_each_placeholder():
     step.input_ids = np.array([-1, 5, -1, 7, 2])  # a placeholder for a sequence that sampled nothing
     with pytest.raises(ValueError, match="sequence 1 has a placeholder"):
         worker._fill_placeholders(step, batch)
+
+
+def test_a_sequence_its_token_in_flight_ends_by_length_is_not_planned_again():
+    """Its blocks are then free as soon as that token comes back, as in the serial loop."""
+    from scheduler.block_manager import BlockManager
+    from scheduler.overlap import advance, apply
+    from scheduler.scheduler import Scheduler
+    from scheduler.sequence import Sequence
+
+    blocks = BlockManager(8, BLOCK)
+    sched = Scheduler(SchedulingPolicy(max_model_len=40), blocks)
+    short, long = Sequence(0, "short", [5] * 20, 20, 1), Sequence(1, "long", [6] * 30, 30, 10)
+    sched.add(short), sched.add(long)
+    n = sched.schedule()
+    advance(n), blocks.step_sent(0, [0, 1])
+    n1 = sched.schedule()
+    assert [i.seq.request_id for i in n1.scheduled] == ["long"]
+    advance(n1), blocks.step_sent(1, [1])
+    updates = apply(sched, n, [[7], [8]])
+    blocks.step_returned(0)
+    assert [(u.seq.request_id, u.finished) for u in updates] == [("short", True), ("long", False)]
+    assert blocks.num_free_blocks == 8 - 2  # short's 2 blocks are back at once
+    for step in range(2, 12):  # long runs into max_model_len 40: 10 tokens, never a step past it
+        out = sched.schedule()
+        advance(out), blocks.step_sent(step, [1])
+        apply(sched, n1, [[9]])
+        blocks.step_returned(step - 1)
+        n1 = out
+        if long.is_finished:
+            break
+    assert long.is_finished and long.num_tokens == 40 and not out.scheduled
+    assert long.finish_reason == generation_pb2.FINISH_REASON_LENGTH
+    blocks.step_returned(step)
+    assert blocks.num_free_blocks == 8
