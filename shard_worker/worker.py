@@ -152,7 +152,8 @@ class Worker:
                 if state is None or not state.output_ids:
                     raise ValueError(f"sequence {batch[i].seq_id} has a placeholder and no token sampled")
                 tokens[k] = state.output_ids[-1]
-        tokens = self.runner.tp.broadcast_from_rank0(tokens.to(self.runner.device)).cpu()
+        if self.runner.tp.world_size > 1:
+            tokens = self.runner.tp.broadcast_from_rank0(tokens.to(self.runner.device)).cpu()
         ids[holes] = tokens.numpy()
         return ids
 
