@@ -279,6 +279,23 @@ def test_steps_with_a_grammar_sequence_are_not_planned_ahead_of():
     assert group.max_in_flight == 2  # once the grammar sequence ended, steps went ahead again
 
 
+def test_choices_of_one_request_share_prompt_blocks_computed_by_a_step_in_flight():
+    prompt = [3, 4, 5] * 20  # 60 tokens: 3 full blocks the other choices share (an unwritten slot: KeyError)
+
+    async def go(async_scheduling):
+        async with Harness(PagedFake(), async_scheduling=async_scheduling) as h:
+            h.engine.add(add_request("c0", prompt, 10), h.stream)
+            for k in (1, 2):
+                msg = add_request(f"c{k}", prompt, 10)
+                msg.fork_of = "c0"
+                h.engine.add(msg, h.stream)
+            await h.wait(lambda: all(h.finished(f"c{k}") for k in range(3)))
+            await h.wait(lambda: h.engine.snapshot().kv_blocks_free == h.engine.snapshot().kv_blocks_total)
+            return [h.tokens(f"c{k}") for k in range(3)]
+
+    assert run(go(True)) == run(go(False)) == [expected(prompt, 10)] * 3
+
+
 def test_async_scheduling_refuses_speculative_decoding():
     with pytest.raises(ValueError, match="async-scheduling"):
         SchedulerConfig(
