@@ -73,8 +73,11 @@ model-smollm2: $(MODEL_DIR)/smollm2/config.json
 
 model-gemma3: $(MODEL_DIR)/gemma3/config.json
 
+# auto: bfloat16 where the CPU multiplies it natively (AVX-512 BF16, AMX), float32 elsewhere; the servers'
+# own default stays float32, which the tests compare with transformers in.
+RUN_DTYPE ?= auto
 run: install model
-	$(VENV)/bin/tpserve launch --model $(RUN_MODEL) --port 50051 --http-port 8000
+	$(VENV)/bin/tpserve launch --model $(RUN_MODEL) --port 50051 --http-port 8000 --dtype $(RUN_DTYPE)
 
 # Two workers, each running whole test files (pytest-xdist --dist loadfile: a module's server start is
 # shared by its tests; the SmolLM2 session stack starts once per worker). Serially the suite kept about

@@ -317,6 +317,33 @@ def _position_logits(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
         return runner.model.compute_logits(hidden).float()
 
 
+def compare_variants(a) -> None:
+    """execute() median ms of each (dtype, backend) variant at each batch, taken in turn."""
+    kv = getattr(torch, a.kv_cache_dtype) if a.kv_cache_dtype else None
+    runners = {}
+    for v in a.variants:
+        dtype, backend, *linear = v.split(":")
+        runners[v] = ModelRunner(
+            a.model,
+            getattr(torch, dtype),
+            torch.device("cpu"),
+            TensorParallel(),
+            attention_backend=backend,
+            kv_cache_dtype=kv,
+            linear_dtype=getattr(torch, linear[0]) if linear else None,
+        )
+    per_seq = -(-a.context // BLOCK_SIZE)
+    for runner in runners.values():
+        runner.allocate_kv_cache(1 + max(a.batch) * per_seq, BLOCK_SIZE)
+        runner.warm_up(BLOCK_SIZE)
+    first = a.variants[0]
+    print(f"threads {a.threads}, context {a.context}: execute() median ms (ratio: {first} / variant)")
+    for b in a.batch:
+        med = {name: statistics.median(v) for name, v in alternating(runners, b, a, per_seq).items()}
+        cells = "  ".join(f"{n} {m:.1f} ms ({med[first] / m:.2f}x)" for n, m in med.items())
+        print(f"batch {b:3d}: {cells}", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="models/smollm2")
@@ -336,11 +363,25 @@ def main() -> None:
         "--prompts", type=int, default=16, help="--linear: greedy prompts compared (--quant: slices)"
     )
     p.add_argument("--new-tokens", type=int, default=64, help="--linear: greedy tokens per prompt")
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        metavar="DTYPE:BACKEND[:LINEAR]",
+        help="execute() ms of these (model dtype, attention backend[, linear weights' dtype]), alternating, "
+        "e.g. float32:flex:bfloat16 (the float32 default on AVX-512-BF16 before the cpu backend) "
+        "float32:cpu:bfloat16 bfloat16:cpu",
+    )
+    p.add_argument(
+        "--kv-cache-dtype", default=None, help="--variants: the KV cache's dtype (default: --dtype's)"
+    )
     a = p.parse_args()
     a.model = gguf_model.model_dir(a.model)  # a .gguf file: served from the file (common/gguf_model.py)
     torch.set_num_threads(a.threads)
     if a.linear:
         compare_linear(a)
+        return
+    if a.variants:
+        compare_variants(a)
         return
     if a.quant:
         compare_quant(a)

@@ -17,15 +17,16 @@ from common.settings import at_least, setting
 from common.tracing import TracingConfig
 from shard_worker.startup import DEFAULT_COMPILE_CACHE_DIR
 
-DTYPES = ("float32", "bfloat16", "float16", "float64")
+DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 DEVICES = ("cpu", "cuda")
 # shard_worker/devices.py's linear_dtype: auto is bfloat16 for float32 models on CPUs with native bf16.
 LINEAR_DTYPES = ("auto", "dtype", "bfloat16")
 LOAD_FORMATS = ("auto", "dummy")
 # shard_worker/model/quant/__init__.py: none, or an online format.
 QUANTIZATION_CHOICES = ("none", "int8", "fp8")
-# shard_worker/attention/__init__.py: auto is triton on CUDA, flex on CPU float32, reference otherwise.
-ATTENTION_BACKENDS = ("auto", "flex", "triton", "reference")
+# shard_worker/attention/__init__.py: auto is triton on CUDA, cpu on CPU (flex without a C++ compiler),
+# reference for float64.
+ATTENTION_BACKENDS = ("auto", "cpu", "flex", "triton", "reference")
 # shard_worker/attention/kv_dtype.py: auto is --dtype.
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e4m3", "fp8_e5m2")
 
@@ -46,7 +47,13 @@ class WorkerConfig:
     device: str = setting(
         "cpu", help="cpu, or cuda (rank r takes cuda:<r % devices>)", choices=DEVICES, launch=True
     )
-    dtype: str = setting("float32", help="weights, activations and KV cache", choices=DTYPES, launch=True)
+    dtype: str = setting(
+        "float32",
+        help="weights, activations and KV cache; auto: bfloat16 on CPUs with native bf16 (AVX-512 BF16, "
+        "AMX) and on GPUs that have it, float16 on older GPUs, float32 on other CPUs",
+        choices=DTYPES,
+        launch=True,
+    )
     linear_dtype: str = setting(
         "auto",
         help="weights of the projections, MLPs and LM head: dtype (as --dtype), bfloat16 (inputs rounded to "
@@ -80,7 +87,8 @@ class WorkerConfig:
     )
     attention_backend: str = setting(
         "auto",
-        help="auto (triton on CUDA, flex on CPU float32, reference otherwise), flex, triton, or reference "
+        help="auto (triton on CUDA, cpu on CPU, reference in float64), cpu (our C++ paged kernel for "
+        "decodes, SDPA for prefills; float32, bfloat16, float16), flex (CPU float32), triton, or reference "
         "(one sequence at a time: exact, slow)",
         choices=ATTENTION_BACKENDS,
         launch=True,

@@ -29,6 +29,18 @@ def cuda_index(rank: int, devices: int) -> int:
     return rank % devices
 
 
+def model_dtype(choice: str, device_type: str, cpu_flags: frozenset[str], cuda_native_bf16: bool) -> str:
+    """--dtype: the choice itself, or for auto what is fastest at a quality users accept (vLLM's rule):
+    bfloat16 on a CPU that multiplies it natively (AVX-512 BF16 or AMX: weights, activations and KV cache
+    in bf16, attention in the cpu kernel) and on a GPU that has it, float16 on an older GPU, and float32 on
+    a CPU without native bf16 (AVX2 only), where bf16 products are emulated and slower than float32."""
+    if choice != "auto":
+        return choice
+    if device_type == "cuda":
+        return "bfloat16" if cuda_native_bf16 else "float16"
+    return "bfloat16" if cpu_flags & NATIVE_BF16_CPU_FLAGS else "float32"
+
+
 def check_dtype(device_type: str, dtype: str, native_bf16: bool) -> None:
     """Refuses a dtype the device does not run natively (see the module's note)."""
     if device_type == "cuda" and dtype == "bfloat16" and not native_bf16:

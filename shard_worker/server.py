@@ -297,7 +297,7 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
         )
 
 
-def select_device(config: WorkerConfig) -> torch.device:
+def select_device(config: WorkerConfig, dtype: str) -> torch.device:
     """This rank's device, set as current; ValueError when this machine cannot give it (devices.py)."""
     if config.device == "cpu":
         # Randomly initialised weights produce denormals that slow CPU matmuls 10-30x.
@@ -310,8 +310,16 @@ def select_device(config: WorkerConfig) -> torch.device:
         torch.cuda.set_device(device)
     except RuntimeError as e:  # a driver older than this torch, a GPU in exclusive use elsewhere, ...
         raise ValueError(f"--device cuda: cannot use {device}: {str(e).strip().splitlines()[0]}") from None
-    devices.check_dtype("cuda", config.dtype, torch.cuda.is_bf16_supported(including_emulation=False))
+    devices.check_dtype("cuda", dtype, torch.cuda.is_bf16_supported(including_emulation=False))
     return device
+
+
+def resolve_dtype(config: WorkerConfig) -> str:
+    """--dtype, with auto resolved for this machine (devices.model_dtype)."""
+    if config.dtype != "auto":
+        return config.dtype
+    cuda_bf16 = config.device == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+    return devices.model_dtype("auto", config.device, devices.cpu_flags(), cuda_bf16)
 
 
 def serve(config: WorkerConfig) -> None:
@@ -324,14 +332,17 @@ def serve(config: WorkerConfig) -> None:
 
     torch.set_num_threads(config.threads)
     cache_dir = configure_compile_cache(config.compile_cache_dir)  # before anything compiles
-    device = select_device(config)
+    dtype = resolve_dtype(config)
+    if config.dtype == "auto":
+        log.info("rank %d: --dtype auto is %s on this %s", config.rank, dtype, config.device)
+    device = select_device(config, dtype)
     tp = init_tensor_parallel(config.rank, config.world_size, config.dist_init, device)
-    linear = devices.linear_dtype(config.linear_dtype, device.type, config.dtype, devices.cpu_flags())
+    linear = devices.linear_dtype(config.linear_dtype, device.type, dtype, devices.cpu_flags())
     phases = StartupPhases(config.rank, cache_dir)
     with phases.phase("load_weights"):
         runner = ModelRunner(
             config.model,
-            getattr(torch, config.dtype),
+            getattr(torch, dtype),
             device,
             tp,
             config.load_format,
@@ -340,7 +351,7 @@ def serve(config: WorkerConfig) -> None:
             speculative_model=config.speculative_model,
             linear_dtype=None if linear is None else getattr(torch, linear),
             quantization=config.quantization,
-            kv_cache_dtype=kv_cache_dtype(config.kv_cache_dtype, getattr(torch, config.dtype)),
+            kv_cache_dtype=kv_cache_dtype(config.kv_cache_dtype, getattr(torch, dtype)),
             lora=(config.lora_modules, config.max_lora_rank, config.max_loras, config.max_cpu_loras)
             if config.enable_lora
             else None,

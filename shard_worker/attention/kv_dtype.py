@@ -43,5 +43,7 @@ def load(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tenso
     """Cache contents in the model's dtype (x itself when they are the same)."""
     if x.dtype == dtype:
         return x
+    # Only fp8 stores divided by the scale (store above); a bf16 cache holds the values themselves.
+    fp8 = x.dtype in FP8
     x = x.to(dtype)
-    return x * scale if scale != 1.0 else x
+    return x * scale if fp8 and scale != 1.0 else x

@@ -1,7 +1,8 @@
 """Each attention backend that runs on CPU serves the same greedy tokens through the real processes as
-transformers gives: flex, the per-sequence reference, and the Triton kernels under Triton's interpreter
-(TRITON_INTERPRET=1 in the stack's environment; slow, so the limits and prompts are small); and with bf16
-linear weights, the tokens and logprobs of transformers with bf16 products."""
+transformers gives: our C++ kernel (cpu), flex, the per-sequence reference, and the Triton kernels under
+Triton's interpreter (TRITON_INTERPRET=1 in the stack's environment; slow, so the limits and prompts are
+small); with bf16 linear weights, the tokens and logprobs of transformers with bf16 products; and a
+bfloat16 model on the cpu kernel, within transformers' bfloat16 top 3."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def test_every_cpu_backend_serves_transformers_greedy_tokens(tiny_model, monkeyp
     requests = [
         dict(token_ids=p, max_new_tokens=NEW_TOKENS, ignore_eos=True, sampling=GREEDY) for p in prompts
     ]
-    for backend in ("flex", "reference", "triton"):
+    for backend in ("cpu", "flex", "reference", "triton"):
         if backend == "triton":  # inherited by the stack's processes, read when they import the kernels
             monkeypatch.setenv("TRITON_INTERPRET", "1")
         # Exact float32 products whatever the CPU (--linear-dtype auto takes bf16 on some).
@@ -86,3 +87,28 @@ def test_bf16_linear_weights_serve_what_transformers_computes_with_bf16_products
         abs(a - b) for (_, lps), f32 in zip(got, exact, strict=True) for a, b in zip(lps, f32, strict=True)
     ]
     assert max(differences) > 1e-3
+
+
+def test_a_bfloat16_model_on_the_cpu_kernel_serves_transformers_bfloat16_tokens(tiny_model):
+    """--dtype bfloat16 end to end (weights, activations, KV cache) on the cpu backend, prompts batched
+    with decodes and a prefill past the kernel's query threshold: every greedy token is among transformers'
+    bfloat16 model's top 3 at its position (teacher forced on our tokens). Not equality: the kernel
+    accumulates in float32 where transformers' bf16 attention rounds differently, and a random model's
+    close logits can swap."""
+    from transformers import AutoModelForCausalLM
+
+    rng = random.Random(22)
+    prompts = [[rng.randrange(2, 1024) for _ in range(n)] for n in PROMPT_LENS]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.bfloat16)
+    flags = ("--dtype", "bfloat16", "--attention-backend", "cpu", *SMALL_LIMITS)
+    requests = [
+        dict(token_ids=p, max_new_tokens=NEW_TOKENS, ignore_eos=True, sampling=GREEDY) for p in prompts
+    ]
+    with launch(tiny_model, *flags) as (target, _), grpc.insecure_channel(target) as channel:
+        results = run_concurrently(generation_pb2_grpc.GenerationStub(channel), requests)
+    for p, (tokens, *_) in zip(prompts, results, strict=True):
+        assert len(tokens) == NEW_TOKENS
+        with torch.no_grad():
+            logits = model(torch.tensor([p + tokens])).logits[0, len(p) - 1 : -1]
+        top = logits.topk(3, dim=-1).indices.tolist()
+        assert all(t in top[i] for i, t in enumerate(tokens)), (tokens, top)

@@ -1,4 +1,4 @@
-"""--kv-cache-dtype through the real processes on the tiny model (float32, flex attention on CPU), with
+"""--kv-cache-dtype through the real processes on the tiny model (float32, the default cpu backend), with
 prefix caching, preemption and swap, one server start per dtype:
 - bfloat16: greedy tokens equal transformers' with the same rounding (keys and values rounded to bf16 as
   they enter its cache, after rotary embedding, which is what our cache stores);

@@ -1,7 +1,7 @@
-"""Every attention backend that runs on CPU against a naive float64 attention written here, on random
-steps: decodes, whole prompts, prefill chunks after cached context, short multi-token queries, prefix
-blocks shared between sequences, scrambled block ids with unused blocks (full of NaN) between them, one or
-many query heads per KV head, and sliding windows."""
+"""Every attention backend that runs on CPU (flex, reference, and our C++ kernel: cpu) against a naive
+float64 attention written here, on random steps: decodes, whole prompts, prefill chunks after cached
+context, short multi-token queries, prefix blocks shared between sequences, scrambled block ids with
+unused blocks (full of NaN) between them, one or many query heads per KV head, and sliding windows."""
 
 from __future__ import annotations
 
@@ -117,10 +117,17 @@ def run(backend_name: str, step: Step, heads, kv_heads, head_dim, dtype, num_blo
 
 
 TOLERANCE = {torch.float32: 2e-5, torch.float64: 1e-12, torch.bfloat16: 3e-2}
-CASES = [("flex", torch.float32), ("reference", torch.float32), ("reference", torch.float64)]
+CASES = [
+    ("flex", torch.float32),
+    ("cpu", torch.float32),
+    ("reference", torch.float32),
+    ("reference", torch.float64),
+]
+HALF = [("reference", torch.bfloat16), ("cpu", torch.bfloat16), ("cpu", torch.float16)]
+TOLERANCE[torch.float16] = 5e-3
 
 
-@pytest.mark.parametrize("backend,dtype", CASES + [("reference", torch.bfloat16)], ids=str)
+@pytest.mark.parametrize("backend,dtype", CASES + HALF, ids=str)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 16), (8, 2, 64), (4, 2, 32)])
 def test_random_steps_match_naive_attention(backend, dtype, heads, kv_heads, head_dim):
     rng = random.Random(f"{backend}{dtype}{heads}{kv_heads}")
@@ -132,7 +139,7 @@ def test_random_steps_match_naive_attention(backend, dtype, heads, kv_heads, hea
         torch.testing.assert_close(new.double(), ref, rtol=tol, atol=tol, msg=lambda m, s=step: f"{s}\n{m}")
 
 
-@pytest.mark.parametrize("backend,dtype", CASES, ids=str)
+@pytest.mark.parametrize("backend,dtype", CASES + [("cpu", torch.bfloat16)], ids=str)
 @pytest.mark.parametrize("window", [1, 5, 16, 37])
 def test_sliding_windows(backend, dtype, window):
     """Windows smaller than a block, of exactly a block and not a multiple of one, over contexts longer
@@ -149,7 +156,7 @@ def test_blocks_before_the_window_are_not_read():
     """NaN in every block a windowed decode does not see: the output stays finite (a read of them,
     even masked, would give NaN)."""
     step = Step([1, 1], [100, 64], [[0, 1, 2, 3, 4, 5, 6], [7, 8, 9, 10]])
-    for backend in ("flex", "reference"):
+    for backend in ("flex", "cpu", "reference"):
         gen = torch.Generator().manual_seed(0)
         cache = torch.randn(2, 12, BLOCK_SIZE, 2, 16, generator=gen)
         cache[:, [0, 1, 2, 7]] = math.nan  # wholly before each sequence's window of 40
@@ -177,11 +184,12 @@ def test_short_queries_beyond_the_one_token_capacity():
     q, k, v = (torch.randn(t, h, 16, generator=gen) for h in (4, 2, 2))
     cache = torch.randn(2, num_blocks, BLOCK_SIZE, 2, 16, generator=gen)
     outs = {}
-    for name in ("flex", "reference"):
+    for name in ("flex", "cpu", "reference"):
         b = select_backend(name, CPU, torch.float32)
         with torch.inference_mode():
             outs[name] = Attention(4, 2, 16, 0.25)(q, k, v, cache.clone(), b.context(step.batch()))
     torch.testing.assert_close(outs["flex"], outs["reference"], rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(outs["cpu"], outs["reference"], rtol=2e-5, atol=2e-5)
 
 
 def test_no_recompile_across_step_shapes():
@@ -274,7 +282,11 @@ def test_step_batch_refuses_bad_steps(q, c, width, message):
 
 
 def test_backend_choice():
-    assert select_backend("auto", CPU, torch.float32).name == "flex"
+    # This machine has a C++ compiler (inductor needs one too): the kernel builds and auto takes it.
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert select_backend("auto", CPU, dtype).name == "cpu"
     assert select_backend("auto", CPU, torch.float64).name == "reference"
+    with pytest.raises(ValueError, match="--attention-backend cpu: the CPU kernel runs on CPU in float32"):
+        select_backend("cpu", CPU, torch.float64)
     with pytest.raises(ValueError, match="--attention-backend flex: flex attention runs on CPU in float32"):
         select_backend("flex", CPU, torch.float64)

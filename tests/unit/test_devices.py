@@ -2,7 +2,14 @@
 
 import pytest
 
-from shard_worker.devices import check_cuda_devices, check_dtype, cpu_flags, cuda_index, linear_dtype
+from shard_worker.devices import (
+    check_cuda_devices,
+    check_dtype,
+    cpu_flags,
+    cuda_index,
+    linear_dtype,
+    model_dtype,
+)
 
 
 def test_no_cuda_device_is_refused_naming_the_flag():
@@ -65,3 +72,17 @@ def test_cpu_flags_are_read_from_cpuinfo(tmp_path):
     info.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512_bf16\n\nprocessor\t: 1\nflags\t\t: fpu\n")
     assert cpu_flags(str(info)) == {"fpu", "avx2", "avx512_bf16"}
     assert cpu_flags(str(tmp_path / "absent")) == frozenset()
+
+
+def test_dtype_auto_is_bf16_where_it_is_native_and_float32_on_other_cpus():
+    avx512_bf16 = frozenset({"avx2", "avx512f", "avx512_bf16"})
+    amx = frozenset({"avx2", "amx_bf16", "amx_tile"})
+    avx2 = frozenset({"avx2", "fma"})
+    assert model_dtype("auto", "cpu", avx512_bf16, False) == "bfloat16"
+    assert model_dtype("auto", "cpu", amx, False) == "bfloat16"
+    assert model_dtype("auto", "cpu", avx2, False) == "float32"
+    assert model_dtype("auto", "cuda", frozenset(), True) == "bfloat16"
+    assert model_dtype("auto", "cuda", frozenset(), False) == "float16"
+    # An explicit choice is kept as it is.
+    assert model_dtype("float32", "cpu", avx512_bf16, False) == "float32"
+    assert model_dtype("float64", "cuda", frozenset(), True) == "float64"

@@ -1180,6 +1180,8 @@ def test_replicas2_overlay_is_two_identical_replicas_found_through_one_headless_
         for s, ranks in groups
     )
     assert labels == [("0", "0"), ("1", "1")]
+    # Cache-aware routing has prefixes to go by, with the host tier behind the device's.
+    assert all(s.config.enable_prefix_caching and s.config.host_prefix_cache for s, _ in groups)
     # No workload's selector takes another replica's pods (a StatefulSet or Deployment fighting over pods).
     workloads = [o for o in objects if o["kind"] in ("Deployment", "StatefulSet")]
     for w in workloads:

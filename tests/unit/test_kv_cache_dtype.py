@@ -44,7 +44,7 @@ def test_flex_and_the_reference_read_the_same_rounded_cache(tiny_model, name):
     """A prompt, a decode and a short query through both backends: the same hidden states; and a swap out
     and back in keeps the blocks' bytes."""
     hidden = {}
-    for backend in ("flex", "reference"):
+    for backend in ("flex", "cpu", "reference"):
         r = runner(tiny_model, name, backend)
         r.allocate_kv_cache(16, 16)
         r.allocate_host_kv_cache(4, 16)
@@ -67,6 +67,7 @@ def test_flex_and_the_reference_read_the_same_rounded_cache(tiny_model, name):
             for a, b in zip(before, r.kv_caches, strict=True)
         )
     torch.testing.assert_close(hidden["flex"], hidden["reference"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(hidden["cpu"], hidden["reference"], atol=1e-5, rtol=1e-5)
 
 
 def test_fp8_scales_come_from_the_checkpoint(tiny_model, tmp_path):

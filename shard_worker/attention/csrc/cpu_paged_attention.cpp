@@ -1,0 +1,346 @@
+// Paged attention for CPU: each selected query token attended over its sequence's keys, read in place
+// from the paged KV cache through the block table (nothing gathered), in float32 arithmetic whatever the
+// element types. Built by cpu_build.py with -O3 -march=native -fopenmp and called through ctypes; plain C
+// ABI, no torch headers (the build takes about a second, where a torch extension takes a minute).
+//
+// Layouts (element strides given by the caller, last dimension contiguous):
+//   q, out:   [T, H, D]   rows picked by `tokens` (n of them); out in q's element type
+//   k, v:     [num_blocks, block_size, KVH, D]
+//   table:    [S, table_stride] int32 physical block ids
+// Token i (step row tokens[i]) belongs to sequence seq[i] and sits at position pos[i]; it sees the keys at
+// positions max(0, pos - window + 1) .. pos (window <= 0: from 0), its own included: the caller has
+// written this step's keys and values before calling.
+//
+// One work item is a token's query heads of one or all of its KV heads: the heads that share a KV head
+// share every key and value row read.
+// Scores for the whole visible context are computed first (one pass over the keys), then softmax, then
+// one pass over the values. The scores buffer is per thread and grows to the longest context seen.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include <omp.h>
+
+namespace {
+
+enum Dtype { F32 = 0, BF16 = 1, F16 = 2, E4M3 = 3, E5M2 = 4 };
+
+float e4m3_table[256];
+float e5m2_table[256];
+
+float decode_fp8(uint8_t b, int exp_bits, int bias, bool fn) {
+  const int man_bits = 7 - exp_bits;
+  const int sign = b >> 7;
+  const int e = (b >> man_bits) & ((1 << exp_bits) - 1);
+  const int m = b & ((1 << man_bits) - 1);
+  float v;
+  if (fn && e == (1 << exp_bits) - 1 && m == (1 << man_bits) - 1) {
+    v = NAN;  // e4m3fn: only S.1111.111 is NaN, no infinities
+  } else if (!fn && e == (1 << exp_bits) - 1) {
+    v = m ? NAN : INFINITY;  // e5m2 follows IEEE
+  } else if (e == 0) {
+    v = std::ldexp(static_cast<float>(m), 1 - bias - man_bits);
+  } else {
+    v = std::ldexp(1.0f + static_cast<float>(m) / (1 << man_bits), e - bias);
+  }
+  return sign ? -v : v;
+}
+
+struct Tables {
+  Tables() {
+    for (int i = 0; i < 256; ++i) {
+      e4m3_table[i] = decode_fp8(static_cast<uint8_t>(i), 4, 7, true);
+      e5m2_table[i] = decode_fp8(static_cast<uint8_t>(i), 5, 15, false);
+    }
+  }
+} tables;
+
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch rounds
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffff) > 0x7f800000) return static_cast<uint16_t>((bits >> 16) | 0x40);  // NaN
+  bits += 0x7fff + ((bits >> 16) & 1);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// One row of d elements of type `dtype` at p, as float32 in dst.
+inline void load_row(const void* p, int dtype, int d, float* dst) {
+  switch (dtype) {
+    case F32:
+      std::memcpy(dst, p, sizeof(float) * d);
+      break;
+    case BF16: {
+      const uint16_t* s = static_cast<const uint16_t*>(p);
+#pragma omp simd
+      for (int i = 0; i < d; ++i) dst[i] = bf16_to_f32(s[i]);
+      break;
+    }
+    case F16: {
+      const _Float16* s = static_cast<const _Float16*>(p);
+#pragma omp simd
+      for (int i = 0; i < d; ++i) dst[i] = static_cast<float>(s[i]);
+      break;
+    }
+    case E4M3: {
+      const uint8_t* s = static_cast<const uint8_t*>(p);
+      for (int i = 0; i < d; ++i) dst[i] = e4m3_table[s[i]];
+      break;
+    }
+    default: {
+      const uint8_t* s = static_cast<const uint8_t*>(p);
+      for (int i = 0; i < d; ++i) dst[i] = e5m2_table[s[i]];
+      break;
+    }
+  }
+}
+
+inline void store_row(const float* src, int dtype, int d, void* p) {
+  switch (dtype) {
+    case F32:
+      std::memcpy(p, src, sizeof(float) * d);
+      break;
+    case BF16: {
+      uint16_t* s = static_cast<uint16_t*>(p);
+      for (int i = 0; i < d; ++i) s[i] = f32_to_bf16(src[i]);
+      break;
+    }
+    default: {
+      _Float16* s = static_cast<_Float16*>(p);
+      for (int i = 0; i < d; ++i) s[i] = static_cast<_Float16>(src[i]);
+      break;
+    }
+  }
+}
+
+// exp(x) for the softmax's x <= 0, vectorisable (std::exp is a scalar libm call per score, which was
+// most of the kernel's time at batch 32): 2^(x log2 e) as 2^n times a degree-6 polynomial in the
+// remainder f in [-0.5, 0.5] (Cephes' exp2f coefficients; relative error about 2e-7).
+inline float exp_nonpositive(float x) {
+  x = x < -87.f ? -87.f : x;
+  const float t = x * 1.44269504088896341f;
+  const float n = __builtin_nearbyintf(t);
+  const float f = t - n;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+inline int elem_size(int dtype) { return dtype == F32 ? 4 : (dtype == BF16 || dtype == F16) ? 2 : 1; }
+
+struct Args {
+  int q_dtype, kv_dtype;
+  const char* q;
+  char* out;
+  int64_t q_token_stride, q_head_stride, o_token_stride, o_head_stride;
+  const char* k_cache;
+  const char* v_cache;
+  int64_t block_stride, slot_stride;
+  const int64_t* tokens;
+  const int64_t* seq;
+  const int64_t* pos;
+  const int32_t* table;
+  int64_t table_stride;
+  int heads, kv_heads, d, block_size;
+  float scale, k_scale, v_scale;
+  int64_t window;
+};
+
+struct Scratch {
+  std::vector<float> q, row, acc, scores;
+};
+
+// A cache row as float32: the row itself for a float32 cache, else converted into buf.
+template <int KV>
+inline const float* kv_row(const char* p, int d, float* buf) {
+  if constexpr (KV == F32) {
+    return reinterpret_cast<const float*>(p);
+  } else {
+    load_row(p, KV, d, buf);
+    return buf;
+  }
+}
+
+// One item: token i's query heads of KV heads g0 .. g1-1. Every visible key's row is read once for all of
+// them (the heads of one slot are contiguous: several KV heads per item read longer runs, which the
+// prefetcher streams better). D: the head size when known at compile time (the inner loops then unroll
+// completely), 0 for any.
+template <int D, int KV>
+void attend_item(const Args& a, int64_t i, int g0, int g1, Scratch& s) {
+  const int d = D > 0 ? D : a.d;
+  constexpr int64_t es = KV == F32 ? 4 : (KV == BF16 || KV == F16) ? 2 : 1;
+  const int64_t q_es = elem_size(a.q_dtype);
+  const int rep = a.heads / a.kv_heads;
+  const int nh = (g1 - g0) * rep;  // query heads of this item, ordered (KV head, head in group)
+  const int bs = a.block_size;
+  const int64_t p = a.pos[i];
+  const int64_t first = a.window > 0 ? (p - a.window + 1 > 0 ? p - a.window + 1 : 0) : 0;
+  const int64_t count = p - first + 1;
+  const int32_t* blocks = a.table + a.seq[i] * a.table_stride;
+  const char* qrow = a.q + a.tokens[i] * a.q_token_stride * q_es;
+  float* qf = s.q.data();
+  const float sc = a.scale * a.k_scale;
+  for (int h = 0; h < nh; ++h) {
+    load_row(qrow + (static_cast<int64_t>(g0) * rep + h) * a.q_head_stride * q_es, a.q_dtype, d, qf + h * d);
+#pragma omp simd
+    for (int x = 0; x < d; ++x) qf[h * d + x] *= sc;
+  }
+  if (static_cast<int64_t>(s.scores.size()) < nh * count) s.scores.resize(nh * count);
+  float* scores = s.scores.data();
+  // Scores: one pass over the visible keys, block by block.
+  for (int64_t j = first; j <= p;) {
+    const int64_t b = j / bs, end = (b + 1) * bs < p + 1 ? (b + 1) * bs : p + 1;
+    const char* base = a.k_cache + (blocks[b] * a.block_stride + static_cast<int64_t>(g0) * d) * es;
+    for (; j < end; ++j) {
+      const char* slot = base + (j - b * bs) * a.slot_stride * es;
+      for (int g = 0; g < g1 - g0; ++g) {
+        const float* k = kv_row<KV>(slot + static_cast<int64_t>(g) * d * es, d, s.row.data());
+        for (int r = 0; r < rep; ++r) {
+          const float* qh = qf + (g * rep + r) * d;
+          float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+          for (int x = 0; x < d; ++x) acc += qh[x] * k[x];
+          scores[(g * rep + r) * count + (j - first)] = acc;
+        }
+      }
+    }
+  }
+  // Softmax per head (v_scale folded into the normaliser).
+  for (int h = 0; h < nh; ++h) {
+    float* sr = scores + h * count;
+    float m = sr[0];
+#pragma omp simd reduction(max : m)
+    for (int64_t j = 1; j < count; ++j) m = sr[j] > m ? sr[j] : m;
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < count; ++j) {
+      sr[j] = exp_nonpositive(sr[j] - m);
+      sum += sr[j];
+    }
+    const float inv = a.v_scale / sum;
+#pragma omp simd
+    for (int64_t j = 0; j < count; ++j) sr[j] *= inv;
+  }
+  // Values: one pass, every head of a group accumulating from the same row.
+  if (static_cast<int64_t>(s.acc.size()) < nh * d) s.acc.resize(nh * d);
+  float* acc = s.acc.data();
+  std::fill(acc, acc + nh * d, 0.f);
+  for (int64_t j = first; j <= p;) {
+    const int64_t b = j / bs, end = (b + 1) * bs < p + 1 ? (b + 1) * bs : p + 1;
+    const char* base = a.v_cache + (blocks[b] * a.block_stride + static_cast<int64_t>(g0) * d) * es;
+    for (; j < end; ++j) {
+      const char* slot = base + (j - b * bs) * a.slot_stride * es;
+      for (int g = 0; g < g1 - g0; ++g) {
+        const float* v = kv_row<KV>(slot + static_cast<int64_t>(g) * d * es, d, s.row.data());
+        for (int r = 0; r < rep; ++r) {
+          const float w = scores[(g * rep + r) * count + (j - first)];
+          float* ah = acc + (g * rep + r) * d;
+#pragma omp simd
+          for (int x = 0; x < d; ++x) ah[x] += w * v[x];
+        }
+      }
+    }
+  }
+  char* orow = a.out + a.tokens[i] * a.o_token_stride * q_es;
+  for (int h = 0; h < nh; ++h)
+    store_row(acc + h * d, a.q_dtype, d, orow + (static_cast<int64_t>(g0) * rep + h) * a.o_head_stride * q_es);
+}
+
+using ItemFn = void (*)(const Args&, int64_t, int, int, Scratch&);
+
+template <int D>
+ItemFn item_for_kv(int kv_dtype) {
+  switch (kv_dtype) {
+    case F32:
+      return attend_item<D, F32>;
+    case BF16:
+      return attend_item<D, BF16>;
+    case F16:
+      return attend_item<D, F16>;
+    case E4M3:
+      return attend_item<D, E4M3>;
+    default:
+      return attend_item<D, E5M2>;
+  }
+}
+
+ItemFn item_for(int d, int kv_dtype) {
+  switch (d) {
+    case 64:
+      return item_for_kv<64>(kv_dtype);
+    case 128:
+      return item_for_kv<128>(kv_dtype);
+    case 256:
+      return item_for_kv<256>(kv_dtype);
+    default:
+      return item_for_kv<0>(kv_dtype);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int tp_paged_attention_abi() { return 1; }
+
+// Returns 0, or a negative value for arguments it cannot take (checked by the caller too).
+int tp_paged_attention(int q_dtype, int kv_dtype, const void* q, void* out, int64_t q_token_stride,
+                       int64_t q_head_stride, int64_t o_token_stride, int64_t o_head_stride, const void* k_cache,
+                       const void* v_cache, int64_t block_stride, int64_t slot_stride, const int64_t* tokens,
+                       const int64_t* seq, const int64_t* pos, int64_t n, const int32_t* table,
+                       int64_t table_stride, int heads, int kv_heads, int d, int block_size, float scale,
+                       float k_scale, float v_scale, int64_t window, int num_threads) {
+  if (kv_heads <= 0 || heads % kv_heads || d <= 0 || d > 1024 || heads > 1024 || block_size <= 0) return -1;
+  if (q_dtype != F32 && q_dtype != BF16 && q_dtype != F16) return -2;
+  if (kv_dtype < F32 || kv_dtype > E5M2) return -3;
+  const Args a{q_dtype,        kv_dtype,       static_cast<const char*>(q),       static_cast<char*>(out),
+               q_token_stride, q_head_stride,  o_token_stride,                    o_head_stride,
+               static_cast<const char*>(k_cache), static_cast<const char*>(v_cache), block_stride, slot_stride,
+               tokens,         seq,            pos,                               table,
+               table_stride,   heads,          kv_heads,                          d,
+               block_size,     scale,          k_scale,                           v_scale,
+               window};
+  const ItemFn item = item_for(d, kv_dtype);
+  // Small steps run on the calling thread: a parallel region costs more than a few short rows.
+  int64_t total_keys = 0;
+  for (int64_t i = 0; i < n; ++i) total_keys += pos[i] + 1;
+  const bool parallel = num_threads > 1 && total_keys * heads * d > (1 << 16);
+  // A token's KV heads in one item where there are tokens enough to keep every thread busy; else one KV
+  // head an item, so that a lone long sequence still spreads over the threads.
+  const int per_item = parallel && n < 2 * num_threads ? 1 : kv_heads;
+  const int groups = kv_heads / per_item;
+  const int64_t items = n * groups;
+  const int threads = parallel && items > 1 ? num_threads : 1;
+
+#pragma omp parallel num_threads(threads)
+  {
+    Scratch s;
+    s.q.resize(static_cast<size_t>(heads) * d);
+    s.acc.resize(static_cast<size_t>(heads) * d);
+    s.row.resize(d);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < items; ++it) {
+      const int g0 = static_cast<int>(it % groups) * per_item;
+      item(a, it / groups, g0, g0 + per_item, s);
+    }
+  }
+  return 0;
+}
+
+}  // extern "C"
