@@ -60,7 +60,7 @@ def test_int8_unpack_equals_gguf_dequantize_exactly(type_name):
     assert q.dtype == np.int8 and scale.shape == (n, k // g)
     packed = PackedInt8Groups.pack(torch.from_numpy(q), torch.from_numpy(scale), g)
     np.testing.assert_array_equal(packed.dequantize(torch.float32).numpy(), expected)
-    assert packed.kernel == ("compiled" if type_name == "Q6_K" else "weight_int4pack_mm_for_cpu x2")
+    assert packed.kernel == ("compiled" if type_name == "Q6_K" else "weight_int4pack_mm_for_cpu, K doubled")
 
 
 @pytest.mark.parametrize("group", [16, 32])
@@ -137,3 +137,21 @@ def test_model_dir_of_a_gguf_file(tiny_model, tmp_path, monkeypatch, own_tokeniz
     theirs = AutoTokenizer.from_pretrained(tiny_model)(text).input_ids
     assert AutoTokenizer.from_pretrained(out)(text).input_ids == theirs
     assert model_dir(out, str(tiny_model)) == out  # launch passes --tokenizer on with the directory
+
+
+def test_a_tensor_that_maps_to_no_parameter_is_an_error(tiny_model, tmp_path):
+    """Every tensor of the file is read: one the model has no parameter for (here: dropped from the
+    name table) stops the load, quantized or not, rather than being skipped."""
+    from transformers import AutoConfig
+
+    from shard_worker.model.quant.gguf import GGUFConfig, gguf_tensors, hf_names
+    from tests.gguf_files import write_tiny_gguf
+
+    file = write_tiny_gguf(tiny_model, tmp_path / "tiny.gguf")
+    quant = GGUFConfig(None, str(file))
+    mapping, processor = hf_names(quant, AutoConfig.from_pretrained(tiny_model))
+    assert len(list(gguf_tensors(quant, mapping, processor, torch.float32, {}))) == len(quant.reader.tensors)
+    for dropped in ("blk.1.ffn_down.weight", "blk.0.attn_norm.weight"):  # Q8_0, F32
+        partial = {k: v for k, v in mapping.items() if k != dropped}
+        with pytest.raises(ValueError, match=f"tensor {dropped} maps to no parameter"):
+            list(gguf_tensors(quant, partial, processor, torch.float32, {}))

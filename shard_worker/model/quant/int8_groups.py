@@ -7,9 +7,9 @@ The product, chosen by bench/gguf_kernels.py (its header holds the figures):
       aten._weight_int4pack_mm_for_cpu). q + 128 = 16 a + b with a, b in 0..15, so
           w = 16 s (a - 8) + s b
       a PackedInt4 of a (scale 16 s, zero 8) plus one of b (scale s, zero 0), summed. Exact in real
-      arithmetic; the kernel rounds x and the scales to bfloat16 as every CPU kernel here does. At batch
-      1 on the AVX-512-BF16 EPYC: 1.5-2.7x the bf16 prepacked linear; from 8 rows up 0.2-1.1x (the
-      tinygemm cost grows with the rows, as PackedInt4's alone).
+      arithmetic; the kernel rounds x and the scales to bfloat16 as every CPU kernel here does. Held
+      as one PackedInt4 of [a | b] (K doubled) multiplied by [x | x]: one call, both halves summed in
+      the kernel's float32 accumulator (two calls and an add measured slower).
   otherwise (Q6_K's groups of 16, which tinygemm does not take): q int8 and its scales, multiplied on
       CPU by inductor-compiled code (torch.compile, compiled at the worker's warm-up, kept in its
       compile cache): one row, a fused dequantize-multiply-sum in float32 (0.85-1.16x bf16); more rows,
@@ -49,37 +49,47 @@ class PackedInt8Groups(nn.Module):
         return cls(q.contiguous(), scale.to(device=q.device, dtype=torch.float32).contiguous(), group_size)
 
     def _place(self, q: torch.Tensor, scale: torch.Tensor) -> None:
-        n, _ = self.shape
+        n, k = self.shape
         self.split = q.device.type == "cpu" and n % 16 == 0 and self.group_size in INT4_GROUPS
-        if self.split:
-            u, g = q.to(torch.int16) + 128, self.group_size
-            self.hi = PackedInt4.pack((u >> 4).to(torch.uint8), 16 * scale, None, g)
-            self.lo = PackedInt4.pack((u & 15).to(torch.uint8), scale, torch.zeros_like(scale), g)
+        if self.split:  # [a | b] along K, one product of [x | x]: the kernel sums both halves in float32
+            u = q.to(torch.int16) + 128
+            nibbles = torch.cat([u >> 4, u & 15], dim=1).to(torch.uint8)
+            zero = torch.cat([torch.full_like(scale, 8.0), torch.zeros_like(scale)], dim=1)
+            scales = torch.cat([16 * scale, scale], dim=1)
+            self.halves = h = PackedInt4.pack(nibbles, scales, zero, self.group_size)
             self.q = self.scale = None
+            # What the product reads, as plain attributes: built once (a product's Python work measured
+            # ~100 us with the caches cold when it went through PackedInt4.matmul).
+            kernel_scales = h._scales_and_offsets(torch.bfloat16)
+            self._kernel = (h.qweight, h.kernel_group, kernel_scales) if h.tinygemm else None
         else:
-            self.hi = self.lo = None
+            self.halves = self._kernel = None
             self.register_buffer("q", q, persistent=False)
             self.register_buffer("scale", scale, persistent=False)
 
     @property
     def kernel(self) -> str:
         if self.split:
-            return "weight_int4pack_mm_for_cpu x2"
+            return "weight_int4pack_mm_for_cpu, K doubled"  # [a | b] times [x | x]
         return "compiled" if self.q.device.type == "cpu" else "dequantize"
 
     @property
     def nbytes(self) -> int:
         if self.split:
-            kernel_scales = sum(t.numel() * 2 for p in (self.hi, self.lo) for t in p._kernel_scales.values())
-            return self.hi.nbytes + self.lo.nbytes + kernel_scales
+            return self.halves.nbytes + sum(t.numel() * 2 for t in self.halves._kernel_scales.values())
         return self.q.numel() + 4 * self.scale.numel()
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> x W^T [..., N] in x.dtype."""
-        if x.dtype not in (torch.float32, torch.bfloat16) or (self.split and not self.hi.tinygemm):
+        if x.dtype not in (torch.float32, torch.bfloat16) or (self.split and self._kernel is None):
             return F.linear(x, self.dequantize(x.dtype))
         if self.split:
-            return self.hi.matmul(x) + self.lo.matmul(x)
+            qweight, group, scales = self._kernel
+            rows = x.reshape(-1, x.shape[-1])
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                torch.cat([rows, rows], 1).to(torch.bfloat16), qweight, group, scales
+            )
+            return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
         if self.q.device.type != "cpu":
             return F.linear(x, self.dequantize(x.dtype))
         rows = x.reshape(-1, x.shape[-1])
@@ -94,8 +104,9 @@ class PackedInt8Groups(nn.Module):
         """(q int8 [N, K], scale float32 [N, K / g]) as given to pack."""
         if not self.split:
             return self.q, self.scale
-        u = (self.hi.unpack().to(torch.int16) << 4) | self.lo.unpack().to(torch.int16)
-        return (u - 128).to(torch.int8), self.lo.scale
+        n, k = self.shape
+        hi, lo = self.halves.unpack().to(torch.int16).split(k, dim=1)
+        return ((hi << 4) | lo).sub(128).to(torch.int8), self.halves.scale[:, k // self.group_size :]
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         q, scale = self.unpack()
@@ -107,7 +118,7 @@ class PackedInt8Groups(nn.Module):
         # The split form is CPU-only (tinygemm's layout): a device move re-places from q and scale.
         q, scale = self.unpack()
         q, scale = fn(q), fn(scale)
-        for name in ("hi", "lo", "q", "scale"):
+        for name in ("halves", "q", "scale"):
             delattr(self, name)
         self._place(q, scale)
         return self
