@@ -14,10 +14,27 @@ caches, candidates taking turns). Weights random, w = q * scale with q int8 and 
     g16eager     group 16 dequantized eagerly to bf16 per product, then F.linear (the plain way)
 
 Figures (2026-12-03, AMD EPYC, AVX-512 with BF16 and VNNI, no AMX; 1 thread; the 2-core machine shared
-with other helpers' tests: cells move 10-30% run to run; read the ratios). Speed vs bf16 (>1 faster):
+with other helpers' tests, load average 5: cells move 10-30% run to run; read the ratios). us per
+product, (speed vs bf16, >1 faster):
 
-    shape (N x K)      rows   bf16 us   g32    g16   g16eager  f32
-    see the table printed by the run recorded in the branch's report
+    shape (N x K)     rows   bf16    f32          g32           g16           g16eager
+    q/o 576x576          1    346    357 (0.97)    305 (1.14)    510 (0.68)     969 (0.36)
+                         8    409    409 (1.00)    429 (0.95)    882 (0.46)    1100 (0.37)
+                        32    481    579 (0.83)    913 (0.53)   1041 (0.46)    1363 (0.35)
+    gate/up 3072x576     1    743    926 (0.80)    561 (1.32)    712 (1.04)    6830 (0.11)
+                         8    784   1007 (0.78)   1134 (0.69)   1700 (0.46)    6742 (0.12)
+                        32   1170   1780 (0.66)   3577 (0.33)   2272 (0.51)    5953 (0.20)
+    down 576x1536        1    486    603 (0.81)    395 (1.23)    612 (0.79)    2787 (0.17)
+                         8    516    621 (0.83)    716 (0.72)   1153 (0.45)    2851 (0.18)
+                        32    695    937 (0.74)   1880 (0.37)   1312 (0.53)    2814 (0.25)
+    8B q/o 4096x4096     1   3724   6693 (0.56)   2448 (1.52)   2634 (1.41)   92072 (0.04)
+                         8   4414   7598 (0.58)   7591 (0.58)  33547 (0.13)   87735 (0.05)
+                        32   7861  14885 (0.53)  31096 (0.25)  38424 (0.20)  106614 (0.07)
+
+Earlier runs the same hour put g32 at rows 1 at 1.46-2.67x when its two kernels were called bare: about
+50-100 us of each call is Python with the caches cold (this timing evicts them, as a decode step's
+weight stream does), which the small shapes feel. The 4096-wide eager (and the compiled many-row)
+dequantizations pay page faults for a fresh 32 MB bf16 weight per call.
 """
 
 from __future__ import annotations
