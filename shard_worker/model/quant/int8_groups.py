@@ -14,7 +14,7 @@ The product, chosen by bench/gguf_kernels.py (its header holds the figures):
       CPU by inductor-compiled code (torch.compile, compiled at the worker's warm-up, kept in its
       compile cache): one row, a fused dequantize-multiply-sum in float32 (0.68-1.41x bf16); more rows,
       a compiled dequantize to bf16 then the bf16 product (0.13-0.53x bf16: eager dequantization was
-      0.1-0.4x). Another device or dtype: dequantized per product, then F.linear.
+      0.04-0.37x). Another device or dtype: dequantized per product, then F.linear.
 Either holds fewer bytes than bf16's 2 a weight: 1.75 as [a | b] (packed nibbles, their float32 scales
 and zeros, the kernel's bf16 copies), 1.25 as int8 with per-16 scales. At one row: group 32 1.14-1.52x
 bf16's speed, group 16 0.68-1.41x; from 8 rows both lose (0.13-0.95x).
