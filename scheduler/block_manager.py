@@ -95,6 +95,11 @@ class BlockManager:
         # Hashes stored in and evicted from the prefix cache since the engine last took them; a new
         # pool starts with a reset (routers forget what the replica held before).
         self.events = KvEventLog()
+        # Async scheduling (scheduler/overlap.py): per sequence, the last step sent to the ranks and not
+        # returned that computes for it; blocks such a sequence lets go of wait in _deferred, with that
+        # step, until it returned. Empty in the serial loop: every free is at once.
+        self._in_flight: dict[int, int] = {}
+        self._deferred: list[tuple[int, list[int]]] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -311,23 +316,46 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Releases seq's hold on its blocks (finish, abort or preemption). Cached blocks that nobody holds
-        any more stay reusable until evicted; the sequence's tail goes first in eviction order."""
-        for block in reversed(seq.block_table):
+        any more stay reusable until evicted; the sequence's tail goes first in eviction order. While a
+        step in flight computes for seq, its blocks are released only once that step returned."""
+        table, seq.block_table = seq.block_table, []
+        self._seq_hashes.pop(seq.seq_id, None)
+        self._seq_registered.pop(seq.seq_id, None)
+        step = self._in_flight.get(seq.seq_id)
+        if step is not None:
+            self._deferred.append((step, table))
+            return
+        self._drop(table)
+
+    def _drop(self, table: list[int]) -> None:
+        for block in reversed(table):
             self._ref_count[block] -= 1
             if self._ref_count[block] == 0 and self._block_hash[block] is not None:
                 self._evictable[block] = None
-        for b in seq.block_table:
+        for b in table:
             if self._ref_count[b] == 0 and self._block_hash[b] is None:
                 heapq.heappush(self._free, b)
-        seq.block_table = []
-        self._seq_hashes.pop(seq.seq_id, None)
-        self._seq_registered.pop(seq.seq_id, None)
+
+    def step_sent(self, step_id: int, seq_ids) -> None:
+        """Async scheduling: step step_id, which computes for these sequences, went to the ranks."""
+        for seq_id in seq_ids:
+            self._in_flight[seq_id] = step_id
+
+    def step_returned(self, step_id: int | None = None) -> None:
+        """Steps up to step_id returned (None: every step, or none will: the ranks were lost): the
+        blocks they kept from the pool go back to it."""
+        done = (lambda k: True) if step_id is None else (lambda k: k <= step_id)
+        self._in_flight = {s: k for s, k in self._in_flight.items() if not done(k)}
+        for _, table in [d for d in self._deferred if done(d[0])]:
+            self._drop(table)
+        self._deferred = [d for d in self._deferred if not done(d[0])]
 
     def check_invariants(self, tables=None) -> None:
         """Raises AssertionError unless the accounting adds up: every block is exactly one of free
         (held by nobody, caching nothing), evictable (held by nobody, caching a prefix) or held (its
         reference count > 0); the prefix map and the blocks' hashes agree; and, given the block tables
-        of every sequence holding blocks, each block's reference count is how many tables hold it."""
+        of every sequence holding blocks, each block's reference count is how many tables hold it (those of
+        frees deferred while a step in flight uses them counted too)."""
         free, evictable = list(self._free), list(self._evictable)
         assert len(set(free)) == len(free), "a block is free twice"
         assert not set(free) & set(evictable), "a block is both free and evictable"
@@ -345,7 +373,7 @@ class BlockManager:
         assert hashed == len(self._cached), "a hashed block is not cached"
         if tables is not None:
             counts = [0] * self.num_blocks
-            for table in tables:
+            for table in [*tables, *(t for _, t in self._deferred)]:
                 for b in table:
                     counts[b] += 1
             assert counts == self._ref_count, "reference counts differ from the tables holding the blocks"

@@ -57,6 +57,13 @@ class SchedulerConfig:
     fallback_static: bool = setting(
         False, help="switch to static batching while throughput is 10% below its recent baseline", launch=True
     )
+    async_scheduling: bool = setting(
+        False,
+        help="plan and send the next step while the ranks run this one (vLLM's async scheduling, "
+        "SGLang's overlap loop): hides the scheduler's host work and the hop to the ranks behind the "
+        "forward; steps with a grammar run serially; not with speculative decoding",
+        launch=True,
+    )
     admission_window: int = setting(
         32,
         help="most requests waiting in the scheduler; more wait in the router's length buckets",
@@ -92,6 +99,11 @@ class SchedulerConfig:
             raise ValueError("at least one --worker HOST:PORT is required")
         if self.host_prefix_cache and not (self.enable_prefix_caching and self.swap_space > 0):
             raise ValueError("--host-prefix-cache needs --enable-prefix-caching and --swap-space > 0")
+        if self.async_scheduling and self.speculative.enabled:
+            raise ValueError(
+                "--async-scheduling cannot be combined with speculative decoding: a step's proposals "
+                "need the tokens the step before it sampled"
+            )
         if self.lora_modules and not self.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora")
 

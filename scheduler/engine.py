@@ -7,12 +7,12 @@ publish what the step did.
         updates = self.scheduler.update(out, sampled_tokens(out, replies[0]))
         self._publish(StepResult(...))        # routers, traces, metrics, the static fallback, totals
 
+With --async-scheduling, overlap.py's loop runs instead: the next step is sent before this one returns.
 Every request ends through `_end`, whatever the reason: its last output goes to its router, then its
 span ends and its router's credit comes back. Everything runs on one asyncio loop: no locks. The ranks
-sit behind a small interface (workers.py's WorkerGroup: connect, step, close, and a `lost` event), so a
-fake group drives the engine in unit tests. Around the loop: the capacity the ranks agree on
-(capacity.py), the routers' streams with credit, load and KV events (router_streams.py), traces
-(spans.py), metrics (metrics.py), what the replica reports (reports.py).
+sit behind a small interface (workers.py's WorkerGroup), so a fake group drives the engine in unit tests.
+Around the loop: the capacity the ranks agree on (capacity.py), the routers' streams with credit, load
+and KV events (router_streams.py), traces (spans.py), metrics (metrics.py), reports (reports.py).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.fallback import FallbackPolicy, ThroughputFallback
 from scheduler.lora_admin import LoRAAdmin
 from scheduler.metrics import SchedulerMetrics
+from scheduler.overlap import OverlapLoop
 from scheduler.plan import SchedulerOutput, SchedulerSnapshot, split_sampled
 from scheduler.reports import StepResult, StepTotals, load_report, stats, step_outputs
 from scheduler.router_streams import LOAD_REPORT_INTERVAL_S, RouterStream, RouterStreams
@@ -108,6 +109,8 @@ class Engine:
             expiry.cancel()
 
     async def _run(self) -> None:
+        if self.config.async_scheduling:
+            return await OverlapLoop(self).run()
         while True:
             out = await self._next_batch()
             start = time.perf_counter()
@@ -120,8 +123,8 @@ class Engine:
             self._publish(StepResult(out, updates, replies, time.perf_counter() - start))
 
     async def _next_batch(self) -> SchedulerOutput:
-        """The next step with work in it, waiting while there is none (or while min_batch_size waits
-        for requests on their way). A rank lost meanwhile ends the wait with WorkersLost."""
+        """The next step with work in it, waiting while there is none (or while min_batch_size waits for
+        requests on their way). A rank lost meanwhile ends the wait with WorkersLost."""
         while True:
             self._wakeup.clear()  # cleared before scheduling, so an add during the step is not missed
             self.workers.check()
@@ -167,11 +170,8 @@ class Engine:
         self._recent_steps.append(result.seconds)
         self.scheduler.step_s = result.seconds
         self.totals.add(result, self.metrics)
-        ended = [
-            (u.seq.request_id, FinishReason.Name(u.seq.finish_reason).lower())
-            for u in result.updates
-            if u.finished
-        ]
+        name = FinishReason.Name
+        ended = [(u.seq.request_id, name(u.seq.finish_reason).lower()) for u in result.updates if u.finished]
         self._end(ended, outputs)
         self._lost_at = None  # a step went through: the ranks are back
 

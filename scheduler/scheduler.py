@@ -1,14 +1,13 @@
 """Forms the batch of every model iteration (continuous batching), or whole batches (static mode).
 
-There is no prefill phase and no decode phase: every sequence has num_computed_tokens catching up with
-its token count, under a per-step token budget and a sequence cap. A prompt longer than what is left of
-the budget is split across steps (chunked prefill). Running sequences are served by priority, then
-oldest first; when a block cannot be had, the last of them is preempted, as for a waiting one of strictly
-higher priority that does not fit (scheduler/priority.py). With host blocks (swap space) free for it, its
-KV is swapped out to them and it waits in `swapped` with its progress kept; otherwise its blocks are
-freed and it is recomputed later from the tokens kept here: the output is the same. Swapped sequences
-come back before any waiting one of no higher priority. The prefix cache's host tier shares those host
-blocks (scheduler/swap.py): its copies ride the same lists.
+No prefill phase and no decode phase: every sequence has num_computed_tokens catching up with its token
+count, under a per-step token budget and a sequence cap. A prompt longer than what is left of the budget
+is split across steps (chunked prefill). Running sequences are served by priority, then oldest first;
+when a block cannot be had, the last of them is preempted, as for a waiting one of strictly higher
+priority that does not fit (scheduler/priority.py). With host blocks (swap space) free for it, its KV is
+swapped out to them and it waits in `swapped` with its progress kept; otherwise its blocks are freed and
+it is recomputed later from the tokens kept here: the output is the same. Swapped sequences come back
+before any waiting one of no higher priority. The prefix cache's host tier shares those host blocks.
 """
 
 from __future__ import annotations
@@ -84,16 +83,19 @@ class Scheduler:
     def abort(self, request_id: str) -> Sequence | None:
         """Drops a request wherever it is; its blocks are free at once. None if it is not in flight."""
         seq = self._by_request.get(request_id)
-        if seq is None:
-            return None
+        if seq is not None:
+            self.end(seq, FINISH_REASON_ABORTED)
+        return seq
+
+    def end(self, seq: Sequence, reason: int) -> None:
+        """Ends seq wherever it is (waiting, swapped out or running) for this FinishReason."""
         if seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         elif seq.status is SequenceStatus.SWAPPED:
             self.swapped.remove(seq)
         else:
             self.running.remove(seq)
-        self._finish(seq, FINISH_REASON_ABORTED)
-        return seq
+        self._finish(seq, reason)
 
     def grammars_ready(self, seq_ids) -> None:
         """Rank 0 reports these sequences' grammars compiled: they may be admitted."""
@@ -136,6 +138,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.num_pending and self._stop_reason(seq, -1, ahead=seq.num_pending) is not None:
+                i += 1  # async scheduling (overlap.py): its token in flight ends it; no step after that
+                continue
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             num_new = forks.limit(seq, num_new, seq.num_computed_tokens, self.blocks.block_size)
             drafts = self._propose(seq, budget - num_new) if num_new == 1 else []
@@ -154,8 +159,7 @@ class Scheduler:
             budget -= num_new + len(drafts)
             i += 1
 
-        # Nothing comes in during a step that preempts: blocks are short. Swapped ones come back first,
-        # unless the head of the waiting queue ranks higher.
+        # None comes in during a step that preempts; swapped ones first, unless the waiting head outranks.
         if not out.preempted:
             budget = self._swap_in(out, budget, head)
             if not self.swapped or priority.yields_to(self.swapped[0], head):
@@ -164,11 +168,9 @@ class Scheduler:
         offloads, restores = self.blocks.take_copies()
         out.swap_out += offloads
         out.swap_in += restores
-        # Sequences waiting for their grammar are introduced to the workers, whose rank 0 compiles it; when
-        # that is all there is to do, rank 0 waits a little for one to finish before it answers.
+        # Introduced to the workers, whose rank 0 compiles their grammar (and waits a little if that is all).
         out.grammar_waiting = [s for s in self.waiting if not s.grammar_ready]
-        # The workers hear of finished sequences with the next step that goes out.
-        if not out.is_empty:
+        if not out.is_empty:  # the workers hear of finished sequences with the next step that goes out
             out.forgotten_seq_ids, self._forgotten = self._forgotten, []
         return out
 
@@ -345,9 +347,7 @@ class Scheduler:
         order), the 1 to num_samples tokens the worker produced: the proposals it accepted, then one
         more. Each is appended in turn and the stop conditions checked after each; a stop drops the
         rest. Proposals not accepted are rolled back: their KV is not counted as computed, and blocks
-        the sequence no longer needs go back to the pool.
-
-        Sequences aborted while the step ran are skipped: their tokens are dropped."""
+        the sequence no longer needs go back to the pool. Sequences aborted meanwhile are skipped."""
         plan.check_sampled(out, sampled)  # all of it before any sequence changes
         updates = []
         tokens_of = iter(sampled)
@@ -378,10 +378,11 @@ class Scheduler:
             updates.append(SequenceUpdate(seq, tokens[:kept], reason is not None))
         return updates
 
-    def _stop_reason(self, seq: Sequence, token: int) -> int | None:
+    def _stop_reason(self, seq: Sequence, token: int, ahead: int = 0) -> int | None:
         if token in seq.stop_token_ids or (not seq.ignore_eos and token in self.eos_token_ids):
             return FINISH_REASON_EOS
-        if seq.num_output_tokens >= seq.max_new_tokens or seq.num_tokens >= self.policy.max_model_len:
+        outputs = seq.num_output_tokens + ahead  # ahead: placeholders counted (overlap.py) or not
+        if outputs >= seq.max_new_tokens or seq.num_prompt_tokens + outputs >= self.policy.max_model_len:
             return FINISH_REASON_LENGTH
         return None
 

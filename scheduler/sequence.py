@@ -25,7 +25,7 @@ FinishReason = generation_pb2.FinishReason
 class Sequence:
     seq_id: int
     request_id: str
-    token_ids: list[int]  # prompt, then every token generated so far
+    token_ids: list[int]  # prompt, then every token generated so far (then num_pending placeholders)
     num_prompt_tokens: int
     max_new_tokens: int
     stop_token_ids: frozenset[int] = frozenset()
@@ -68,6 +68,9 @@ class Sequence:
     # the waiting queue's order (scheduler/slack.py).
     priority: int = 0
     ttft_deadline: float | None = None
+    # Async scheduling (scheduler/overlap.py): tokens a step in flight samples for it, not known yet,
+    # held as placeholders at the end of token_ids so that the next step can be planned.
+    num_pending: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -75,7 +78,8 @@ class Sequence:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        """Tokens generated and known (placeholders not counted)."""
+        return len(self.token_ids) - self.num_prompt_tokens - self.num_pending
 
     @property
     def is_finished(self) -> bool:

@@ -9,7 +9,8 @@ A rank lost while the engine is idle is noticed too: each step stream's completi
 stream that ends without the scheduler closing it wakes the engine (`connect`'s on_lost), whose next
 `check()` raises WorkersLost. So health turns NOT_SERVING at once, whether or not a step was running.
 
-The engine needs only connect / check / step / close: unit tests drive it with a fake group.
+The engine needs only connect / check / step (or send and receive) / close: unit tests drive it with a
+fake group.
 """
 
 from __future__ import annotations
@@ -147,18 +148,32 @@ class WorkerGroup:
     async def step(self, request: bytes, step_id: int) -> list[worker_pb2.StepResponse]:
         """Sends one serialized StepRequest to every rank at once and returns their replies, in rank
         order, once all have answered."""
+        await self.send(request)
+        return await self.receive(step_id)
+
+    async def send(self, request: bytes) -> None:
+        """Writes a serialized StepRequest to every rank's stream. A write hands the bytes to the rank's
+        transport and returns: every rank has the step before any forward is awaited. With async
+        scheduling the next step is sent before this one's replies are read: each rank reads it once
+        it has answered this one."""
         try:
             async with asyncio.timeout(self.config.step_timeout_s):
-                # A write hands the bytes to the rank's transport and returns: every rank has the step
-                # before any forward is awaited. Tasks (gather) only where there is more than one reply to
-                # wait for: each costs event-loop turns on every step.
                 for stream in self._streams:
                     await stream.write(request)
+        # A stream that already ended raises InvalidStateError on write (a rank died while idle).
+        except (grpc.RpcError, TimeoutError, asyncio.InvalidStateError) as e:
+            raise WorkersLost(_detail(e)) from e
+
+    async def receive(self, step_id: int) -> list[worker_pb2.StepResponse]:
+        """Every rank's reply to step step_id (the oldest step sent and not yet received), in rank order."""
+        try:
+            async with asyncio.timeout(self.config.step_timeout_s):
+                # Tasks (gather) only where there is more than one reply to wait for: each costs
+                # event-loop turns on every step.
                 if len(self._streams) == 1:
                     replies = [await self._streams[0].read()]
                 else:
                     replies = await asyncio.gather(*(stream.read() for stream in self._streams))
-        # A stream that already ended raises InvalidStateError on write (a rank died while idle).
         except (grpc.RpcError, TimeoutError, asyncio.InvalidStateError) as e:
             raise WorkersLost(_detail(e)) from e
         for rank, r in enumerate(replies):

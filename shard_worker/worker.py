@@ -3,7 +3,8 @@
 Each sequence the worker knows is one WorkerSequence: its block table (a row of one int64 array, so a
 step's batch table is one fancy-indexed copy) and, on rank 0, its sampling state. The scheduler owns the
 truth; a worker only applies what each step says changed, in this order: forget finished sequences,
-introduce new ones, swap blocks out then in, bring the block tables up to date, run the forward.
+introduce new ones, swap blocks out then in, bring the block tables up to date, put in the tokens the
+last step sampled where the step has placeholders for them (async scheduling), run the forward.
 A sequence with a grammar (structured outputs) is introduced while it still waits in the scheduler's
 queue; its grammar compiles on a thread, and each step's answer names the sequences whose grammar became
 ready, which the scheduler then admits. No gRPC here: shard_worker/server.py decodes the StepRequest,
@@ -16,6 +17,7 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from shard_worker.block_tables import BlockTables
 from shard_worker.sampling import SequenceState
@@ -106,6 +108,8 @@ class Worker:
             batch = [self.sequences[int(i)] for i in step.seq_ids]
         except KeyError as e:
             raise KeyError(f"sequence {e.args[0]} was never introduced to this worker") from None
+        if (step.input_ids < 0).any():
+            step.input_ids = self._fill_placeholders(step, batch)
         rows = np.fromiter((seq.row for seq in batch), dtype=np.int64, count=len(batch))
         block_table = self.tables.apply(rows, step.table_reset, step.new_block_counts, step.new_block_ids)
         inputs = StepInputs(
@@ -133,6 +137,25 @@ class Worker:
             out.grammar_mask_seconds = grammar.mask_seconds - before[0]
             out.grammar_fill_seconds = grammar.fill_seconds - before[1]
         return out
+
+    def _fill_placeholders(self, step: WorkerStep, batch: list[WorkerSequence]) -> np.ndarray:
+        """Async scheduling (scheduler/overlap.py): the step was planned before the last one's tokens were
+        known, and a sequence sampled then carries a placeholder (negative) for its token. Rank 0 puts in
+        the last token it sampled for each, and every rank gets them from it (it alone samples)."""
+        ids = step.input_ids.copy()
+        holes = np.flatnonzero(ids < 0)
+        owners = np.searchsorted(np.cumsum(step.query_lens), holes, side="right")
+        tokens = torch.zeros(len(holes), dtype=torch.int64)
+        if self.runner.tp.rank == 0:
+            for k, i in enumerate(owners.tolist()):
+                state = batch[i].sampling
+                if state is None or not state.output_ids:
+                    raise ValueError(f"sequence {batch[i].seq_id} has a placeholder and no token sampled")
+                tokens[k] = state.output_ids[-1]
+        if self.runner.tp.world_size > 1:
+            tokens = self.runner.tp.broadcast_from_rank0(tokens.to(self.runner.device)).cpu()
+        ids[holes] = tokens.numpy()
+        return ids
 
     def _prompt_rows(self, step: WorkerStep, inputs: StepInputs) -> None:
         """The rows giving prompt logprobs: for a sequence counting n, its last n query positions before

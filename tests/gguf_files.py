@@ -23,6 +23,33 @@ TINY_TYPES = {
 }
 
 
+def quantize_q6_k(w: np.ndarray) -> np.ndarray:
+    """Q6_K blocks of w [N, K] (K a multiple of 256), by a plain absmax rule (the gguf package has no
+    Q6_K quantizer): [N, K / 256 * 210] uint8, read back by gguf's dequantize."""
+    n, k = w.shape
+    x = w.astype(np.float32).reshape(n, k // 256, 16, 16)
+    sub = np.abs(x).max(-1) / 31  # each 16-value sub-block's scale
+    d = (sub.max(-1) / 127).astype(np.float16)  # the super-block's, fp16 as stored
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.clip(np.nan_to_num(np.round(sub / d.astype(np.float32)[..., None])), -128, 127)
+        step = (d.astype(np.float32)[..., None] * sc)[..., None]
+        q = np.clip(np.nan_to_num(np.round(x / step)), -32, 31).astype(np.int16) + 32
+    u = q.reshape(n, k // 256, 2, 4, 32).astype(np.uint8)  # [half, j, l]: value l + 32 j of the half
+    ql = (u[:, :, :, 0:2] & 15) | ((u[:, :, :, 2:4] & 15) << 4)  # [half, j % 2, l]
+    qh = (u >> 4) << (2 * np.arange(4, dtype=np.uint8))[:, None]
+    qh = np.bitwise_or.reduce(qh, axis=3)  # [half, l]
+    blocks = np.concatenate(
+        [
+            ql.reshape(n, k // 256, 128),
+            qh.reshape(n, k // 256, 64),
+            sc.astype(np.int8).view(np.uint8),
+            d[..., None].view(np.uint8),
+        ],
+        axis=-1,
+    )
+    return blocks.reshape(n, -1)
+
+
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
@@ -73,7 +100,12 @@ def write_tiny_gguf(
         name = names.get_name(module) + "." + suffix
         qtype = types.get(kind, "F32") if w.ndim == 2 else "F32"
         t = gguf.GGMLQuantizationType[qtype]
-        stored = w.astype(np.float32) if qtype in ("F32", "F16") else quantize(w.astype(np.float32), t)
+        if qtype in ("F32", "F16"):
+            stored = w.astype(np.float32)
+        elif qtype == "Q6_K":
+            stored = quantize_q6_k(w)
+        else:
+            stored = quantize(w.astype(np.float32), t)
         stored = stored.astype(np.float16) if qtype == "F16" else stored
         # Quantization is per row, so the rows' order (q and k permuted for llama.cpp) commutes with it.
         reference[hf_name] = dequantize(stored, t).astype(np.float32).reshape(w.shape)
@@ -92,4 +124,39 @@ def write_tiny_gguf(
         for extra in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
             if (model_dir / extra).exists():
                 shutil.copy(model_dir / extra, reference_dir / extra)
+    return out
+
+
+# Types of every kept int8 form, with blocks of 256 (Q6_K's super-block) along K: q, k, v mixed (one
+# qkv_proj of group 16: the Q8_0 / Q5_0 parts' scales repeated), gate / up group 32, down Q6_K (its
+# row-parallel halves 256 wide at --tp 2), the LM head Q8_0.
+INT8_TYPES = {
+    "q_proj": "Q6_K",
+    "k_proj": "Q8_0",
+    "v_proj": "Q5_0",
+    "o_proj": "Q8_0",
+    "gate_proj": "Q8_0",
+    "up_proj": "Q5_0",
+    "down_proj": "Q6_K",
+    "lm_head": "Q8_0",
+}
+
+
+def write_wide_llama(tiny_dir: Path, out: Path, hidden: int = 256, intermediate: int = 512) -> Path:
+    """A random Llama with the tiny model's tokenizer and every K a multiple of 256 (which Q6_K and the
+    K-quants need), 2 layers: a directory write_tiny_gguf reads."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = json.loads((tiny_dir / "config.json").read_text())
+    config.update(hidden_size=hidden, intermediate_size=intermediate, head_dim=hidden // 4)
+    config.pop("transformers_version", None)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**config), dtype=torch.float32)
+        for p in model.parameters():  # tiny's scale: logits that separate, greedy tokens that are stable
+            p.data.normal_(0, 0.1) if p.dim() > 1 else p.data.fill_(1.0)
+    model.save_pretrained(out)
+    for extra in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_dir / extra, out / extra)
     return out

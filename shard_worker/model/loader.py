@@ -76,12 +76,12 @@ def load_model(
         init_dummy_weights(model)
         process_weights(model)
     elif gguf is not None:
-        from shard_worker.model.quant.gguf import GGUFInt4Method, gguf_tensors
+        from shard_worker.model.quant.gguf import GGUFInt4Method, GGUFInt8Method, gguf_tensors
 
         kept = {
-            name
+            name: module.quant_method
             for prefix, module in _method_modules(model)
-            if isinstance(module.quant_method, GGUFInt4Method)
+            if isinstance(module.quant_method, GGUFInt4Method | GGUFInt8Method)
             for name in checkpoint_module_names(prefix, model.packed_modules_mapping)
         }
         tensors = (

@@ -5,6 +5,10 @@ groups). Greedy tokens must equal transformers' on the file's weights in float64
 each tensor saved as an HF checkpoint (transformers' GGUF loading keeps the weights packed and computes
 in float32, 30 s for the prompts here on a shared CPU; its logits on one prompt are checked to equal
 that checkpoint's). A text prompt is tokenized with the file's own tokenizer, as transformers reads it.
+
+The same for the int8-kept types (a wider random Llama, K a multiple of Q6_K's 256): Q8_0, Q5_0 and
+Q6_K held as PackedInt8Groups, qkv_proj mixing all three (group 16), down_proj Q6_K split by rows of
+groups at --tp 2, an LM head Q8_0.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import pytest
 
 from common.pb.tpserve.v1 import generation_pb2_grpc
 from tests.conftest import launch
-from tests.gguf_files import write_tiny_gguf
+from tests.gguf_files import INT8_TYPES, write_tiny_gguf, write_wide_llama
 from tests.reference import GREEDY, assert_matches_reference, generate, hf_greedy
 
 TEXT = "The quick brown fox jumps over the lazy dog."
@@ -33,7 +37,23 @@ def monkeypatch_module():
         yield mp
 
 
+@pytest.fixture(scope="module")
+def int8_gguf_file(tiny_model, tmp_path_factory, monkeypatch_module):
+    tmp = tmp_path_factory.mktemp("gguf_int8")
+    monkeypatch_module.setenv("TPSERVE_CACHE", str(tmp / "cache"))
+    wide = write_wide_llama(tiny_model, tmp / "wide")
+    return write_tiny_gguf(wide, tmp / "wide.gguf", INT8_TYPES, reference_dir=tmp / "reference")
+
+
 def test_gguf_file_served_at_tp2_equals_transformers_on_the_same_file(gguf_file):
+    _served_equals_transformers(gguf_file)
+
+
+def test_gguf_int8_kept_types_served_at_tp2_equal_transformers(int8_gguf_file):
+    _served_equals_transformers(int8_gguf_file)
+
+
+def _served_equals_transformers(gguf_file):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

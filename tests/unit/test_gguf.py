@@ -1,5 +1,6 @@
-"""GGUF: our unpack of each 4-bit type into PackedInt4's (q, scale, zero) against gguf's own
-dequantization; the layers each file's types give; refusals."""
+"""GGUF: our unpack of each 4-bit type into PackedInt4's (q, scale, zero), and of each int8-kept type into
+PackedInt8Groups' (q, scale), against gguf's own dequantization; PackedInt8Groups' products against the
+dequantized matmul; the layers each file's types give; refusals."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 import torch
 
 from common.gguf_model import model_dir
-from shard_worker.model.quant.gguf import check_type, unpack_int4
+from shard_worker.model.quant.gguf import INT8_GROUPS, check_type, unpack_int4, unpack_int8
+from shard_worker.model.quant.int8_groups import PackedInt8Groups
 from shard_worker.model.quant.kernels import PackedInt4
 
 gguf = pytest.importorskip("gguf")
@@ -23,10 +25,11 @@ def _random_blocks(type_name: str, n: int, k: int, rng) -> np.ndarray:
     t = gguf.GGMLQuantizationType[type_name]
     block, size = gguf.GGML_QUANT_SIZES[t]
     raw = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
-    halves = 2 if type_name == "Q4_0" else 4  # d (and m / dmin) at the block's start
+    halves = 2 if type_name in ("Q4_0", "Q5_0", "Q8_0", "Q6_K") else 4  # d (and m / dmin)
     scales = rng.normal(0, 0.05, (n, k // block, halves // 2)).astype(np.float16)
     scales[0, 0, 0] = 0  # d == 0: the block is its m (Q4_1), or its sub-blocks -dmin mn (Q4_K)
-    raw[..., :halves] = scales.view(np.uint8).reshape(n, k // block, halves)
+    at = slice(size - 2, size) if type_name == "Q6_K" else slice(0, halves)  # Q6_K's d comes last
+    raw[..., at] = scales.view(np.uint8).reshape(n, k // block, halves)
     return raw.reshape(n, -1)
 
 
@@ -48,6 +51,45 @@ def test_unpack_equals_gguf_dequantize(type_name):
     assert not np.all(expected[0, :32] == 0) or type_name == "Q4_0"  # (a constant, not zeros)
 
 
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q5_0", "Q4_0", "Q6_K"])
+def test_int8_unpack_equals_gguf_dequantize_exactly(type_name):
+    n, k, g = 48, 512, INT8_GROUPS[type_name]
+    raw = _random_blocks(type_name, n, k, np.random.default_rng(0))
+    expected = dequantize(raw, gguf.GGMLQuantizationType[type_name])
+    q, scale = unpack_int8(type_name, raw, (n, k))
+    assert q.dtype == np.int8 and scale.shape == (n, k // g)
+    packed = PackedInt8Groups.pack(torch.from_numpy(q), torch.from_numpy(scale), g)
+    np.testing.assert_array_equal(packed.dequantize(torch.float32).numpy(), expected)
+    assert packed.kernel == ("compiled" if type_name == "Q6_K" else "weight_int4pack_mm_for_cpu, K doubled")
+
+
+@pytest.mark.parametrize("group", [16, 32])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_int8_groups_product_equals_dequantized_matmul(group, rows):
+    """Each kernel (two 4-bit tinygemm products at group 32; the compiled ones at 16, one row or more)
+    against x times the dequantized weight in float64: bf16's rounding of x (and of the split's scales)
+    is the only difference, as for every CPU kernel here; float64 runs the dequantized weight exactly."""
+    gen = torch.Generator().manual_seed(rows)
+    n, k = 48, 256
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen)
+    scale = (torch.rand(n, k // group, generator=gen) * 0.01).half().float()  # fp16 scales, as GGUF
+    packed = PackedInt8Groups.pack(q, scale, group)
+    w = (q.double().view(n, k // group, group) * scale.double()[..., None]).view(n, k)
+    torch.testing.assert_close(packed.dequantize(torch.float64), w, rtol=0, atol=0)
+    x = torch.randn(2, rows, k, generator=gen)
+    expected = x.double() @ w.T
+    torch.testing.assert_close(packed.matmul(x.double()), expected, rtol=1e-12, atol=1e-12)
+    for dtype in (torch.float32, torch.bfloat16):
+        y = packed.matmul(x.to(dtype))
+        assert y.dtype == dtype and y.shape == (2, rows, n)
+        err = (y.double() - expected).abs().max() / expected.abs().max()
+        assert err < 1e-2, (dtype, float(err))
+    if rows == 1 and group == 16:  # the fused one-row product stays in float32: far tighter
+        torch.testing.assert_close(packed.matmul(x[0]).double(), expected[0], rtol=1e-5, atol=1e-5)
+    unpacked_q, unpacked_scale = packed.unpack()
+    assert torch.equal(unpacked_q, q) and torch.equal(unpacked_scale, scale)
+
+
 def test_q4_0_from_ggufs_quantizer_round_trips_exactly():
     w = np.random.default_rng(1).normal(0, 1, (16, 64)).astype(np.float32)
     raw = quantize(w, gguf.GGMLQuantizationType.Q4_0)
@@ -57,7 +99,8 @@ def test_q4_0_from_ggufs_quantizer_round_trips_exactly():
 
 
 def test_unsupported_type_is_one_line():
-    check_type("blk.0.attn_q.weight", "Q8_0")  # dequantized at load: accepted
+    check_type("blk.0.attn_q.weight", "Q8_0")  # kept as int8: accepted
+    check_type("blk.0.attn_q.weight", "Q5_K")  # dequantized at load: accepted
     with pytest.raises(ValueError, match="blk.0.attn_q.weight has type IQ2_XXS, which is not supported"):
         check_type("blk.0.attn_q.weight", "IQ2_XXS")
 
@@ -94,3 +137,21 @@ def test_model_dir_of_a_gguf_file(tiny_model, tmp_path, monkeypatch, own_tokeniz
     theirs = AutoTokenizer.from_pretrained(tiny_model)(text).input_ids
     assert AutoTokenizer.from_pretrained(out)(text).input_ids == theirs
     assert model_dir(out, str(tiny_model)) == out  # launch passes --tokenizer on with the directory
+
+
+def test_a_tensor_that_maps_to_no_parameter_is_an_error(tiny_model, tmp_path):
+    """Every tensor of the file is read: one the model has no parameter for (here: dropped from the
+    name table) stops the load, quantized or not, rather than being skipped."""
+    from transformers import AutoConfig
+
+    from shard_worker.model.quant.gguf import GGUFConfig, gguf_tensors, hf_names
+    from tests.gguf_files import write_tiny_gguf
+
+    file = write_tiny_gguf(tiny_model, tmp_path / "tiny.gguf")
+    quant = GGUFConfig(None, str(file))
+    mapping, processor = hf_names(quant, AutoConfig.from_pretrained(tiny_model))
+    assert len(list(gguf_tensors(quant, mapping, processor, torch.float32, {}))) == len(quant.reader.tensors)
+    for dropped in ("blk.1.ffn_down.weight", "blk.0.attn_norm.weight"):  # Q8_0, F32
+        partial = {k: v for k, v in mapping.items() if k != dropped}
+        with pytest.raises(ValueError, match=f"tensor {dropped} maps to no parameter"):
+            list(gguf_tensors(quant, partial, processor, torch.float32, {}))

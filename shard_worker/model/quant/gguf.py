@@ -1,7 +1,8 @@
 """GGUF files served directly (`--model x.gguf`, common/gguf_model.py): their weights read from the file,
-4-bit ones kept 4-bit.
+kept quantized in a layout of ours that holds them exactly.
 
-Kept as PackedInt4 (group 32, the same q 0..15, and scale and zero that give llama.cpp's values):
+A layer whose parts are all 4-bit: PackedInt4 (group 32, the same q 0..15, and scale and zero that give
+llama.cpp's values):
     Q4_0  w = d (q - 8)                 scale d, zero 8
     Q4_1  w = d q + m                   scale d, zero -m / d
     Q4_K  w = d sc q - dmin mn          per 32-value sub-block: scale d sc, zero dmin mn / (d sc)
@@ -10,10 +11,20 @@ A block whose scale is zero holds one value c (q does not matter): stored as q 0
 The float zero makes Q4_1 and Q4_K equal to gguf's own dequantization up to float32 rounding (a few
 ulps), Q4_0 exactly.
 
-Dequantized once at load to the model's dtype (no exact layout in quant/kernels.py: Q8_0 has a scale
-per 32 values, PackedInt8 one per output channel; Q6_K is 6-bit): Q8_0, Q6_K, Q5_*, Q2_K, Q3_K, Q5_K,
-and a merged layer (qkv_proj, gate_up_proj) whose parts are not all 4-bit. F32 / F16 / BF16 tensors
-(norms, embeddings) load as they are. Any other GGML type: a ValueError of one line (exit 2).
+A layer whose parts are all symmetric: PackedInt8Groups (quant/int8_groups.py), w = q * scale, q int8:
+    Q8_0  w = d q                       group 32, q -128..127
+    Q5_0  w = d (q - 16)                group 32, q - 16 in -16..15
+    Q4_0  w = d (q - 8)                 group 32 (only in a merged layer with one of the others)
+    Q6_K  w = d sc (q - 32)             group 16: scale d sc (int8 sc times the fp16 super-block d of
+                                        256), q - 32 in -32..31
+all exactly gguf's own dequantization (every product fits float32's 24 bits). A merged layer with a
+Q6_K part takes group 16 throughout (the group-32 parts' scales repeated, exactly).
+
+Dequantized once at load to the model's dtype: Q5_1, Q5_K, Q2_K, Q3_K (asymmetric, no exact layout of
+ours), a merged layer mixing the two families above, and the embedding (a lookup, not a product; a tied
+LM head shares it). F32 / F16 / BF16 tensors (norms, embeddings) load as they are. Any other GGML type: a
+ValueError of one line (exit 2). Every tensor of the file is read: one that maps to no parameter is an
+error, as in a safetensors checkpoint.
 """
 
 from __future__ import annotations
@@ -26,9 +37,11 @@ import torch
 
 from shard_worker.model.quant import products
 from shard_worker.model.quant.base import LinearMethod, QuantConfig, add_param
+from shard_worker.model.quant.int8_groups import PackedInt8Groups
 from shard_worker.model.quant.kernels import PackedInt4
 
 GROUP = 32
+INT8_GROUPS = {"Q8_0": 32, "Q5_0": 32, "Q4_0": 32, "Q6_K": 16}  # kept as int8: the group of its scales
 
 
 def _types():
@@ -42,7 +55,8 @@ def int4_types() -> set[str]:
 
 
 def dequantized_types() -> set[str]:
-    return {"Q8_0", "Q6_K", "Q5_0", "Q5_1", "Q5_K", "Q2_K", "Q3_K"}
+    """Read only through gguf's dequantization (the others too where no kept layout takes them)."""
+    return {"Q5_1", "Q5_K", "Q2_K", "Q3_K"}
 
 
 def plain_types() -> set[str]:
@@ -102,8 +116,41 @@ def unpack_int4(type_name: str, data: np.ndarray, shape: tuple[int, int]):
     raise ValueError(f"gguf: {type_name} is not a 4-bit type")
 
 
+def unpack_int8(type_name: str, data: np.ndarray, shape: tuple[int, int]):
+    """(q int8 [N, K], scale float32 [N, K / g]) of a Q8_0 / Q5_0 / Q4_0 / Q6_K tensor, w = q * scale
+    (g: INT8_GROUPS[type_name]); data: its raw bytes as for unpack_int4."""
+    n, k = shape
+    raw = np.asarray(data, dtype=np.uint8).reshape(n, -1)
+    if type_name == "Q4_0":
+        q, scale, _ = unpack_int4(type_name, raw, shape)
+        return (q.astype(np.int16) - 8).astype(np.int8), scale
+    if type_name == "Q8_0":
+        blocks = raw.reshape(n, k // 32, 34)
+        return np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(n, k), _f16(blocks[..., 0:2])
+    if type_name == "Q5_0":  # d, 32 high bits (value j's is bit j), 16 bytes of low nibbles (j, j + 16)
+        blocks = raw.reshape(n, k // 32, 22)
+        high = np.unpackbits(blocks[..., 2:6], axis=-1, bitorder="little")  # [.., 32], bit j of qh
+        qs = blocks[..., 6:]
+        low = np.concatenate([qs & 15, qs >> 4], axis=-1)
+        q = (low | (high << 4)).astype(np.int16) - 16
+        return q.astype(np.int8).reshape(n, k), _f16(blocks[..., 0:2])
+    if type_name == "Q6_K":  # ql[128], qh[64], int8 scales[16], d: two halves of 128 values
+        blocks = raw.reshape(n, k // 256, 210)
+        ql = blocks[..., :128].reshape(n, -1, 2, 2, 32)  # [half, l + 32 i for i in (0, 1), l]
+        qh = blocks[..., 128:192].reshape(n, -1, 2, 1, 32)
+        # Value p = l + 32 j of a half (j 0..3): ql[l + 32 (j % 2)]'s low (j < 2) or high nibble, with
+        # bits 2 j, 2 j + 1 of qh[l] above it.
+        low = np.concatenate([ql & 15, ql >> 4], axis=3)  # j = 0, 1, 2, 3 along axis 3
+        high = (qh >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
+        q = (low | (high << 4)).astype(np.int16) - 32
+        sc = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).astype(np.float32)
+        d = _f16(blocks[..., 208:210])
+        return q.astype(np.int8).reshape(n, k), (d[..., None] * sc).reshape(n, -1)
+    raise ValueError(f"gguf: {type_name} is not kept as int8")
+
+
 def check_type(name: str, type_name: str) -> None:
-    if type_name not in int4_types() | dequantized_types() | plain_types():
+    if type_name not in int4_types() | set(INT8_GROUPS) | dequantized_types() | plain_types():
         raise ValueError(f"gguf: tensor {name} has type {type_name}, which is not supported")
 
 
@@ -123,6 +170,7 @@ class GGUFConfig(QuantConfig):
             check_type(tensor_name, type_name)
         self.names: dict[str, str] = {}  # HF checkpoint tensor name -> GGUF tensor name, set by the loader
         self.method = GGUFInt4Method()
+        self.int8_methods = {g: GGUFInt8Method(g) for g in set(INT8_GROUPS.values())}
 
     @classmethod
     def from_config(cls, qc: dict, unquantized) -> GGUFConfig:
@@ -130,7 +178,11 @@ class GGUFConfig(QuantConfig):
 
     def linear_method(self, layer, prefix, checkpoint_names):
         types = {self.types.get(self.names.get(f"{name}.weight", ""), "") for name in checkpoint_names}
-        return self.method if types <= int4_types() else self.unquantized
+        if types <= int4_types():
+            return self.method
+        if types <= set(INT8_GROUPS):
+            return self.int8_methods[min(INT8_GROUPS[t] for t in types)]
+        return self.unquantized
 
     def expert_method(self, layer, prefix):
         raise ValueError(f"gguf: MoE experts ({prefix}) are not supported")
@@ -165,6 +217,28 @@ class GGUFInt4Method(LinearMethod):
         return products.weight_only(layer.packed, x, bias)
 
 
+class GGUFInt8Method(LinearMethod):
+    """qweight int8 [N, K], scales float32 [N, K / group]: sliced like GGUFInt4Method's, then held as a
+    PackedInt8Groups."""
+
+    def __init__(self, group: int):
+        self.group = group
+
+    def create_weights(self, layer, input_size_per_partition, output_partition_sizes, params_dtype):
+        k, n, g = input_size_per_partition, sum(output_partition_sizes), self.group
+        if k % g:
+            raise ValueError(f"gguf: {k} input features per rank are not whole blocks of {g}")
+        add_param(layer, "qweight", (n, k), torch.int8, output_dim=0, input_dim=1)
+        add_param(layer, "scales", (n, k // g), torch.float32, output_dim=0, input_dim=1, input_per=g)
+
+    def process_weights_after_loading(self, layer) -> None:
+        layer.packed = PackedInt8Groups.pack(layer.qweight.detach(), layer.scales.detach(), self.group)
+        del layer.qweight, layer.scales
+
+    def apply(self, layer, x, bias=None):
+        return products.weight_only(layer.packed, x, bias)
+
+
 def hf_names(quant: GGUFConfig, hf_config) -> tuple[dict[str, str], object]:
     """(GGUF tensor name -> HF name, transformers' tensor processor for the architecture), from
     transformers' GGUF integration run on an empty (meta) HF model of the config."""
@@ -193,35 +267,46 @@ def hf_names(quant: GGUFConfig, hf_config) -> tuple[dict[str, str], object]:
 
 
 def gguf_tensors(
-    quant: GGUFConfig, mapping: dict, processor, dtype, kept: set[str]
+    quant: GGUFConfig, mapping: dict, processor, dtype, kept: dict[str, LinearMethod]
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF checkpoint name, tensor) for every tensor of the file: a layer kept 4-bit as its
-    <module>.qweight / .scales / .zeros, anything else dequantized to dtype. Rows are reordered as
-    transformers' processor does (Llama's q / k un-permutation), applied to q, scale and zero alike.
-    kept: the HF modules (q_proj, ...) whose layer took GGUFInt4Method."""
+    """(HF checkpoint name, tensor) for every tensor of the file: a layer kept quantized as its
+    <module>.qweight / .scales (/ .zeros for 4-bit), anything else dequantized to dtype. Rows are
+    reordered as transformers' processor does (Llama's q / k un-permutation), applied to q and scales
+    alike. kept: the HF modules (q_proj, ...) whose layer took a GGUF method, and that method."""
     from gguf.quants import dequantize
 
     for tensor in quant.reader.tensors:
         type_name = tensor.tensor_type.name
         shape = tuple(int(x) for x in reversed(tensor.shape.tolist()))
-        if type_name in int4_types() and len(shape) == 2:
+        if type_name in int4_types() | set(INT8_GROUPS) and len(shape) == 2:
             n, _ = shape
             index = processor.process(weights=np.arange(n, dtype=np.float64)[:, None], name=tensor.name)
-            name = index.name
-            if name not in mapping:
-                continue
-            rows = index.weights[:, 0].astype(np.int64)
-            if not np.array_equal(np.sort(rows), np.arange(n)):
-                raise ValueError(f"gguf: {tensor.name}: a 4-bit tensor that needs more than a row reorder")
-            module = mapping[name].removesuffix(".weight")
-            if module in kept:
-                q, scale, zero = unpack_int4(type_name, tensor.data, shape)
-                q = q[rows]
-                yield f"{module}.qweight", torch.from_numpy(q[:, 0::2] | (q[:, 1::2] << 4))
-                yield f"{module}.scales", torch.from_numpy(scale[rows])
-                yield f"{module}.zeros", torch.from_numpy(zero[rows])
+            if index.name not in mapping:
+                raise ValueError(f"gguf: tensor {tensor.name} maps to no parameter of the model")
+            module = mapping[index.name].removesuffix(".weight")
+            method = kept.get(module)
+            if method is not None:
+                rows = index.weights[:, 0].astype(np.int64)
+                if not np.array_equal(np.sort(rows), np.arange(n)):
+                    raise ValueError(f"gguf: {tensor.name}: a kept tensor that needs more than a row reorder")
+                yield from _kept_tensors(module, method, type_name, tensor.data, shape, rows)
                 continue
         weights = dequantize(tensor.data, tensor.tensor_type)
         result = processor.process(weights=weights, name=tensor.name)
-        if result.name in mapping:
-            yield mapping[result.name], torch.from_numpy(np.array(result.weights)).to(dtype)
+        if result.name not in mapping:
+            raise ValueError(f"gguf: tensor {tensor.name} maps to no parameter of the model")
+        yield mapping[result.name], torch.from_numpy(np.array(result.weights)).to(dtype)
+
+
+def _kept_tensors(module: str, method, type_name: str, data, shape, rows):
+    if isinstance(method, GGUFInt4Method):
+        q, scale, zero = unpack_int4(type_name, data, shape)
+        q = q[rows]
+        yield f"{module}.qweight", torch.from_numpy(q[:, 0::2] | (q[:, 1::2] << 4))
+        yield f"{module}.scales", torch.from_numpy(scale[rows])
+        yield f"{module}.zeros", torch.from_numpy(zero[rows])
+        return
+    q, scale = unpack_int8(type_name, data, shape)
+    scale = scale[rows].repeat(INT8_GROUPS[type_name] // method.group, axis=1)  # a Q6_K part's 16
+    yield f"{module}.qweight", torch.from_numpy(q[rows])
+    yield f"{module}.scales", torch.from_numpy(np.ascontiguousarray(scale))
