@@ -75,6 +75,9 @@ def _compiled_flex():
         # thread, not patched around each call: the patch cost 3% of a batch-1 decode step (30 layers),
         # and this is the only graph a worker compiles.
         fx_config.use_duck_shape = False
+        # The layer's scale is a Python float: specialised, not traced as a symbol (which traced flex
+        # twice, 1.5-2 s of every start; shard_worker/warm_up.py sets it in its own thread too).
+        torch._dynamo.config.specialize_float = True
         _configured.done = True
     return _compiled()
 
