@@ -33,8 +33,10 @@ def runner_greedy(runner: ModelRunner, prompts: list[list[int]], new_tokens: int
     return [s.output for s in seqs]
 
 
-def new_runner(model_dir: str | Path, dtype: torch.dtype) -> ModelRunner:
-    return ModelRunner(model_dir, dtype, torch.device("cpu"), TensorParallel())
+def new_runner(model_dir: str | Path, dtype: torch.dtype, attention_backend: str = "auto") -> ModelRunner:
+    return ModelRunner(
+        model_dir, dtype, torch.device("cpu"), TensorParallel(), attention_backend=attention_backend
+    )
 
 
 def hf_greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:

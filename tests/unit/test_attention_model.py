@@ -22,7 +22,7 @@ NUM_BLOCKS = 64
 def test_float32_steps_match_transformers(tiny_model):
     runner = ModelRunner(tiny_model, torch.float32, torch.device("cpu"), TensorParallel())
     runner.allocate_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
-    assert runner.attention.name == "flex"
+    assert runner.attention.name == "cpu"  # auto's choice on CPU: the C++ kernel
     reference = LlamaForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     # Whole sequences up front: each step computes some of their positions, as the scheduler would.
     tokens = {

@@ -106,7 +106,9 @@ def test_a_runner_that_would_capture_needs_cuda_and_a_cache(monkeypatch):
 
 def test_a_runner_asked_for_graphs_with_flex_runs_eagerly_and_reserves_nothing(caplog):
     with caplog.at_level(logging.WARNING, "tpserve.shard_worker"):
-        runner = ModelRunner(TINY, torch.float32, CPU, TensorParallel(), cuda_graphs=True)
+        runner = ModelRunner(
+            TINY, torch.float32, CPU, TensorParallel(), attention_backend="flex", cuda_graphs=True
+        )
     assert not runner.cuda_graphs and runner.reserved_blocks == 0
     assert "no CUDA graphs: the flex attention backend" in caplog.text
     runner.allocate_kv_cache(5, 16)

@@ -52,15 +52,15 @@ def test_family_decodes_like_transformers(checkpoint):
     assert chunked_greedy(runner, prompts(), NEW_TOKENS) == list(reference.values())
 
 
-@pytest.mark.parametrize("family", ["gemma3", "mixtral"])
-def test_float32_decodes_like_transformers(tmp_path, family):
-    """The production paths the float64 tests do not take: the compiled flex attention with sliding
-    windows, and the experts' grouped matmul."""
+@pytest.mark.parametrize("family,backend", [("gemma3", "auto"), ("gemma3", "flex"), ("mixtral", "auto")])
+def test_float32_decodes_like_transformers(tmp_path, family, backend):
+    """The production paths the float64 tests do not take: the CPU attention kernel (auto's choice) and
+    the compiled flex attention, with sliding windows, and the experts' grouped matmul."""
     from transformers import AutoModelForCausalLM
 
     path = build_checkpoint(family, tmp_path)
-    runner = new_runner(path, torch.float32)
-    assert type(runner.attention).__name__ == "FlexBackend"
+    runner = new_runner(path, torch.float32, backend)
+    assert runner.attention.name == ("cpu" if backend == "auto" else backend)
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     want = hf_greedy_model(reference, prompts(), NEW_TOKENS)
     assert chunked_greedy(runner, prompts(), NEW_TOKENS) == want
