@@ -145,14 +145,9 @@ def apply(sched: Scheduler, out: SchedulerOutput, sampled: list[list[int]]) -> l
     """Scheduler.update for a step sent ahead (advance() counted its computation when it was sent): each
     sampled token replaces its sequence's first placeholder, then the stop conditions are checked.
     Sequences that ended meanwhile are skipped: their tokens are dropped."""
-    plan.check_sampled(out, sampled)  # all of it before any sequence changes
     updates = []
-    tokens_of = iter(sampled)
-    for item in out.scheduled:
+    for item, tokens in plan.live_results(out, sampled):
         seq = item.seq
-        tokens = next(tokens_of) if item.num_samples else []
-        if seq.is_finished:
-            continue
         seq.prompt_logprobs_done += item.num_prompt_logprobs
         known = seq.num_tokens - seq.num_pending
         if tokens:

@@ -108,6 +108,19 @@ def check_sampled(out: SchedulerOutput, sampled: list[list[int]]) -> None:
             )
 
 
+def live_results(out: SchedulerOutput, sampled: list[list[int]]):
+    """(item, its sampled tokens: none for a sequence that samples nothing this step) of each scheduled
+    sequence not finished since the step was planned (aborted meanwhile: its tokens are dropped), in
+    order. The whole reply is checked (check_sampled) before the first is given, so before any caller
+    changes a sequence."""
+    check_sampled(out, sampled)
+    tokens_of = iter(sampled)
+    for item in out.scheduled:
+        tokens = next(tokens_of) if item.num_samples else []
+        if not item.seq.is_finished:
+            yield item, tokens
+
+
 def split_sampled(out: SchedulerOutput, counts, ids) -> list[list[int]]:
     """A step's sampled tokens (flat ids, and how many each sampling sequence got) per sequence, checked
     whole (check_sampled); ValueError when they do not fit the step."""

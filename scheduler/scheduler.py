@@ -348,14 +348,9 @@ class Scheduler:
         more. Each is appended in turn and the stop conditions checked after each; a stop drops the
         rest. Proposals not accepted are rolled back: their KV is not counted as computed, and blocks
         the sequence no longer needs go back to the pool. Sequences aborted meanwhile are skipped."""
-        plan.check_sampled(out, sampled)  # all of it before any sequence changes
         updates = []
-        tokens_of = iter(sampled)
-        for item in out.scheduled:
+        for item, tokens in plan.live_results(out, sampled):
             seq = item.seq
-            tokens = next(tokens_of) if item.num_samples else []
-            if seq.is_finished:
-                continue
             seq.prompt_logprobs_done += item.num_prompt_logprobs
             # The KV of the proposals the worker rejected is not part of the sequence.
             rejected = item.num_samples - len(tokens) if item.num_samples else 0

@@ -177,6 +177,23 @@ inline const float* kv_row(const char* p, int d, float* buf) {
   }
 }
 
+// Calls f(j - first, g - g0, row as float32) for the rows of KV heads g0 .. g1-1 of keys first .. p in
+// cache (keys or values), block by block through the sequence's table.
+template <int KV, typename F>
+inline void for_each_row(const Args& a, const char* cache, const int32_t* blocks, int d, int g0, int g1,
+                         int64_t first, int64_t p, float* buf, F&& f) {
+  constexpr int64_t es = KV == F32 ? 4 : (KV == BF16 || KV == F16) ? 2 : 1;
+  const int bs = a.block_size;
+  for (int64_t j = first; j <= p;) {
+    const int64_t b = j / bs, end = (b + 1) * bs < p + 1 ? (b + 1) * bs : p + 1;
+    const char* base = cache + (blocks[b] * a.block_stride + static_cast<int64_t>(g0) * d) * es;
+    for (; j < end; ++j) {
+      const char* slot = base + (j - b * bs) * a.slot_stride * es;
+      for (int g = 0; g < g1 - g0; ++g) f(j - first, g, kv_row<KV>(slot + static_cast<int64_t>(g) * d * es, d, buf));
+    }
+  }
+}
+
 // One item: token i's query heads of KV heads g0 .. g1-1. Every visible key's row is read once for all of
 // them (the heads of one slot are contiguous: several KV heads per item read longer runs, which the
 // prefetcher streams better). D: the head size when known at compile time (the inner loops then unroll
@@ -184,11 +201,9 @@ inline const float* kv_row(const char* p, int d, float* buf) {
 template <int D, int KV>
 void attend_item(const Args& a, int64_t i, int g0, int g1, Scratch& s) {
   const int d = D > 0 ? D : a.d;
-  constexpr int64_t es = KV == F32 ? 4 : (KV == BF16 || KV == F16) ? 2 : 1;
   const int64_t q_es = elem_size(a.q_dtype);
   const int rep = a.heads / a.kv_heads;
   const int nh = (g1 - g0) * rep;  // query heads of this item, ordered (KV head, head in group)
-  const int bs = a.block_size;
   const int64_t p = a.pos[i];
   const int64_t first = a.window > 0 ? (p - a.window + 1 > 0 ? p - a.window + 1 : 0) : 0;
   const int64_t count = p - first + 1;
@@ -203,24 +218,16 @@ void attend_item(const Args& a, int64_t i, int g0, int g1, Scratch& s) {
   }
   if (static_cast<int64_t>(s.scores.size()) < nh * count) s.scores.resize(nh * count);
   float* scores = s.scores.data();
-  // Scores: one pass over the visible keys, block by block.
-  for (int64_t j = first; j <= p;) {
-    const int64_t b = j / bs, end = (b + 1) * bs < p + 1 ? (b + 1) * bs : p + 1;
-    const char* base = a.k_cache + (blocks[b] * a.block_stride + static_cast<int64_t>(g0) * d) * es;
-    for (; j < end; ++j) {
-      const char* slot = base + (j - b * bs) * a.slot_stride * es;
-      for (int g = 0; g < g1 - g0; ++g) {
-        const float* k = kv_row<KV>(slot + static_cast<int64_t>(g) * d * es, d, s.row.data());
-        for (int r = 0; r < rep; ++r) {
-          const float* qh = qf + (g * rep + r) * d;
-          float acc = 0.f;
+  // Scores: one pass over the visible keys.
+  for_each_row<KV>(a, a.k_cache, blocks, d, g0, g1, first, p, s.row.data(), [&](int64_t j, int g, const float* k) {
+    for (int r = 0; r < rep; ++r) {
+      const float* qh = qf + (g * rep + r) * d;
+      float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-          for (int x = 0; x < d; ++x) acc += qh[x] * k[x];
-          scores[(g * rep + r) * count + (j - first)] = acc;
-        }
-      }
+      for (int x = 0; x < d; ++x) acc += qh[x] * k[x];
+      scores[(g * rep + r) * count + j] = acc;
     }
-  }
+  });
   // Softmax per head (v_scale folded into the normaliser).
   for (int h = 0; h < nh; ++h) {
     float* sr = scores + h * count;
@@ -241,22 +248,14 @@ void attend_item(const Args& a, int64_t i, int g0, int g1, Scratch& s) {
   if (static_cast<int64_t>(s.acc.size()) < nh * d) s.acc.resize(nh * d);
   float* acc = s.acc.data();
   std::fill(acc, acc + nh * d, 0.f);
-  for (int64_t j = first; j <= p;) {
-    const int64_t b = j / bs, end = (b + 1) * bs < p + 1 ? (b + 1) * bs : p + 1;
-    const char* base = a.v_cache + (blocks[b] * a.block_stride + static_cast<int64_t>(g0) * d) * es;
-    for (; j < end; ++j) {
-      const char* slot = base + (j - b * bs) * a.slot_stride * es;
-      for (int g = 0; g < g1 - g0; ++g) {
-        const float* v = kv_row<KV>(slot + static_cast<int64_t>(g) * d * es, d, s.row.data());
-        for (int r = 0; r < rep; ++r) {
-          const float w = scores[(g * rep + r) * count + (j - first)];
-          float* ah = acc + (g * rep + r) * d;
+  for_each_row<KV>(a, a.v_cache, blocks, d, g0, g1, first, p, s.row.data(), [&](int64_t j, int g, const float* v) {
+    for (int r = 0; r < rep; ++r) {
+      const float w = scores[(g * rep + r) * count + j];
+      float* ah = acc + (g * rep + r) * d;
 #pragma omp simd
-          for (int x = 0; x < d; ++x) ah[x] += w * v[x];
-        }
-      }
+      for (int x = 0; x < d; ++x) ah[x] += w * v[x];
     }
-  }
+  });
   char* orow = a.out + a.tokens[i] * a.o_token_stride * q_es;
   for (int h = 0; h < nh; ++h)
     store_row(acc + h * d, a.q_dtype, d, orow + (static_cast<int64_t>(g0) * rep + h) * a.o_head_stride * q_es);
