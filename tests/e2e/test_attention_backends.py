@@ -112,3 +112,20 @@ def test_a_bfloat16_model_on_the_cpu_kernel_serves_transformers_bfloat16_tokens(
             logits = model(torch.tensor([p + tokens])).logits[0, len(p) - 1 : -1]
         top = logits.topk(3, dim=-1).indices.tolist()
         assert all(t in top[i] for i, t in enumerate(tokens)), (tokens, top)
+
+
+def test_dtype_auto_is_resolved_by_the_worker_for_this_machine(tiny_model):
+    """--dtype auto through the real processes: the worker picks what devices.model_dtype gives for this
+    CPU (bfloat16 with native bf16 products, else float32), says so, and serves with it."""
+    from shard_worker import devices
+
+    want = devices.model_dtype("auto", "cpu", devices.cpu_flags(), False)
+    request = dict(token_ids=[5, 6, 7], max_new_tokens=NEW_TOKENS, ignore_eos=True, sampling=GREEDY)
+    with (
+        launch(tiny_model, "--dtype", "auto", *SMALL_LIMITS, log_level="INFO") as (target, info),
+        grpc.insecure_channel(target) as channel,
+    ):
+        ((tokens, *_),) = run_concurrently(generation_pb2_grpc.GenerationStub(channel), [request])
+        log = info["log"].read_text()
+    assert len(tokens) == NEW_TOKENS
+    assert f"rank 0: --dtype auto is {want} on this cpu" in log
