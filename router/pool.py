@@ -179,7 +179,11 @@ class SchedulerPool:
         # Its TTFT behind those that leave the queue first; SloRefused when that misses its objective.
         ahead = self.admission.ahead(len(add.prompt_token_ids), add.priority)
         loads = self._loads(now)
-        free = sum(self.links[t].credits.available for t in loads if t in self.links)
+        free = sum(
+            self.links[t].credits.available
+            for t in loads
+            if t in self.links and self.slo.takes_decode(t, loads[t])
+        )
         predicted = self.slo.check(objectives, loads, ahead, free)
         if not self.admission.push(
             add.request_id, len(add.prompt_token_ids), now, add.request_id, add.priority

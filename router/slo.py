@@ -21,6 +21,9 @@ Admission (`SloEstimator.refusal`). When a request arrives the router predicts i
   under light load it is optimistic, and grows towards the truth as the batch fills (self-correcting; a
   rate measured from completions would instead learn the offered load and refuse ever more).
 - Nothing measured yet (no request has finished): admitted, as nothing says it will miss.
+- A request that would start at once (nothing ahead, a replica with room that takes decode load) is
+  admitted whatever first_token_s says: refusing it cannot serve it sooner, and only admitted requests
+  refresh first_token_s (a slow spell measured once would otherwise refuse every later request).
 - The model is crude (credit round trips, the router's own loop and other processes on the host slow the
   drain), so the prediction is scaled by `bias`: the recent ratio (an EWMA, within [0.5, 4]; quick to rise,
   slow to fall) of each request's actual TTFT at the router to what was predicted for it when it arrived.
@@ -204,6 +207,12 @@ class SloEstimator:
         if objectives.ttft_s is None or predicted is None or predicted[0] <= objectives.ttft_s:
             return predicted and predicted[0]
         ttft, wait = predicted
+        if wait == 0:
+            # It would start at once: nothing is ahead of it and a replica has room. Refusing cannot serve
+            # it sooner, and admitting it is how a prediction made stale by a slow spell (a start-up, a
+            # neighbour) is corrected: refusing everything would leave it stale for ever. Admitted without
+            # a prediction, so its TTFT does not teach the bias about a queue it never waited in.
+            return None
         # Time until the queue has drained enough for the prediction to fit (at least the excess).
         retry = max(ttft - objectives.ttft_s, 0.001)
         raise SloRefused(

@@ -4,13 +4,15 @@ link stands in for the scheduler's stream; the pool, its queue, replica set and 
 
 from __future__ import annotations
 
+import pytest
+
 from common.pb.tpserve.internal.v1 import scheduler_pb2
 from common.pb.tpserve.v1 import generation_pb2
 from common.pb.tpserve.v1.generation_pb2 import FINISH_REASON_LENGTH
 from router.buckets import AdmissionQueue, Credits
 from router.pool import SchedulerPool
 from router.replicas import RoutingPolicy
-from router.slo import Objectives
+from router.slo import Objectives, SloRefused
 
 TPOT = Objectives(tpot_s=0.2)  # the gate closes past 0.9 x 0.2 s per step
 
@@ -90,3 +92,32 @@ def test_a_request_the_router_ends_itself_opens_the_gate_too():
     pool, link = held()
     pool.done("r1")  # the frontend saw it finish
     assert link.sent == ["r1", "r2"]
+
+
+def slow_spell(pool) -> None:
+    """The estimator saw one slow spell (a start-up, a busy neighbour): first token 8 s after sending."""
+    pool.slo.sent("a", "old", Objectives())
+    pool.slo.first_token("a", 8.0)
+    pool.slo.ended("a", "old", 10.0)
+
+
+def test_a_request_that_would_start_at_once_is_admitted_whatever_a_stale_estimate_says():
+    """Refusing it cannot serve it sooner, and only admitted requests refresh the estimate: refused, every
+    later request would be refused for ever (measured: a server whose first four requests took 8 s to
+    their first token refused all 256 that followed, at any rate)."""
+    pool, link = stack(window=1)
+    load(pool, link, running=0, step_s=0.05)
+    slow_spell(pool)
+    pool.submit(add("r1"), Objectives(ttft_s=2.0))
+    assert link.sent == ["r1"]
+    assert pool._requests["r1"].predicted_ttft is None  # a probe: it does not teach the bias
+    # The next one would queue behind r1 (no credit left): the estimate applies, and says it would miss.
+    with pytest.raises(SloRefused, match="cannot meet the TTFT objective"):
+        pool.submit(add("r2"), Objectives(ttft_s=2.0))
+
+
+def test_room_on_a_replica_closed_by_the_tpot_gate_is_not_room_to_start_at_once():
+    pool, link = held()  # r1 holds the replica closed; r2 waits for it
+    slow_spell(pool)
+    with pytest.raises(SloRefused):
+        pool.submit(add("r3"), Objectives(ttft_s=2.0, tpot_s=0.2))
