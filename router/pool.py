@@ -179,10 +179,11 @@ class SchedulerPool:
         # Its TTFT behind those that leave the queue first; SloRefused when that misses its objective.
         ahead = self.admission.ahead(len(add.prompt_token_ids), add.priority)
         loads = self._loads(now)
+        pending = self._pending(now)
         free = sum(
             self.links[t].credits.available
             for t in loads
-            if t in self.links and self.slo.takes_decode(t, loads[t])
+            if t in self.links and self.slo.takes_decode(t, loads[t], pending.get(t, 0))
         )
         predicted = self.slo.check(objectives, loads, ahead, free)
         if not self.admission.push(
@@ -241,6 +242,9 @@ class SchedulerPool:
     def _loads(self, now: float) -> dict[str, ReplicaLoad]:  # the up replicas'
         return {s.replica: s.load for s in self.replicas.stats(now) if s.up and s.load is not None}
 
+    def _pending(self, now: float) -> dict[str, int]:  # requests sent to each since its last report
+        return {s.replica: s.pending for s in self.replicas.stats(now)}
+
     # ---- admission and the choice ----
 
     def _pump(self) -> None:
@@ -248,12 +252,13 @@ class SchedulerPool:
         now = time.monotonic()
         while len(self.admission):
             loads = self._loads(now)  # those stepping past their requests' TPOT objectives wait
+            pending = self._pending(now)
             allowed = {
                 t
                 for t, link in self.links.items()
                 if link.connected
                 and link.credits.available > 0
-                and self.slo.takes_decode(t, loads.get(t))
+                and self.slo.takes_decode(t, loads.get(t), pending.get(t, 0))
                 and t in loads
             }
             if not allowed:

@@ -9,17 +9,19 @@ Admission (`SloEstimator.refusal`). When a request arrives the router predicts i
 
     predicted_ttft = queue_wait + first_token_s
     queue_wait     = max(0, ahead + 1 - free_slots) / drain_rate
-    drain_rate     = sum over up replicas of max_num_seqs / service_s
+    drain_rate     = sum over up replicas of running / service_s
 
 - ahead: requests that leave the router's queue before it (higher priorities, and its own in its bucket
   and the shorter ones: AdmissionQueue.ahead) plus those the schedulers hold waiting; free_slots:
   requests the replicas would take now (their credit).
 - first_token_s: the recent time from sending a request to a replica to its first token (queue there
   and prefill), per replica (an EWMA; the best replica's, since the choice is made when it leaves the queue).
-- service_s: the recent time from sending a request to its end (an EWMA, per replica). A replica serves
-  max_num_seqs at once, so it finishes about max_num_seqs / service_s requests a second when full. Measured
-  under light load it is optimistic, and grows towards the truth as the batch fills (self-correcting; a
-  rate measured from completions would instead learn the offered load and refuse ever more).
+- service_s: the recent time from sending a request to its end (an EWMA, per replica). A replica serving
+  `running` sequences at once finishes about running / service_s requests a second. When a queue forms the
+  replica runs the batch it can (max_num_seqs, or fewer where the TPOT gate or memory holds it), so its
+  running count is that batch; with max_num_seqs instead, a gated replica's drain was overestimated about
+  3x (35 running of 128; session 9: admitted TTFT p99 2.9 s against a 2 s objective). A rate measured from
+  completions would instead learn the offered load and refuse ever more.
 - Nothing measured yet (no request has finished): admitted, as nothing says it will miss.
 - A request that would start at once (nothing ahead, a replica with room that takes decode load) is
   admitted whatever first_token_s says: refusing it cannot serve it sooner, and only admitted requests
@@ -30,9 +32,14 @@ Admission (`SloEstimator.refusal`). When a request arrives the router predicts i
 A request whose prediction exceeds its objective is refused at once, with the prediction in the reason and
 `retry_after_s` (the time for the queue ahead to drain to where it would fit).
 
-Decode load (`SloEstimator.takes_decode`). A replica whose recent step (one token for each running
-sequence) is slower than the tightest TPOT objective of the requests it holds, times `tpot_margin`, is
-offered no new request until its batch drains: one more sequence would slow every one it holds.
+Decode load (`SloEstimator.takes_decode`). A replica whose step (one token for each running sequence),
+projected to the batch it would run with the requests waiting there, those sent since its last report and
+one more, is slower than the tightest TPOT objective of the requests it holds, times `tpot_margin`, is
+offered no new request until its batch drains: one more sequence would slow every one it holds. The
+projection scales the recent step by (sequences + fixed) / (running + fixed), `fixed_sequences` being a
+step's fixed cost (the weights read once per step) in sequences' worth. Measured before the projection
+(session 9, SmolLM2 bf16, 2x the sustainable Poisson rate): admitted requests' TPOT p50 226 ms against a
+200 ms objective, every report opening the gate to a burst of admissions made on it.
 """
 
 from __future__ import annotations
@@ -64,8 +71,13 @@ class SloPolicy:
         rule=_MS,
         launch=True,
     )
-    # A replica is closed to new requests when its step exceeds this share of the tightest TPOT objective.
+    # A replica is closed to new requests when its step, grown by what it would take on, exceeds this share
+    # of the tightest TPOT objective it holds.
     tpot_margin: float = 0.9
+    # A step's fixed cost (weights read once for the whole batch) in sequences' worth: a step of n sequences
+    # takes about (n + fixed_sequences) units. SmolLM2 on 2 CPU cores in bf16: 45, 71 and 140 ms at 1, 8
+    # and 32 sequences (TPOT p50, session 8), about 14; taken lower, so the growth is overestimated.
+    fixed_sequences: float = 8.0
     alpha: float = 0.2  # EWMA weight of each new measurement
 
     def check(self, num_buckets: int) -> None:
@@ -115,6 +127,12 @@ def ttft_budget_ms(objectives: Objectives, waited_s: float) -> int:
     if objectives.ttft_s is None:
         return 0
     return max(1, round((objectives.ttft_s - waited_s) * 1000))
+
+
+def _batch(load: ReplicaLoad) -> int:
+    """The sequences a replica serves at once now: its running batch (which the TPOT gate or its memory
+    may hold well under max_num_seqs), at least 1."""
+    return max(1, min(load.max_num_seqs, load.running))
 
 
 class SloRefused(Exception):
@@ -175,13 +193,23 @@ class SloEstimator:
 
     # ---- the decisions ----
 
-    def takes_decode(self, replica: str, load: ReplicaLoad | None) -> bool:
-        """Whether replica may be offered a new request: its recent step is within the tightest TPOT
-        objective (times the margin) of the requests it holds."""
+    def takes_decode(self, replica: str, load: ReplicaLoad | None, pending: int = 0) -> bool:
+        """Whether replica may be offered a new request: its step, grown by the sequences it would add
+        (those waiting there, the `pending` ones the router sent since its report, and this one), is
+        within the tightest TPOT objective (times the margin) of the requests it holds. Counting what is
+        on its way keeps a burst of admissions, all made on one report, from overshooting together."""
         holding = self._replicas.get(replica)
         if load is None or holding is None or not holding.holding:
             return True
-        return load.step_seconds <= self.policy.tpot_margin * min(holding.holding.values())
+        return self.projected_step(load, pending) <= self.policy.tpot_margin * min(holding.holding.values())
+
+    def projected_step(self, load: ReplicaLoad, pending: int = 0) -> float:
+        """The replica's step once it runs what it holds and is sent, plus one more sequence: its recent
+        step scaled by (sequences + fixed) / (running + fixed), a step costing about fixed_sequences'
+        worth for the whole batch and one unit per sequence."""
+        fixed = self.policy.fixed_sequences
+        sequences = load.running + load.waiting + pending + 1
+        return load.step_seconds * (sequences + fixed) / (load.running + fixed)
 
     def predict_ttft(
         self, loads: dict[str, ReplicaLoad], ahead: int, free_slots: int
@@ -190,7 +218,7 @@ class SloEstimator:
         when nothing is measured yet. loads: the up replicas' last reports."""
         measured = [(t, self._replicas[t]) for t in loads if t in self._replicas]
         firsts = [r.first_token_s for _, r in measured if r.first_token_s is not None]
-        rate = sum(loads[t].max_num_seqs / r.service_s for t, r in measured if r.service_s)
+        rate = sum(_batch(loads[t]) / r.service_s for t, r in measured if r.service_s)
         if not firsts or rate <= 0:
             return None
         ahead += sum(load.waiting for load in loads.values())

@@ -53,6 +53,13 @@ def test_admitted_when_the_queue_drains_in_time():
     assert est.predict_ttft({"a": load()}, ahead=0, free_slots=1) == (pytest.approx(0.2), 0.0)
 
 
+def test_the_queue_drains_at_the_batch_the_replica_runs_not_at_max_num_seqs():
+    # 35 running (the TPOT gate holds it there) of 128 allowed, 10 s a request: 3.5 requests a second.
+    est = measured(service_s=10.0)
+    _, wait = est.predict_ttft({"a": load(running=35, max_num_seqs=128)}, ahead=10, free_slots=0)
+    assert wait == pytest.approx(11 / 3.5)  # with max_num_seqs it was 11 / 12.8: 3.7x too short
+
+
 def test_refused_at_once_when_it_cannot_meet_its_ttft():
     est = measured()
     with pytest.raises(SloRefused, match=r"predicted 5200 ms \(9 requests ahead") as e:
@@ -82,6 +89,17 @@ def test_a_replica_stepping_past_its_requests_tpot_takes_no_new_ones_until_it_dr
     assert est.takes_decode("a", load(step_s=0.095))  # the tight one left: 0.45 s now binds
     est.ended("a", "r2", None)
     assert est.takes_decode("a", load(step_s=5.0))  # holds no objective: open
+
+
+def test_the_step_is_projected_to_the_batch_the_replica_would_run():
+    est = SloEstimator(SloPolicy())  # margin 0.9, fixed 8 sequences' worth
+    est.sent("a", "r1", Objectives(tpot_s=0.2))
+    # 30 running at 0.15 s: one more makes (30 + 1 + 8) / 38 of it.
+    assert est.projected_step(load(running=30, step_s=0.15)) == pytest.approx(0.15 * 39 / 38)
+    assert est.takes_decode("a", load(running=30, step_s=0.15), pending=6)  # 0.1776 s
+    assert not est.takes_decode("a", load(running=30, step_s=0.15), pending=7)  # 0.1816 s > 0.18 s
+    # Those waiting at the scheduler will join the batch too.
+    assert not est.takes_decode("a", load(running=30, waiting=7, step_s=0.15))
 
 
 @dataclass
