@@ -238,7 +238,8 @@ class Engine:
         if cfg.swap_space:
             tier = ", shared with the prefix cache's host tier" if cfg.host_prefix_cache else ""
             gib = cfg.swap_space
-            log.info("swap space: %d host blocks per rank (%.2f GiB)%s", cap.num_host_blocks, gib, tier)
+            level = logging.INFO if cap.num_host_blocks else logging.WARNING  # 0: no swapping, no host tier
+            log.log(level, "swap space: %d host blocks per rank (%.2f GiB)%s", cap.num_host_blocks, gib, tier)
         if self.scheduler is None:
             policy = cfg.resolved_policy(cap.max_model_len)
             self.scheduler = Scheduler(policy, blocks, first.eos_token_ids, host_blocks, self.speculator)
