@@ -1,6 +1,6 @@
 """The small ops of a CPU decode step, from the attention kernel's library (csrc/cpu_paged_attention.cpp):
-an RMS norm (with the residual add before it), rotary on queries and keys in place, and a layer's KV write
-with its attention in one call.
+an RMS norm (with the residual add before it), rotary on queries and keys in place, the gated MLP's
+silu(gate) * up, and a layer's KV write with its attention in one call.
 
 Why: at batch 1 a SmolLM2 step in bfloat16 ran about 250 torch ops besides its matmuls, each a few
 microseconds of dispatch for a few hundred elements (a norm alone was eight: casts both ways, pow, mean,
@@ -8,8 +8,9 @@ add, rsqrt and two products). One ctypes call costs about as much as one torch o
 
 Numerics: each op rounds to the element type where torch rounds when it runs the same computation op by
 op, so results equal the unfused ops' bit for bit, except the norm's mean of squares, summed in another
-order. So the norm is used for half types only (`fused_norm_dtype`): float32 and float64 models keep
-torch's ops, and their outputs stay exactly what they were.
+order, and silu's exp, another polynomial. So those two are used for half types only (`fused_norm_dtype`),
+where the difference is a rare last-bit rounding: float32 and float64 models keep torch's ops there, and
+their outputs stay exactly what they were.
 
 Every function here answers False (or None) when it cannot take its arguments (not CPU, another dtype,
 strides it does not handle, no compiler to build the library), and the caller runs the torch ops.
@@ -55,15 +56,16 @@ def library() -> ctypes.CDLL | None:
     i, i64, ptr, f = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     lib.tp_rms_norm.argtypes = [i, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, f, i, i]
     lib.tp_rotary.argtypes = [i, ptr, i64, i64, i, ptr, i64, i64, i, ptr, ptr, i64, i64, i, i]
+    lib.tp_silu_mul.argtypes = [i, ptr, i64, ptr, i64, i64, i]
     lib.tp_attention_layer.argtypes = [ptr, i, i, ptr, i64, i64, ptr, i64, ptr, i64, ptr, i64, ptr]
     lib.tp_attention_layer.argtypes += [i, i, i, i, f, f, f, i64]
-    for fn in (lib.tp_rms_norm, lib.tp_rotary, lib.tp_attention_layer):
+    for fn in (lib.tp_rms_norm, lib.tp_rotary, lib.tp_silu_mul, lib.tp_attention_layer):
         fn.restype = ctypes.c_int
     return lib
 
 
 def fused_norm_dtype(x: torch.Tensor) -> bool:
-    """Whether rms_norm takes x: a CPU tensor of a half type, 2-D with contiguous rows."""
+    """Whether rms_norm (and silu_mul) take x: a CPU tensor of a half type, 2-D with contiguous rows."""
     return x.dtype in HALF and x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1
 
 
@@ -138,3 +140,17 @@ def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
         torch.get_num_threads(),
     )
     return rc == 0
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up for x's rows [gate | up] ([rows, 2 * inter] -> [rows, inter]), rounded as F.silu
+    and the product round them, for a half type on CPU (float32 keeps torch's silu, whose exp differs in
+    its last bits); None when x is not taken."""
+    if not fused_norm_dtype(x) or x.shape[1] % 2 or (lib := library()) is None:
+        return None
+    inter = x.shape[1] // 2
+    out = torch.empty((x.shape[0], inter), dtype=x.dtype)
+    rc = lib.tp_silu_mul(
+        CODES[x.dtype], x.data_ptr(), x.stride(0), out.data_ptr(), x.shape[0], inter, torch.get_num_threads()
+    )
+    return out if rc == 0 else None

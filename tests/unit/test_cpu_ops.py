@@ -114,6 +114,30 @@ def test_rotary_refuses_float64_and_mixed_dtypes():
     assert not cpu_ops.rotary_(q.float(), k.float(), cos, sin)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rows,inter", [(1, 1536), (3, 5), (64, 1536)])
+def test_silu_mul_matches_the_torch_ops(dtype, rows, inter):
+    """F.silu(gate) * up, but for silu rounded one step of the element type the other way in a few
+    elements (its exp is another polynomial than torch's); gates from -100 to 100, rows with a stride
+    of their own."""
+    gen = torch.Generator().manual_seed(rows + inter)
+    wide = torch.randn(rows, 2 * inter + 4, generator=gen) * 4
+    wide[0, :3] = torch.tensor([-100.0, 100.0, 0.0])
+    x = wide.to(dtype)[:, 2 : 2 + 2 * inter]
+    got = cpu_ops.silu_mul(x)
+    if dtype == torch.float32:
+        assert got is None  # float32 keeps torch's silu
+        return
+    gate, up = x.chunk(2, dim=-1)
+    silu = torch.nn.functional.silu(gate)
+    want = silu * up
+    # One step of silu's rounding (times up), then one of the product's.
+    bound = _spacing(silu) * up.double().abs() + _spacing(want)
+    diff = (got.double() - want.double()).abs()
+    assert bool((diff <= bound).all())
+    assert float((diff > 0).double().mean()) < 0.01
+
+
 def _step(dtype, kv_heads=2, heads=4, d=16):
     """Two decodes and a 20-token prompt (SDPA's part) over scrambled blocks; q/k/v as views of one
     projection's rows."""

@@ -489,6 +489,44 @@ void rotary_rows(const RotaryArgs& a, int64_t tokens, int threads) {
   }
 }
 
+// exp(x) for any x (exp_nonpositive's polynomial over the whole float range; inf above 88.7).
+inline float exp_any(float x) {
+  if (x > 88.7f) return INFINITY;
+  x = x < -87.f ? -87.f : x;
+  const float t = x * 1.44269504088896341f;
+  const float n = __builtin_nearbyintf(t);
+  const float f = t - n;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+// out = silu(gate) * up for rows [gate | up] of x: silu rounded to the element type, then the product, as
+// torch's F.silu and mul round them (silu(g) = g / (1 + exp(-g)) in float32).
+template <int DT>
+void silu_mul_rows(const char* x, int64_t x_stride, char* out, int64_t rows, int64_t inter, int threads) {
+  constexpr int64_t es = DT == F32 ? 4 : 2;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const char* g = x + r * x_stride * es;
+    const char* u = g + inter * es;
+    char* o = out + r * inter * es;
+#pragma omp simd
+    for (int64_t i = 0; i < inter; ++i) {
+      const float gv = get<DT>(g, i);
+      put<DT>(o, i, rnd<DT>(gv / (1.0f + exp_any(-gv))) * get<DT>(u, i));
+    }
+  }
+}
+
 // Above this many elements a call spreads over the threads; below it a parallel region costs more.
 constexpr int64_t kParallelElements = 1 << 16;
 
@@ -549,6 +587,27 @@ int tp_rotary(int dtype, void* q, int64_t q_tok, int64_t q_head, int q_heads, vo
       return 0;
     case F16:
       rotary_rows<F16>(a, tokens, threads);
+      return 0;
+    default:
+      return -2;
+  }
+}
+
+// out [rows, inter] (contiguous) = silu(x[:, :inter]) * x[:, inter:], x's rows x_stride elements apart.
+int tp_silu_mul(int dtype, const void* x, int64_t x_stride, void* out, int64_t rows, int64_t inter,
+                int num_threads) {
+  const char* xs = static_cast<const char*>(x);
+  char* o = static_cast<char*>(out);
+  const int threads = num_threads > 1 && rows > 1 && rows * inter > kParallelElements ? num_threads : 1;
+  switch (dtype) {
+    case F32:
+      silu_mul_rows<F32>(xs, x_stride, o, rows, inter, threads);
+      return 0;
+    case BF16:
+      silu_mul_rows<BF16>(xs, x_stride, o, rows, inter, threads);
+      return 0;
+    case F16:
+      silu_mul_rows<F16>(xs, x_stride, o, rows, inter, threads);
       return 0;
     default:
       return -2;
