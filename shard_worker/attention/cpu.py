@@ -43,6 +43,7 @@ class CpuMetadata:
     prefills: tuple[tuple[int, int, int, int], ...]  # (sequence, first row, query length, context length)
     plan: cpu_ops.StepPlan | None = None  # the same rows for tp_attention_layer (None: no library)
     plan_address: int = 0
+    num_tokens: int = 0  # the step's rows (the plan's slots)
 
 
 class CpuBackend(AttentionBackend):
@@ -80,25 +81,27 @@ class CpuBackend(AttentionBackend):
         tokens, seq, positions = as_tensor(tokens), as_tensor(seq), as_tensor(positions)
         plan = _plan(batch, tokens, seq, positions)
         address = ctypes.addressof(plan) if plan is not None else 0
-        return CpuMetadata(tokens, seq, positions, prefills, plan, address)
+        return CpuMetadata(tokens, seq, positions, prefills, plan, address, batch.num_tokens)
 
     def forward(self, layer, q, k, v, kv_cache, ctx):
         md: CpuMetadata = ctx.metadata
-        _, _, block_size, kv_heads, d = kv_cache.shape
+        _, num_blocks, block_size, kv_heads, d = kv_cache.shape
+        # k and v: [tokens, kv_heads, d] with whole heads contiguous (views of the q/k/v projection's rows).
         if (
             md.plan is None
             or kv_cache.dtype != q.dtype
-            or k.shape[1:] != kv_cache.shape[3:]
-            or not (q.shape[0] == k.shape[0] == v.shape[0] == md.plan.num_tokens)
+            or not (q.shape[0] == k.shape[0] == v.shape[0] == md.num_tokens)
+            or k.shape[1] != kv_heads
+            or k.shape[2] != d
             or q.stride(2) != 1
-            or k.stride(1) != d
-            or k.stride(2) != 1
-            or v.stride(1) != d
-            or v.stride(2) != 1
+            or k.stride()[1:] != (d, 1)
+            or v.stride()[1:] != (d, 1)
             or not kv_cache.is_contiguous()
         ):
             return super().forward(layer, q, k, v, kv_cache, ctx)
-        out = torch.empty(q.shape, dtype=q.dtype)
+        out = torch.empty_like(q)  # q is not dense (a view of the projection's rows): out is contiguous
+        if not out.is_contiguous():
+            out = torch.empty(q.shape, dtype=q.dtype)
         code = cpu_kernel.DTYPE_CODES[q.dtype]
         rc = cpu_ops.library().tp_attention_layer(
             md.plan_address,
@@ -112,7 +115,7 @@ class CpuBackend(AttentionBackend):
             v.data_ptr(),
             v.stride(0),
             kv_cache.data_ptr(),
-            kv_cache.shape[1],
+            num_blocks,
             out.data_ptr(),
             q.shape[1],
             kv_heads,
