@@ -1,6 +1,6 @@
 """The small ops of a CPU decode step, from the attention kernel's library (csrc/cpu_paged_attention.cpp):
 an RMS norm (with the residual add before it), rotary on queries and keys in place, the gated MLP's
-silu(gate) * up, and a layer's KV write with its attention in one call.
+silu(gate) * up, a layer's KV write with its attention in one call, and the greedy sampler's argmax.
 
 Why: at batch 1 a SmolLM2 step in bfloat16 ran about 250 torch ops besides its matmuls, each a few
 microseconds of dispatch for a few hundred elements (a norm alone was eight: casts both ways, pow, mean,
@@ -57,9 +57,10 @@ def library() -> ctypes.CDLL | None:
     lib.tp_rms_norm.argtypes = [i, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, f, i, i]
     lib.tp_rotary.argtypes = [i, ptr, i64, i64, i, ptr, i64, i64, i, ptr, ptr, i64, i64, i, i]
     lib.tp_silu_mul.argtypes = [i, ptr, i64, ptr, i64, i64, i]
+    lib.tp_argmax.argtypes = [ptr, i64, i64, i64, ptr]
     lib.tp_attention_layer.argtypes = [ptr, i, i, ptr, i64, i64, ptr, i64, ptr, i64, ptr, i64, ptr]
     lib.tp_attention_layer.argtypes += [i, i, i, i, f, f, f, i64]
-    for fn in (lib.tp_rms_norm, lib.tp_rotary, lib.tp_silu_mul, lib.tp_attention_layer):
+    for fn in (lib.tp_rms_norm, lib.tp_rotary, lib.tp_silu_mul, lib.tp_argmax, lib.tp_attention_layer):
         fn.restype = ctypes.c_int
     return lib
 
@@ -155,4 +156,16 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor | None:
     rc = lib.tp_silu_mul(
         CODES[x.dtype], x.data_ptr(), x.stride(0), out.data_ptr(), x.shape[0], inter, torch.get_num_threads()
     )
+    return out if rc == 0 else None
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor | None:
+    """x.argmax(dim=-1) of float32 CPU rows [rows, cols] (the same index, ties and NaN included), about
+    twenty times faster than torch's at a 49k vocabulary; None when x is not taken."""
+    if x.dtype != torch.float32 or not x.is_cpu or x.dim() != 2 or x.stride(1) != 1 or not x.shape[1]:
+        return None
+    if (lib := library()) is None:
+        return None
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    rc = lib.tp_argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
     return out if rc == 0 else None

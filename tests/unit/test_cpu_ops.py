@@ -176,3 +176,23 @@ def test_layer_call_refuses_a_slot_outside_the_cache():
     with pytest.raises(ValueError, match="code -4"):
         backend.forward(layer, q, k, v, small, ctx)
     assert torch.equal(small, before)  # nothing written
+
+
+def test_argmax_is_torch_argmax():
+    """The same index as torch.argmax: random rows of a vocabulary that is no multiple of the block, ties
+    (the first), a NaN (the first NaN), all -inf, one column, rows with a stride of their own."""
+    gen = torch.Generator().manual_seed(4)
+    wide = torch.randn(9, 49157, generator=gen)
+    wide[1, 70] = wide[1, 5000] = 50.0  # a tie across blocks
+    wide[2, 3] = wide[2, 40000] = float("nan")
+    wide[2, 10] = float("inf")
+    wide[3] = float("-inf")
+    wide[4, 49150] = 60.0  # the last, partial block
+    wide[5, :100] = 0.0
+    wide[5, 100:] = -1.0
+    wide[5, 7] = -0.0  # -0.0 == 0.0: the first of them
+    x = wide[:, 2:49155]
+    assert torch.equal(cpu_ops.argmax(x), x.argmax(dim=-1))
+    one = torch.randn(3, 1, generator=gen)
+    assert torch.equal(cpu_ops.argmax(one), one.argmax(dim=-1))
+    assert cpu_ops.argmax(x.bfloat16()) is None  # float32 only: the sampler's logits
