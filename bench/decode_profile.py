@@ -1,13 +1,15 @@
 """Where one decode step's time goes inside the worker: ModelRunner.execute on the real model, by op class.
 
     python -m bench.decode_profile [--model models/smollm2|x.gguf] [--batch 1 8 32] [--context 160]
-                                   [--threads 2] [--steps 30] [--top] [--matmul]
+                                   [--threads 2] [--steps 30] [--top] [--matmul] [--profile bfloat16:cpu]
 
-Builds a worker's ModelRunner (one rank, float32, flex attention), fills a KV cache, and times decode steps
-of `batch` greedy sequences at `context` tokens each (the issue's workload: prompts ~128, outputs 64).
-Prints the median wall time of execute() and a torch.profiler breakdown of self CPU time by op class:
-matmuls (projections, MLP, LM head), attention (the compiled flex kernel), norms/rotary/activations
-(the elementwise ops between matmuls), sampling, and everything else (indexing, step metadata).
+Builds a worker's ModelRunner (one rank; --profile's dtype and backend, float32 flex by default), fills a
+KV cache, and times decode steps of `batch` greedy sequences at `context` tokens each (the issue's
+workload: prompts ~128, outputs 64). Prints the median wall time of execute() and a torch.profiler
+breakdown of self CPU time by op class: matmuls (projections, MLP, LM head), attention (the compiled flex
+kernel), norms/rotary/activations (the elementwise ops between matmuls), sampling, and everything else
+(indexing, step metadata); with the torch ops traced per step and their ms. The cpu backend's ctypes
+calls (its attention; the norms, rotary and silu of half types: attention/cpu_ops.py) are not traced.
 
 --matmul times only the step's matmuls (weights streamed from memory), float32 against bfloat16.
 --quant: float32, bf16, online int8 and fp8 linear weights (--quantization), execute() at each batch and
@@ -122,10 +124,14 @@ def measure(runner: ModelRunner, batch: int, context: int, steps: int, top: bool
         for _ in range(5):
             runner.execute(step, states)
     by_class: dict[str, float] = defaultdict(float)
+    calls = 0
     for evt in prof.key_averages():
         by_class[op_class(evt.key)] += evt.self_cpu_time_total
+        calls += evt.count
     total = sum(by_class.values()) or 1.0
-    result = {"execute ms": statistics.median(times) * 1e3}
+    # Torch ops only: the cpu backend's ctypes calls (attention, and on half types the norms, rotary and
+    # silu) and Python between ops are not traced; traced ms is what the classes below divide.
+    result = {"execute ms": statistics.median(times) * 1e3, "traced ms": total / 5e3, "ops": calls / 5}
     result.update(
         {
             cls: 100.0 * by_class[cls] / total
@@ -374,6 +380,13 @@ def main() -> None:
     p.add_argument(
         "--kv-cache-dtype", default=None, help="--variants: the KV cache's dtype (default: --dtype's)"
     )
+    p.add_argument(
+        "--profile",
+        default="float32:flex",
+        metavar="DTYPE:BACKEND[:LINEAR]",
+        help="the variant the op-class profile runs (e.g. bfloat16:cpu, what --dtype auto serves on "
+        "AVX-512-BF16)",
+    )
     a = p.parse_args()
     a.model = gguf_model.model_dir(a.model)  # a .gguf file: served from the file (common/gguf_model.py)
     torch.set_num_threads(a.threads)
@@ -392,13 +405,20 @@ def main() -> None:
             f32, bf16 = matmul_ms(config, b, torch.float32), matmul_ms(config, b, torch.bfloat16)
             print(f"batch {b:3d}: matmuls float32 {f32:.1f} ms, bfloat16 {bf16:.1f} ms ({f32 / bf16:.2f}x)")
         return
-    # float32 only: the flex backend refuses half types on CPU.
-    runner = ModelRunner(a.model, torch.float32, torch.device("cpu"), TensorParallel())
+    dtype, backend, *linear = a.profile.split(":")
+    runner = ModelRunner(
+        a.model,
+        getattr(torch, dtype),
+        torch.device("cpu"),
+        TensorParallel(),
+        attention_backend=backend,
+        linear_dtype=getattr(torch, linear[0]) if linear else None,
+    )
     per_seq = -(-a.context // BLOCK_SIZE)
     runner.allocate_kv_cache(1 + max(a.batch) * per_seq, BLOCK_SIZE)
     runner.warm_up(BLOCK_SIZE)
     runner.allocate_kv_cache(1 + max(a.batch) * per_seq, BLOCK_SIZE)
-    print(f"threads {a.threads}, context {a.context}, float32: self CPU time by op class (%)")
+    print(f"threads {a.threads}, context {a.context}, {a.profile}: self CPU time by op class (%)")
     for b in a.batch:
         r = measure(runner, b, a.context, a.steps, a.top)
         cells = "  ".join(f"{k} {v:.1f}" for k, v in r.items())

@@ -11,16 +11,22 @@ Why not flex attention, the float32 path before it: flex's compiled call costs a
 batch-1 decode step (dynamo's guards on the block mask's tensors alone ~0.16 ms), 30 layers of it 10-15%
 of a SmolLM2 step; and on CPU flex in bfloat16 measured 2.5x slower than in float32, so a bf16 model could
 not use it at all. The kernel needs no compilation at start-up beyond its one-second build.
+
+A layer's call is one ctypes call (cpu_ops.py: its keys and values written to their slots, then attended)
+over a plan of the step's rows built once by prepare, rather than a cache write of torch ops and a call
+whose two dozen arguments were checked and converted again in every layer. Caches of another element type
+than the queries (fp8) take the torch write and the per-call path.
 """
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from shard_worker.attention import cpu_kernel
+from shard_worker.attention import cpu_kernel, cpu_ops
 from shard_worker.attention.backend import AttentionBackend, AttentionContext, StepBatch
 from shard_worker.attention.reference import attend_sequence
 
@@ -35,6 +41,9 @@ class CpuMetadata:
     seq: torch.Tensor  # [n] int64 their sequences
     positions: torch.Tensor  # [n] int64 their positions
     prefills: tuple[tuple[int, int, int, int], ...]  # (sequence, first row, query length, context length)
+    plan: cpu_ops.StepPlan | None = None  # the same rows for tp_attention_layer (None: no library)
+    plan_address: int = 0
+    num_tokens: int = 0  # the step's rows (the plan's slots)
 
 
 class CpuBackend(AttentionBackend):
@@ -69,7 +78,58 @@ class CpuBackend(AttentionBackend):
             (int(s), int(starts[s]), int(q_lens[s]), int(c_lens[s])) for s in np.flatnonzero(~short)
         )
         as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))  # noqa: E731
-        return CpuMetadata(as_tensor(tokens), as_tensor(seq), as_tensor(positions), prefills)
+        tokens, seq, positions = as_tensor(tokens), as_tensor(seq), as_tensor(positions)
+        plan = _plan(batch, tokens, seq, positions)
+        address = ctypes.addressof(plan) if plan is not None else 0
+        return CpuMetadata(tokens, seq, positions, prefills, plan, address, batch.num_tokens)
+
+    def forward(self, layer, q, k, v, kv_cache, ctx):
+        md: CpuMetadata = ctx.metadata
+        _, num_blocks, block_size, kv_heads, d = kv_cache.shape
+        # k and v: [tokens, kv_heads, d] with whole heads contiguous (views of the q/k/v projection's rows).
+        if (
+            md.plan is None
+            or kv_cache.dtype != q.dtype
+            or not (q.shape[0] == k.shape[0] == v.shape[0] == md.num_tokens)
+            or k.shape[1] != kv_heads
+            or k.shape[2] != d
+            or q.stride(2) != 1
+            or k.stride()[1:] != (d, 1)
+            or v.stride()[1:] != (d, 1)
+            or not kv_cache.is_contiguous()
+        ):
+            return super().forward(layer, q, k, v, kv_cache, ctx)
+        out = torch.empty_like(q)  # q is not dense (a view of the projection's rows): out is contiguous
+        if not out.is_contiguous():
+            out = torch.empty(q.shape, dtype=q.dtype)
+        code = cpu_kernel.DTYPE_CODES[q.dtype]
+        rc = cpu_ops.library().tp_attention_layer(
+            md.plan_address,
+            code,
+            code,
+            q.data_ptr(),
+            q.stride(0),
+            q.stride(1),
+            k.data_ptr(),
+            k.stride(0),
+            v.data_ptr(),
+            v.stride(0),
+            kv_cache.data_ptr(),
+            num_blocks,
+            out.data_ptr(),
+            q.shape[1],
+            kv_heads,
+            d,
+            block_size,
+            layer.scale,
+            1.0,
+            1.0,
+            layer.sliding_window or 0,
+        )
+        if rc != 0:
+            raise ValueError(f"the CPU attention kernel refused its arguments (code {rc})")
+        self._prefills(layer, q, kv_cache, ctx, out)
+        return out
 
     def attend(self, layer, q: torch.Tensor, kv_cache: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         md: CpuMetadata = ctx.metadata
@@ -88,9 +148,34 @@ class CpuBackend(AttentionBackend):
             layer.v_scale,
             layer.sliding_window,
         )
-        for seq, start, q_len, c_len in md.prefills:
-            out[start : start + q_len] = attend_sequence(layer, q, kv_cache, table[seq], start, q_len, c_len)
+        self._prefills(layer, q, kv_cache, ctx, out)
         return out
+
+    def _prefills(self, layer, q, kv_cache, ctx, out) -> None:
+        table = ctx.batch.block_table
+        for seq, start, q_len, c_len in ctx.metadata.prefills:
+            out[start : start + q_len] = attend_sequence(layer, q, kv_cache, table[seq], start, q_len, c_len)
+
+
+def _plan(batch: StepBatch, tokens, seq, positions) -> cpu_ops.StepPlan | None:
+    """The step's rows for tp_attention_layer; None without the library. The metadata keeps the tensors
+    it points into alive."""
+    table, slots = batch.block_table, batch.slot_mapping
+    if cpu_ops.library() is None or table.dtype != torch.int32 or table.stride(1) != 1:
+        return None
+    if slots.dtype != torch.int64 or not slots.is_contiguous():
+        return None
+    return cpu_ops.StepPlan(
+        tokens.data_ptr(),
+        seq.data_ptr(),
+        positions.data_ptr(),
+        tokens.shape[0],
+        table.data_ptr(),
+        table.stride(0),
+        slots.data_ptr(),
+        slots.shape[0],
+        torch.get_num_threads(),
+    )
 
 
 def _ranks(counts: np.ndarray) -> np.ndarray:

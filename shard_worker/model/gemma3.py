@@ -42,8 +42,8 @@ class Gemma3DecoderLayer(nn.Module):
 
     def forward(self, h, rope, ctx, kv_cache: torch.Tensor) -> torch.Tensor:
         a = self.self_attn(self.input_layernorm(h), rope, ctx, kv_cache)
-        h = h + self.post_attention_layernorm(a)
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        h, x = self.pre_feedforward_layernorm.add_forward(h, self.post_attention_layernorm(a))
+        return h + self.post_feedforward_layernorm(self.mlp(x))
 
 
 class Gemma3ForCausalLM(CausalLM):

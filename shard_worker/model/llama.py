@@ -27,8 +27,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, h, rope, ctx, kv_cache: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), rope, ctx, kv_cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        a = self.self_attn(self.input_layernorm(h), rope, ctx, kv_cache)
+        h, x = self.post_attention_layernorm.add_forward(h, a)
+        return h + self.mlp(x)
 
     def make_mlp(self, config: ModelConfig, layer_idx: int, tp: TensorParallel) -> nn.Module:
         return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, tp)

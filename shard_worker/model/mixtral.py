@@ -42,8 +42,9 @@ class MixtralDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, h, rope, ctx, kv_cache: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), rope, ctx, kv_cache)
-        return h + self.block_sparse_moe(self.post_attention_layernorm(h))
+        a = self.self_attn(self.input_layernorm(h), rope, ctx, kv_cache)
+        h, x = self.post_attention_layernorm.add_forward(h, a)
+        return h + self.block_sparse_moe(x)
 
 
 class MixtralForCausalLM(CausalLM):

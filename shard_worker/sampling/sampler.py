@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import torch
 
+from shard_worker.attention import cpu_ops
 from shard_worker.sampling.draw import greedy_or_draw, probabilities
 from shard_worker.sampling.grammar import GrammarCompiler, GrammarProcessor
 from shard_worker.sampling.processors import (
@@ -166,7 +167,11 @@ class Sampler:
                 p.apply([states[i] for i in members], torch.tensor(members, device=self.device), edited)
         edited = logits if edited is None else edited
         if all(s.config.greedy for s in states):
-            tokens = edited.argmax(dim=-1)  # the draw is the only work this skips
+            # The draw is the only work this skips. On CPU a vectorised argmax: torch's compares one
+            # element at a time (0.5 ms for 8 rows of a 49k vocabulary).
+            tokens = cpu_ops.argmax(edited)
+            if tokens is None:
+                tokens = edited.argmax(dim=-1)
         else:
             tokens = greedy_or_draw(states, edited, self._generator)
         if verify:

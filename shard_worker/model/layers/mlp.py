@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shard_worker.attention import cpu_ops
 from shard_worker.model.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from shard_worker.parallel import TensorParallel
 
@@ -28,5 +29,8 @@ class GatedMLP(nn.Module):
         self.act = ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.act is F.silu and (h := cpu_ops.silu_mul(gate_up)) is not None:  # CPU, half types: one call
+            return self.down_proj(h)
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shard_worker.attention import Attention
+from shard_worker.attention import Attention, cpu_ops
 from shard_worker.model.config import ModelConfig
 from shard_worker.model.layers.linear import QKVParallelLinear, RowParallelLinear
 from shard_worker.model.layers.rotary import apply_rotary
@@ -56,6 +56,7 @@ class SelfAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if not cpu_ops.rotary_(q, k, cos, sin):  # in place on CPU, one call for both
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         o = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim), kv_cache, ctx)
         return self.o_proj(o.reshape(o.shape[0], -1))
