@@ -1,0 +1,125 @@
+"""A CPU linear kernel of our own (csrc/cpu_linear.cpp) for the unquantized float32 and bfloat16 weights:
+the weight repacked once into row blocks streamed sequentially, a pass over it per call whatever the
+number of input rows up to 8 (register-blocked chunks above), float32 sums.
+
+Why: a decode step is ~78% linear products, and at small batch they are bound by how fast the weights
+stream from memory. oneDNN's prepacked bf16 product reads SmolLM2's 269 MB of linear weights at 6.9 GB/s
+at batch 1 (one thread, AVX-512-BF16 EPYC), where one core streams 14-18 GB/s; this kernel's figures are
+in bench/decode_profile.py.
+
+`PackedLinear.pack(weight)` holds the layout (weight dtype float32 or bfloat16: bfloat16 16-row blocks
+with k in pairs, float32 16-row blocks with AVX-512F, 8-row ones with AVX2); `linear(x, packed, bias)`
+multiplies x [..., K] in float32 or bfloat16 (x is rounded to bfloat16 for a bfloat16 weight, as
+unquantized.linear rounds it) and returns y in x's dtype. `available(dtype)`: whether this machine builds
+the kernel with vector instructions for that weight dtype (else the caller keeps oneDNN; the library's
+plain-loop paths then serve only tests).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from shard_worker import cpu_ext
+
+EXT = cpu_ext.Extension(
+    "cpu_linear",
+    Path(__file__).with_name("csrc") / "cpu_linear.cpp",
+    "tp_linear_abi",
+    1,
+    "the CPU linear kernel",
+)
+CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+@functools.cache
+def library(variant: str = "native") -> ctypes.CDLL:
+    lib = EXT.load(variant)
+    i, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+    lib.tp_linear.argtypes = [i, i, ptr, ptr, ptr, i, ptr, i64, i64, i64, i]
+    lib.tp_linear.restype = i
+    return lib
+
+
+@functools.cache
+def available(weight_dtype: torch.dtype) -> bool:
+    """Whether this CPU runs the kernel with vector instructions for weights of this dtype."""
+    if weight_dtype not in CODES or EXT.unavailable() is not None:
+        return False
+    return bool(library().tp_linear_native(CODES[weight_dtype]))
+
+
+class PackedLinear:
+    """A [N, K] weight in the kernel's layout: `data` [N / R, K2 / 2, R, 2] (bfloat16) or [N / R, K, R]
+    (float32), zero rows and a zero column padding N and K; `nbytes` for weight_bytes
+    (model/quant/base.py)."""
+
+    def __init__(self, data: torch.Tensor, out_features: int, in_features: int, variant: str):
+        self.data, self.variant = data, variant
+        self.out_features, self.in_features = out_features, in_features
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    @classmethod
+    def pack(cls, weight: torch.Tensor, variant: str = "native") -> PackedLinear:
+        n, k = weight.shape
+        rows = library(variant).tp_linear_rows(CODES[weight.dtype])
+        blocks = -(-n // rows)
+        w = weight.detach()
+        if weight.dtype == torch.bfloat16:
+            k2 = k + k % 2
+            w = F.pad(w, (0, k2 - k, 0, blocks * rows - n))
+            data = w.reshape(blocks, rows, k2 // 2, 2).permute(0, 2, 1, 3).contiguous()
+        else:
+            w = F.pad(w, (0, 0, 0, blocks * rows - n))
+            data = w.reshape(blocks, rows, k).permute(0, 2, 1).contiguous()
+        return cls(data, n, k, variant)
+
+    def unpack(self) -> torch.Tensor:
+        """The [N, K] weight back."""
+        if self.data.dim() == 4:
+            blocks, pairs, rows, _ = self.data.shape
+            w = self.data.permute(0, 2, 1, 3).reshape(blocks * rows, pairs * 2)
+        else:
+            blocks, k, rows = self.data.shape
+            w = self.data.permute(0, 2, 1).reshape(blocks * rows, k)
+        return w[: self.out_features, : self.in_features]
+
+
+def linear(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b in x's dtype (float32 or bfloat16), summed in float32; threads: torch's."""
+    k, n = packed.in_features, packed.out_features
+    if x.shape[-1] != k or x.dtype not in CODES:
+        raise ValueError(f"x {tuple(x.shape)} {x.dtype} against a packed [{n}, {k}] {packed.dtype} weight")
+    x2 = x.reshape(-1, k)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    y = torch.empty(x2.shape[0], n, dtype=x.dtype)
+    if bias is not None and (bias.dtype not in CODES or not bias.is_contiguous()):
+        bias = bias.float().contiguous()
+    rc = library(packed.variant).tp_linear(
+        CODES[x.dtype],
+        CODES[packed.dtype],
+        x2.data_ptr(),
+        y.data_ptr(),
+        packed.data.data_ptr(),
+        CODES[bias.dtype] if bias is not None else 0,
+        bias.data_ptr() if bias is not None else None,
+        x2.shape[0],
+        n,
+        k,
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise ValueError(f"the CPU linear kernel refused its arguments (code {rc})")
+    return y.view(*x.shape[:-1], n)
