@@ -61,6 +61,8 @@ class PackedLinear:
     def __init__(self, data: torch.Tensor, out_features: int, in_features: int, variant: str):
         self.data, self.variant = data, variant
         self.out_features, self.in_features = out_features, in_features
+        # What each call passes, looked up once (a decode step makes a few hundred calls).
+        self.fn, self.ptr, self.code = library(variant).tp_linear, data.data_ptr(), CODES[data.dtype]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -99,27 +101,21 @@ class PackedLinear:
 def linear(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T + b in x's dtype (float32 or bfloat16), summed in float32; threads: torch's."""
     k, n = packed.in_features, packed.out_features
-    if x.shape[-1] != k or x.dtype not in CODES:
+    code = CODES.get(x.dtype)
+    if x.shape[-1] != k or code is None:
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} against a packed [{n}, {k}] {packed.dtype} weight")
-    x2 = x.reshape(-1, k)
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)
     if not x2.is_contiguous():
         x2 = x2.contiguous()
-    y = torch.empty(x2.shape[0], n, dtype=x.dtype)
+    m = x2.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype)
     if bias is not None and (bias.dtype not in CODES or not bias.is_contiguous()):
         bias = bias.float().contiguous()
-    rc = library(packed.variant).tp_linear(
-        CODES[x.dtype],
-        CODES[packed.dtype],
-        x2.data_ptr(),
-        y.data_ptr(),
-        packed.data.data_ptr(),
-        CODES[bias.dtype] if bias is not None else 0,
-        bias.data_ptr() if bias is not None else None,
-        x2.shape[0],
-        n,
-        k,
-        torch.get_num_threads(),
+    bias_code, bias_ptr = (0, None) if bias is None else (CODES[bias.dtype], bias.data_ptr())
+    threads = torch.get_num_threads()
+    rc = packed.fn(
+        code, packed.code, x2.data_ptr(), y.data_ptr(), packed.ptr, bias_code, bias_ptr, m, n, k, threads
     )
     if rc != 0:
         raise ValueError(f"the CPU linear kernel refused its arguments (code {rc})")
-    return y.view(*x.shape[:-1], n)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], n)

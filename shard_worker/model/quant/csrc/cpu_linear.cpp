@@ -319,12 +319,14 @@ void run(const Call& c, int threads) {
   const int64_t bstride = steps * (std::is_same<X, uint32_t>::value ? 2 : 1) * Kern::ROWS;
   const int64_t blocks = (c.n + Kern::ROWS - 1) / Kern::ROWS;
   const bool one_chunk = c.m <= Kern::MB_MAX;
-  const int nb_tile = Kern::nb_for(c.m);
   const int chunk = one_chunk ? static_cast<int>(c.m) : Kern::MB_BIG;
   const int64_t piece = one_chunk ? steps : K_CHUNK;
   const int64_t group = one_chunk ? c.m : ROW_GROUP;
-  const int64_t tiles = (blocks + nb_tile - 1) / nb_tile;
   const int64_t groups = (c.m + group - 1) / group;
+  // Narrower tiles where wide ones would leave threads idle or unevenly loaded (a narrow layer).
+  int nb_tile = Kern::nb_for(c.m);
+  while (threads > 1 && nb_tile > 1 && (blocks + nb_tile - 1) / nb_tile * groups < 4 * threads) --nb_tile;
+  const int64_t tiles = (blocks + nb_tile - 1) / nb_tile;
   const int64_t items = tiles * groups;
   const bool round = c.x_dtype == F32 && std::is_same<X, uint32_t>::value;
 
