@@ -22,6 +22,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
@@ -61,6 +62,7 @@ class Extension:
     def __init__(self, name: str, source: Path, abi_symbol: str, abi: int, what: str):
         self.name, self.source, self.abi_symbol, self.abi, self.what = name, source, abi_symbol, abi, what
         self._loaded: dict[str, ctypes.CDLL | Exception] = {}
+        self._lock = threading.Lock()  # one build at a time: a second caller waits for the first's
 
     def flags(self, variant: str) -> tuple[str, ...]:
         return FLAGS + VARIANTS[variant]
@@ -100,11 +102,14 @@ class Extension:
         (remembered: one attempt per process and flag set, until `forget()`)."""
         got = self._loaded.get(variant)
         if got is None:
-            try:
-                got = self._load(variant)
-            except (KernelUnavailable, OSError, subprocess.SubprocessError) as e:
-                got = e
-            self._loaded[variant] = got
+            with self._lock:
+                got = self._loaded.get(variant)
+                if got is None:
+                    try:
+                        got = self._load(variant)
+                    except (KernelUnavailable, OSError, subprocess.SubprocessError) as e:
+                        got = e
+                    self._loaded[variant] = got
         if isinstance(got, Exception):
             raise got
         return got
@@ -120,6 +125,11 @@ class Extension:
         if getattr(lib, self.abi_symbol)() != self.abi:
             raise KernelUnavailable(f"{path} is another version of {self.what}")
         return lib
+
+    def build_in_background(self) -> None:
+        """Start building (or loading) the native library on a thread, so that a cold start compiles it
+        beside other work; the first load() waits for it."""
+        threading.Thread(target=self.unavailable, name=f"build {self.name}", daemon=True).start()
 
     def forget(self) -> None:
         """Load again on the next call (tests: a new process, as far as the cache is concerned)."""
