@@ -36,7 +36,7 @@ enum Dtype { F32 = 0, BF16 = 1 };
 
 constexpr int ACC_LD = 64;       // floats per accumulator row: up to 4 blocks of 16
 constexpr int64_t K_CHUNK = 1024;  // k steps per piece when rows come in several chunks
-constexpr int ROW_GROUP = 48;      // input rows per work item (a multiple of every chunk size)
+constexpr int ROW_GROUP = 48;      // at most this many input rows per work item
 constexpr int PREFETCH = 8;        // k steps ahead (lines of a block's stream)
 
 inline float bf16_to_f32(uint16_t h) {
@@ -319,10 +319,10 @@ void run(const Call& c, int threads) {
   const int64_t bstride = steps * (std::is_same<X, uint32_t>::value ? 2 : 1) * Kern::ROWS;
   const int64_t blocks = (c.n + Kern::ROWS - 1) / Kern::ROWS;
   const bool one_chunk = c.m <= Kern::MB_MAX;
-  const int chunk = one_chunk ? static_cast<int>(c.m) : Kern::MB_BIG;
   const int64_t piece = one_chunk ? steps : K_CHUNK;
-  const int64_t group = one_chunk ? c.m : ROW_GROUP;
-  const int64_t groups = (c.m + group - 1) / group;
+  // Rows in groups of at most ROW_GROUP, of near-equal sizes (50 rows: 25 + 25, not 48 + 2).
+  const int64_t groups = one_chunk ? 1 : (c.m + ROW_GROUP - 1) / ROW_GROUP;
+  const int64_t group = (c.m + groups - 1) / groups;
   // Narrower tiles where wide ones would leave threads idle or unevenly loaded (a narrow layer).
   int nb_tile = Kern::nb_for(c.m);
   while (threads > 1 && nb_tile > 1 && (blocks + nb_tile - 1) / nb_tile * groups < 4 * threads) --nb_tile;
@@ -333,6 +333,8 @@ void run(const Call& c, int threads) {
   auto work = [&](int64_t item, std::vector<float>& acc) {
     const int64_t tile = item / groups, g0 = (item % groups) * group;
     const int64_t rows = std::min(group, c.m - g0);
+    // The group's rows in chunks that fill the registers, of near-equal sizes (16: 6 + 5 + 5).
+    const int64_t chunks = one_chunk ? 1 : (rows + Kern::MB_BIG - 1) / Kern::MB_BIG;
     const int64_t b0 = tile * nb_tile;
     const int nb = static_cast<int>(std::min<int64_t>(nb_tile, blocks - b0));
     acc.resize(rows * ACC_LD);
@@ -341,10 +343,12 @@ void run(const Call& c, int threads) {
       t.s0 = s0;
       t.s1 = std::min(steps, s0 + piece);
       t.accumulate = s0 > 0;
-      for (int64_t m0 = 0; m0 < rows; m0 += chunk) {
+      for (int64_t i = 0, m0 = 0; i < chunks; ++i) {
+        const int64_t mb = (rows - m0) / (chunks - i) + ((rows - m0) % (chunks - i) ? 1 : 0);
         t.x = x + (g0 + m0) * ldx;
         t.acc = acc.data() + m0 * ACC_LD;
-        by_mb<Kern>(static_cast<int>(std::min<int64_t>(chunk, rows - m0)), nb, t);
+        by_mb<Kern>(static_cast<int>(mb), nb, t);
+        m0 += mb;
       }
     }
     const int64_t n0 = b0 * Kern::ROWS;
