@@ -2,6 +2,7 @@
 F.linear on a model's linear shapes: each layer's weights once, like a step, per number of input rows.
 
     python -m bench.cpu_linear [--model models/smollm2] [--rows 1 8 32 512] [--threads 1] [--dtype bfloat16]
+                               [--variant native|avx2]
 
 Prints ms per pass over all of the model's linear weights (its layers' projections and the LM head) and the
 weight bytes streamed per second. Also holds what bench/decode_profile.py uses to compare packings.
@@ -102,7 +103,14 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument(
+        "--variant",
+        default="native",
+        help="the kernel's flag set (shard_worker/cpu_ext.py): avx2 measures an AVX2-only CPU's path here "
+        "(with ONEDNN_MAX_CPU_ISA=AVX2 in the environment for oneDNN's)",
+    )
     a = p.parse_args()
+    cpu_linear.VARIANT = a.variant
     torch.set_num_threads(a.threads)
     torch.set_flush_denormal(True)
     dtype = getattr(torch, a.dtype)
@@ -117,7 +125,7 @@ def main() -> None:
         "onednn": lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
         "plain": F.linear,
     }
-    native = cpu_linear.available(dtype)
+    native = bool(cpu_linear.library(a.variant).tp_linear_native(cpu_linear.CODES[dtype]))
     print(
         f"{len(plain)} products, {nbytes / 1e6:.0f} MB of {a.dtype} weights, {a.threads} thread(s); kernel "
         f"{'native' if native else 'in plain loops (no vector path for this dtype here)'}"

@@ -52,6 +52,7 @@ from bench.cpu_linear import PACKINGS, packing_as, prefill_ms, visible_cpu_linea
 from common import gguf_model
 from common.sampling import SamplingConfig
 from shard_worker.model.config import ModelConfig
+from shard_worker.model.quant import cpu_linear
 from shard_worker.model_runner import ModelRunner
 from shard_worker.parallel import TensorParallel
 from shard_worker.step import SequenceInit, StepInputs
@@ -390,7 +391,8 @@ def main() -> None:
         "--kv-cache-dtype", default=None, help="--variants: the KV cache's dtype (default: --dtype's)"
     )
     a = p.parse_args()
-    a.model = gguf_model.model_dir(a.model)  # a .gguf file: served from the file (common/gguf_model.py)
+    a.model = gguf_model.model_dir(a.model)
+    cpu_linear.VARIANT = a.linear_variant  # a .gguf file: served from the file (common/gguf_model.py)
     torch.set_num_threads(a.threads)
     if a.linear:
         compare_linear(a)

@@ -34,6 +34,9 @@ EXT = cpu_ext.Extension(
     "the CPU linear kernel",
 )
 CODES = {torch.float32: 0, torch.bfloat16: 1}
+# The flag set (cpu_ext.VARIANTS) layers are packed for: "native" except to measure another CPU's path
+# here (bench: "avx2", as an AVX2-only machine would run).
+VARIANT = "native"
 
 
 @functools.cache
@@ -45,12 +48,11 @@ def library(variant: str = "native") -> ctypes.CDLL:
     return lib
 
 
-@functools.cache
 def available(weight_dtype: torch.dtype) -> bool:
     """Whether this CPU runs the kernel with vector instructions for weights of this dtype."""
-    if weight_dtype not in CODES or EXT.unavailable() is not None:
+    if weight_dtype not in CODES or EXT.unavailable(VARIANT) is not None:
         return False
-    return bool(library().tp_linear_native(CODES[weight_dtype]))
+    return bool(library(VARIANT).tp_linear_native(CODES[weight_dtype]))
 
 
 class PackedLinear:
@@ -73,7 +75,8 @@ class PackedLinear:
         return self.data.numel() * self.data.element_size()
 
     @classmethod
-    def pack(cls, weight: torch.Tensor, variant: str = "native") -> PackedLinear:
+    def pack(cls, weight: torch.Tensor, variant: str | None = None) -> PackedLinear:
+        variant = variant or VARIANT
         n, k = weight.shape
         rows = library(variant).tp_linear_rows(CODES[weight.dtype])
         blocks = -(-n // rows)
