@@ -384,6 +384,7 @@ def main() -> None:
         "float32 default on AVX-512-BF16 before the cpu backend) float32:cpu:bfloat16 bfloat16:cpu "
         "bfloat16:cpu:onednn",
     )
+    p.add_argument("--linear-variant", default="native", help="the linear kernel's flag set (cpu_ext.py)")
     p.add_argument(
         "--prefill", type=int, default=0, help="--variants: also time one prompt of this many tokens"
     )
@@ -391,8 +392,8 @@ def main() -> None:
         "--kv-cache-dtype", default=None, help="--variants: the KV cache's dtype (default: --dtype's)"
     )
     a = p.parse_args()
-    a.model = gguf_model.model_dir(a.model)
-    cpu_linear.VARIANT = a.linear_variant  # a .gguf file: served from the file (common/gguf_model.py)
+    a.model = gguf_model.model_dir(a.model)  # a .gguf file: served from the file (common/gguf_model.py)
+    cpu_linear.VARIANT = a.linear_variant
     torch.set_num_threads(a.threads)
     if a.linear:
         compare_linear(a)
