@@ -131,7 +131,8 @@ def test_the_unquantized_method_repacks_for_the_kernel(dtype):
     gen = torch.Generator().manual_seed(3)
     w, b = torch.randn(70, 36, generator=gen).to(dtype), torch.randn(70, generator=gen).to(dtype)
     layer = _layer(w, b, UnquantizedLinearMethod(prepack=True))
-    assert not hasattr(layer, "weight") and isinstance(layer.packed, cpu_linear.PackedLinear)
+    assert isinstance(layer.cpu_packed, cpu_linear.PackedLinear)
+    assert layer.weight.data_ptr() == layer.cpu_packed.data.data_ptr()  # the parameter holds the layout
     assert weight_bytes(layer) == 80 * 36 * w.element_size() + b.numel() * b.element_size()  # 5 blocks
     x = torch.randn(3, 36, generator=gen).to(dtype)
     _check(layer(x), x, w, b)
@@ -143,6 +144,6 @@ def test_without_the_kernel_weights_are_prepacked_for_onednn(monkeypatch):
     monkeypatch.setattr(cpu_linear, "available", lambda dtype: False)
     w = torch.randn(32, 16)
     layer = _layer(w, None, UnquantizedLinearMethod(prepack=True))
-    assert layer.weight.is_mkldnn and getattr(layer, "packed", None) is None
+    assert layer.weight.is_mkldnn and getattr(layer, "cpu_packed", None) is None
     x = torch.randn(2, 16)
     torch.testing.assert_close(layer(x), x @ w.T)

@@ -93,7 +93,7 @@ def _packing(packing: str, dtype: torch.dtype, monkeypatch) -> None:
 
 def _is_packed(module, packing: str) -> bool:
     if packing == "kernel":
-        return isinstance(getattr(module, "packed", None), cpu_linear.PackedLinear)
+        return isinstance(getattr(module, "cpu_packed", None), cpu_linear.PackedLinear)
     return module.weight.is_mkldnn
 
 
@@ -128,5 +128,5 @@ def test_a_packed_tied_head_leaves_the_embedding_plain(tiny_model, tmp_path, pac
     embedding = next(m for m in model.modules() if type(m) is VocabParallelEmbedding)
     head = next(m for m in model.modules() if isinstance(m, ParallelLMHead))
     assert _is_packed(head, packing) and not embedding.weight.is_mkldnn
-    held = head.packed.unpack() if packing == "kernel" else head.weight.to_dense()
+    held = head.cpu_packed.unpack() if packing == "kernel" else head.weight.to_dense()
     assert torch.equal(held, embedding.weight)

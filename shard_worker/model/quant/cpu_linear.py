@@ -57,8 +57,8 @@ def available(weight_dtype: torch.dtype) -> bool:
 
 class PackedLinear:
     """A [N, K] weight in the kernel's layout: `data` [N / R, K2 / 2, R, 2] (bfloat16) or [N / R, K, R]
-    (float32), zero rows and a zero column padding N and K; `nbytes` for weight_bytes
-    (model/quant/base.py)."""
+    (float32), zero rows and a zero column padding N and K. The layer's `weight` parameter holds `data`
+    (so weight_bytes counts it once)."""
 
     def __init__(self, data: torch.Tensor, out_features: int, in_features: int, variant: str):
         self.data, self.variant = data, variant
@@ -69,10 +69,6 @@ class PackedLinear:
     @property
     def dtype(self) -> torch.dtype:
         return self.data.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
 
     @classmethod
     def pack(cls, weight: torch.Tensor, variant: str | None = None) -> PackedLinear:

@@ -20,9 +20,9 @@ class UnquantizedLinearMethod(LinearMethod):
         back in the input's dtype, so the residual stream, norms, attention and KV cache keep theirs.
         prepack: on CPU, repack the weight once for cpu_linear's kernel (float32 and bfloat16 weights
         where this CPU multiplies them with vector instructions: AVX-512 BF16 for bfloat16, AVX-512F or
-        AVX2 + FMA for float32), the layer then holding `packed` and no `weight`; it streams the weight
-        at close to the memory's rate at decode batch sizes and keeps up with oneDNN on prefill
-        (figures: bench/decode_profile.py). Otherwise (no compiler, another CPU, float16) reorder it
+        AVX2 + FMA for float32); `weight` then holds that layout, `layer.cpu_packed` describes it. It
+        streams weights near the memory's rate at decode batch sizes and keeps up with oneDNN on
+        prefill (bench/cpu_linear.py). Otherwise (no compiler, another CPU, float16) reorder it
         once into oneDNN's blocked layout so that no product reorders it per call (what inductor's
         frozen CPU graphs and vLLM's CPU linear do). oneDNN's packing against plain weights, a whole
         SmolLM2-135M decode step at one thread (bench/decode_profile.py --linear, AVX-512-BF16 machine),
@@ -48,8 +48,10 @@ class UnquantizedLinearMethod(LinearMethod):
             # A tied LM head gets its own copy: the embedding stays exact.
             weight = weight.to(self.linear_dtype)
         if self.prepack and weight.device.type == "cpu" and cpu_linear.available(weight.dtype):
-            layer.packed = cpu_linear.PackedLinear.pack(weight)
-            del layer.weight  # a tied head's own reference only: the embedding keeps its weight
+            # The parameter holds the kernel's layout (so loaders and weight_bytes still see it, once); a
+            # tied head gets its own, the embedding keeps its plain weight.
+            layer.cpu_packed = cpu_linear.PackedLinear.pack(weight)
+            replace_param(layer, "weight", layer.cpu_packed.data)
             return
         if self.prepack and weight.device.type == "cpu" and weight.dtype in _packable_dtypes():
             weight = torch.ops.mkldnn._reorder_linear_weight(weight)
@@ -57,7 +59,7 @@ class UnquantizedLinearMethod(LinearMethod):
             replace_param(layer, "weight", weight)
 
     def apply(self, layer, x, bias=None):
-        packed = getattr(layer, "packed", None)
+        packed = getattr(layer, "cpu_packed", None)
         if packed is None:
             return linear(x, layer.weight, bias)
         if x.dtype in cpu_linear.CODES and x.device.type == "cpu":
