@@ -3,9 +3,16 @@ the weight repacked once into row blocks streamed sequentially, a pass over it p
 number of input rows up to 8 (register-blocked chunks above), float32 sums.
 
 Why: a decode step is ~78% linear products, and at small batch they are bound by how fast the weights
-stream from memory. oneDNN's prepacked bf16 product reads SmolLM2's 269 MB of linear weights at 6.9 GB/s
-at batch 1 (one thread, AVX-512-BF16 EPYC), where one core streams 14-18 GB/s; this kernel's figures are
-in bench/decode_profile.py.
+stream from memory. One thread, AMD EPYC Zen 4 (AVX-512 BF16, no AMX), shared machine, 2026-12-03:
+  bench/cpu_linear.py, SmolLM2's 211 products (bf16 269 MB), kernel against oneDNN's prepacked product,
+      rows     1      8     16     32    128    512
+      bf16   1.60x  1.44x  1.11x  1.07x  0.98x  1.00x   (1 row: 17.6 GB/s against 11.0)
+      fp32   1.75x  1.43x     -   1.03x     -   0.99x
+      AVX2   1.59x  1.49x     -   1.07x     -   1.00x   (fp32, -mno-avx512f, ONEDNN_MAX_CPU_ISA=AVX2)
+  bench/decode_profile.py --variants X:cpu X:cpu:onednn, execute() of a decode step at batch 1 / 8 / 32:
+      bf16 model 34.7 / 52.1 / 124.5 ms against 55.6 / 68.3 / 130.6 (1.60x / 1.31x / 1.05x); float32
+      1.68x / 1.27x / 1.10x; AVX2 build 1.41x / 1.40x / 1.05x. A 512-token prefill: 0.9-1.1x (noise),
+      its products' profiled time 5% over oneDNN's.
 
 `PackedLinear.pack(weight)` holds the layout (weight dtype float32 or bfloat16: bfloat16 16-row blocks
 with k in pairs, float32 16-row blocks with AVX-512F, 8-row ones with AVX2); `linear(x, packed, bias)`
