@@ -9,10 +9,11 @@ stream from memory. One thread, AMD EPYC Zen 4 (AVX-512 BF16, no AMX), shared ma
       bf16   1.60x  1.44x  1.11x  1.07x  0.98x  1.00x   (1 row: 17.6 GB/s against 11.0)
       fp32   1.75x  1.43x     -   1.03x     -   0.99x
       AVX2   1.59x  1.49x     -   1.07x     -   1.00x   (fp32, -mno-avx512f, ONEDNN_MAX_CPU_ISA=AVX2)
-  bench/decode_profile.py --variants X:cpu X:cpu:onednn, execute() of a decode step at batch 1 / 8 / 32:
-      bf16 model 34.7 / 52.1 / 124.5 ms against 55.6 / 68.3 / 130.6 (1.60x / 1.31x / 1.05x); float32
-      1.68x / 1.27x / 1.10x; AVX2 build 1.41x / 1.40x / 1.05x. A 512-token prefill: 0.9-1.1x (noise),
-      its products' profiled time 5% over oneDNN's.
+  A whole decode step (bench/decode_profile.py, bf16 model, batch 1, one model per process): 33-34 ms
+      against oneDNN's 38-49 ms. Both models in one process (--variants X:cpu X:cpu:onednn) gave 1.6-1.8x,
+      oneDNN's step slower there than alone: trust separate runs. The whole stack at concurrency 1 and 8 (our
+      client, 4-12 requests a row, three rounds alternating) showed no difference beyond this shared
+      machine's run-to-run spread (TPOT p50 33-41 ms either way). A 512-token prefill: 0.9-1.1x.
 
 `PackedLinear.pack(weight)` holds the layout (weight dtype float32 or bfloat16: bfloat16 16-row blocks
 with k in pairs, float32 16-row blocks with AVX-512F, 8-row ones with AVX2); `linear(x, packed, bias)`
