@@ -50,9 +50,11 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from bench.cpu_linear import PACKINGS, packing_as, prefill_ms, visible_cpu_linear
 from common import gguf_model
 from common.sampling import SamplingConfig
 from shard_worker.model.config import ModelConfig
+from shard_worker.model.quant import cpu_linear
 from shard_worker.model_runner import ModelRunner
 from shard_worker.parallel import TensorParallel
 from shard_worker.step import SequenceInit, StepInputs
@@ -120,7 +122,7 @@ def measure(runner: ModelRunner, batch: int, context: int, steps: int, top: bool
         t = time.perf_counter()
         runner.execute(step, states)
         times.append(time.perf_counter() - t)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU]) as prof, visible_cpu_linear():
         for _ in range(5):
             runner.execute(step, states)
     by_class: dict[str, float] = defaultdict(float)
@@ -324,20 +326,26 @@ def _position_logits(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
 
 
 def compare_variants(a) -> None:
-    """execute() median ms of each (dtype, backend) variant at each batch, taken in turn."""
+    """execute() median ms of each (dtype, backend[, linear dtype][, packing]) variant at each batch,
+    taken in turn; packing: kernel (our CPU linear kernel where it runs: the worker's default), onednn
+    (oneDNN's prepacked weights, the worker's choice without the kernel) or plain (F.linear)."""
     kv = getattr(torch, a.kv_cache_dtype) if a.kv_cache_dtype else None
     runners = {}
     for v in a.variants:
-        dtype, backend, *linear = v.split(":")
-        runners[v] = ModelRunner(
-            a.model,
-            getattr(torch, dtype),
-            torch.device("cpu"),
-            TensorParallel(),
-            attention_backend=backend,
-            kv_cache_dtype=kv,
-            linear_dtype=getattr(torch, linear[0]) if linear else None,
-        )
+        dtype, backend, *rest = v.split(":")
+        packing = next((f for f in rest if f in PACKINGS), "kernel")
+        linear = [f for f in rest if f and f not in PACKINGS]
+        with packing_as(packing):
+            runners[v] = ModelRunner(
+                a.model,
+                getattr(torch, dtype),
+                torch.device("cpu"),
+                TensorParallel(),
+                attention_backend=backend,
+                kv_cache_dtype=kv,
+                linear_dtype=getattr(torch, linear[0]) if linear else None,
+                prepack_linear=packing != "plain",
+            )
     per_seq = -(-a.context // BLOCK_SIZE)
     for runner in runners.values():
         runner.allocate_kv_cache(1 + max(a.batch) * per_seq, BLOCK_SIZE)
@@ -348,6 +356,10 @@ def compare_variants(a) -> None:
         med = {name: statistics.median(v) for name, v in alternating(runners, b, a, per_seq).items()}
         cells = "  ".join(f"{n} {m:.1f} ms ({med[first] / m:.2f}x)" for n, m in med.items())
         print(f"batch {b:3d}: {cells}", flush=True)
+    if a.prefill:
+        med = {name: prefill_ms(runner, a.prefill) for name, runner in runners.items()}
+        cells = "  ".join(f"{n} {m:.1f} ms ({med[first] / m:.2f}x)" for n, m in med.items())
+        print(f"prefill of one {a.prefill}-token prompt: {cells}", flush=True)
 
 
 def main() -> None:
@@ -372,10 +384,15 @@ def main() -> None:
     p.add_argument(
         "--variants",
         nargs="+",
-        metavar="DTYPE:BACKEND[:LINEAR]",
-        help="execute() ms of these (model dtype, attention backend[, linear weights' dtype]), alternating, "
-        "e.g. float32:flex:bfloat16 (the float32 default on AVX-512-BF16 before the cpu backend) "
-        "float32:cpu:bfloat16 bfloat16:cpu",
+        metavar="DTYPE:BACKEND[:LINEAR][:PACKING]",
+        help="execute() ms of these (model dtype, attention backend[, linear weights' dtype][, kernel|onednn|"
+        "plain: how linear weights are held, default kernel]), alternating, e.g. float32:flex:bfloat16 (the "
+        "float32 default on AVX-512-BF16 before the cpu backend) float32:cpu:bfloat16 bfloat16:cpu "
+        "bfloat16:cpu:onednn",
+    )
+    p.add_argument("--linear-variant", default="native", help="the linear kernel's flag set (cpu_ext.py)")
+    p.add_argument(
+        "--prefill", type=int, default=0, help="--variants: also time one prompt of this many tokens"
     )
     p.add_argument(
         "--kv-cache-dtype", default=None, help="--variants: the KV cache's dtype (default: --dtype's)"
@@ -389,6 +406,7 @@ def main() -> None:
     )
     a = p.parse_args()
     a.model = gguf_model.model_dir(a.model)  # a .gguf file: served from the file (common/gguf_model.py)
+    cpu_linear.VARIANT = a.linear_variant
     torch.set_num_threads(a.threads)
     if a.linear:
         compare_linear(a)

@@ -25,7 +25,7 @@ from shard_worker.cuda_graphs import CudaGraphRunner, capture_bytes, graphs_unsu
 from shard_worker.draft import DraftModel
 from shard_worker.model.loader import load_model
 from shard_worker.model.lora import LoRAAdapters, check_lora, lora_batch, step_lora_batch
-from shard_worker.model.quant.base import weight_bytes
+from shard_worker.model.quant import base, cpu_linear
 from shard_worker.parallel import TensorParallel
 from shard_worker.sampling import Sampler, SequenceState
 from shard_worker.sampling.grammar import GrammarCompiler
@@ -60,9 +60,9 @@ class ModelRunner:
         cuda_graphs: replay decode steps from graphs (shard_worker/cuda_graphs.py), captured by
         capture_cuda_graphs once the cache exists; on CPU the same path runs without capture (tests).
         speculative_model: a draft model's checkpoint (shard_worker/draft.py), or None.
-        linear_dtype: the dtype unquantized linear layers hold their weights in
-        (model/quant/unquantized.py), None for dtype. prepack_linear: on CPU, hold them in oneDNN's
-        layout; False only to measure what that gains. quantization: --quantization (int8, fp8: an
+        linear_dtype: the dtype unquantized linear layers hold their weights in (quant/unquantized.py),
+        None for dtype. prepack_linear: on CPU, hold them in our linear kernel's layout (cpu_linear.py)
+        or oneDNN's; False only to measure what that gains. quantization: --quantization (int8, fp8: an
         unquantized checkpoint quantized while it loads), None for the checkpoint's own format.
         lora: (--lora-modules, --max-lora-rank[, --max-loras, --max-cpu-loras]) with --enable-lora
         (shard_worker/model/lora), or None.
@@ -87,6 +87,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             # Denormal floats make CPU matmuls many times slower, and random or tiny weights produce them.
             torch.set_flush_denormal(True)
+            if prepack_linear:  # our linear kernel: a cold start compiles it beside the attention kernel
+                cpu_linear.EXT.build_in_background()
         self.attention = select_backend(attention_backend, self.device, dtype)
         self.kernel_warm_up: KernelWarmUp | None = None
 
@@ -146,7 +148,7 @@ class ModelRunner:
             "vocab_size": self.config.vocab_size,
             "max_position_embeddings": self.config.max_position_embeddings,
             "eos_token_ids": list(self.config.eos_token_ids),
-            "weight_bytes": weight_bytes(self.model),
+            "weight_bytes": base.weight_bytes(self.model),
             "draft_model_name": self.draft.name if self.draft is not None else "",
         }
 
@@ -406,9 +408,9 @@ class ModelRunner:
         and its own scratch KV cache, which the real cache replaces): 0 without `memory`."""
         worst, num_blocks = worst_step(block_size, max_num_batched_tokens, max_num_seqs, max_model_len)
         with self._scratch_cache(num_blocks, block_size), torch.inference_mode():
-            base = 0
+            allocated = 0
             if memory is not None:
-                base = memory.allocated()
+                allocated = memory.allocated()
                 memory.reset_peak()
             self.execute(worst)
             # Its logits, one row per sequence (each samples at least one token), and the sampler's
@@ -417,7 +419,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden.to(self.device, self.dtype))
             if logits is not None:
                 torch.log_softmax(logits.float(), dim=-1).sort(dim=-1)
-            peak = 0 if memory is None else memory.max_allocated() - base
+            peak = 0 if memory is None else memory.max_allocated() - allocated
         self.warm_up(block_size)
         return peak
 

@@ -1,33 +1,26 @@
-"""The CPU paged-attention kernel (csrc/cpu_paged_attention.cpp): built once per machine, called through
-ctypes.
-
-The source is plain C++ with OpenMP and no torch headers, so it builds in about a second with the
-system's C++ compiler (`$CXX`, else g++ or c++), with -march=native: the CPU it runs on decides its
-vector width (AVX2 or AVX-512). The library is kept in the worker's compile cache (TORCHINDUCTOR_CACHE_DIR,
-set from --compile-cache-dir by shard_worker/startup.py) under a name that hashes the source, the compiler,
-the flags and the CPU's feature flags, so a restart loads it and a different node builds its own. Several
-ranks building at once each write a private file and rename it into place.
-
-OpenMP: the library links libgomp.so.1, which resolves to the copy torch has already loaded (same soname),
-so the kernel and torch's own parallel regions share one thread pool instead of two competing ones.
+"""The CPU paged-attention kernel (csrc/cpu_paged_attention.cpp): built once per machine by
+shard_worker/cpu_ext.py (-march=native, kept in the compile cache under a hash of source, compiler, flags
+and CPU), called through ctypes.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_paged_attention.cpp"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
-ABI = 1
+from shard_worker import cpu_ext
+from shard_worker.cpu_ext import KernelUnavailable
+
+EXT = cpu_ext.Extension(
+    "cpu_attention",
+    Path(__file__).with_name("csrc") / "cpu_paged_attention.cpp",
+    "tp_paged_attention_abi",
+    1,
+    "the CPU attention kernel",
+)
 
 DTYPE_CODES = {
     torch.float32: 0,
@@ -39,70 +32,14 @@ DTYPE_CODES = {
 QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_HEAD_DIM = 1024
 
-
-class KernelUnavailable(RuntimeError):
-    """The kernel cannot be built or loaded here (no compiler, a failed build); the message says why."""
-
-
-def _compiler() -> str | None:
-    for name in (os.environ.get("CXX"), "g++", "c++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return ""
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.expanduser("~/.cache/tpserve/compile")
-    return Path(root) / "tpserve_cpu_attention"
-
-
-def library_path(compiler: str) -> Path:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), version.encode(), " ".join(FLAGS).encode(), _cpu_flags().encode()):
-        key.update(part)
-    return _cache_dir() / f"cpu_paged_attention_{key.hexdigest()[:16]}.so"
-
-
-def build(compiler: str, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, scratch = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
-    os.close(fd)
-    try:
-        done = subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", scratch], capture_output=True, text=True, timeout=300
-        )
-        if done.returncode != 0:
-            raise KernelUnavailable(f"{compiler} failed on {SOURCE.name}: {done.stderr.strip()[-400:]}")
-        os.replace(scratch, target)
-    finally:
-        if os.path.exists(scratch):
-            os.unlink(scratch)
+__all__ = ["EXT", "KernelUnavailable", "load", "paged_attention", "unavailable"]
 
 
 @functools.cache
 def load() -> ctypes.CDLL:
-    """The kernel's library, built first if this machine has none yet. KernelUnavailable when it cannot
-    be (cached: one attempt per process)."""
-    compiler = _compiler()
-    if compiler is None:
-        raise KernelUnavailable("no C++ compiler ($CXX, g++ or c++) to build the CPU attention kernel")
-    path = library_path(compiler)
-    if not path.exists():
-        build(compiler, path)
-    lib = ctypes.CDLL(str(path))
-    if lib.tp_paged_attention_abi() != ABI:
-        raise KernelUnavailable(f"{path} is another version of the kernel")
+    """The kernel's library with its signature bound, built first if this machine has none yet.
+    KernelUnavailable when it cannot be (one attempt per process)."""
+    lib = EXT.load()
     fn = lib.tp_paged_attention
     i, i64, ptr, f = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     fn.argtypes = [i, i, ptr, ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i64]
@@ -113,11 +50,7 @@ def load() -> ctypes.CDLL:
 
 def unavailable() -> str | None:
     """Why the kernel cannot run here, in one line; None when it can (building it if needed)."""
-    try:
-        load()
-    except (KernelUnavailable, OSError, subprocess.SubprocessError) as e:
-        return str(e).splitlines()[0] if str(e) else type(e).__name__
-    return None
+    return EXT.unavailable()
 
 
 def paged_attention(

@@ -1,13 +1,15 @@
-"""The CPU attention kernel's build (shard_worker/attention/cpu_kernel.py): once per machine and cache
-directory, reused by later starts, refused in one line without a compiler; and its element types: every
-KV cache dtype read exactly as kv_dtype.load reads it. Its attention itself is checked against a naive
-float64 attention with the other backends (test_attention.py)."""
+"""The CPU kernels' build (shard_worker/cpu_ext.py, here through the attention kernel's
+shard_worker/attention/cpu_kernel.py): once per machine and cache directory, reused by later starts,
+refused in one line without a compiler; and the attention kernel's element types: every KV cache dtype
+read exactly as kv_dtype.load reads it. Its attention itself is checked against a naive float64
+attention with the other backends (test_attention.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from shard_worker import cpu_ext
 from shard_worker.attention import cpu_kernel
 from shard_worker.attention.kv_dtype import load
 
@@ -15,8 +17,10 @@ from shard_worker.attention.kv_dtype import load
 @pytest.fixture
 def fresh_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    cpu_kernel.EXT.forget()
     cpu_kernel.load.cache_clear()
     yield tmp_path
+    cpu_kernel.EXT.forget()
     cpu_kernel.load.cache_clear()
 
 
@@ -29,14 +33,14 @@ def test_built_once_then_loaded(fresh_cache, monkeypatch):
     def no_build(*_):
         raise AssertionError("built again with a warm cache")
 
-    cpu_kernel.load.cache_clear()  # a new process, as far as the cache is concerned
-    monkeypatch.setattr(cpu_kernel, "build", no_build)
+    cpu_kernel.EXT.forget()  # a new process, as far as the cache is concerned
+    monkeypatch.setattr(cpu_kernel.EXT, "build", no_build)
     assert cpu_kernel.unavailable() is None
     assert [p.stat().st_ino for p in (fresh_cache / "tpserve_cpu_attention").glob("*.so")] == [inode]
 
 
 def test_no_compiler_is_one_line(fresh_cache, monkeypatch):
-    monkeypatch.setattr(cpu_kernel, "_compiler", lambda: None)
+    monkeypatch.setattr(cpu_ext, "compiler", lambda: None)
     reason = cpu_kernel.unavailable()
     assert reason == "no C++ compiler ($CXX, g++ or c++) to build the CPU attention kernel"
 

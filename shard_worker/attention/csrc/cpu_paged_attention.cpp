@@ -1,7 +1,7 @@
 // Paged attention for CPU: each selected query token attended over its sequence's keys, read in place
 // from the paged KV cache through the block table (nothing gathered), in float32 arithmetic whatever the
-// element types. Built by cpu_build.py with -O3 -march=native -fopenmp and called through ctypes; plain C
-// ABI, no torch headers (the build takes about a second, where a torch extension takes a minute).
+// element types. Built by shard_worker/cpu_ext.py with -O3 -march=native -fopenmp and called through
+// ctypes; plain C ABI, no torch headers (the build takes about a second, where a torch extension takes a minute).
 //
 // Layouts (element strides given by the caller, last dimension contiguous):
 //   q, out:   [T, H, D]   rows picked by `tokens` (n of them); out in q's element type

@@ -1,5 +1,6 @@
 """The unquantized method: a plain [out, in] weight in the model's dtype, optionally held in bfloat16
-(--linear-dtype) and, on CPU, prepacked for oneDNN; and the plain MoE experts."""
+(--linear-dtype) and, on CPU, repacked for our own linear kernel (cpu_linear.py) or else prepacked for
+oneDNN; and the plain MoE experts."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shard_worker.model.quant import cpu_linear
 from shard_worker.model.quant.base import ExpertMethod, LinearMethod, add_param, replace_param
 
 
@@ -16,8 +18,13 @@ class UnquantizedLinearMethod(LinearMethod):
         CPU with native bf16 products (AVX-512 BF16, AMX) halves the bytes a decode step reads and runs
         the products at the bf16 rate; the input is rounded to it for the product and the product comes
         back in the input's dtype, so the residual stream, norms, attention and KV cache keep theirs.
-        prepack: on CPU, reorder the weight once into oneDNN's blocked layout so that no product
-        reorders it per call (what inductor's frozen CPU graphs and vLLM's CPU linear do). A whole
+        prepack: on CPU, repack the weight once for cpu_linear's kernel (float32 and bfloat16 weights
+        where this CPU multiplies them with vector instructions: AVX-512 BF16 for bfloat16, AVX-512F or
+        AVX2 + FMA for float32); `weight` then holds that layout, `layer.cpu_packed` describes it. It
+        streams weights near the memory's rate at decode batch sizes and keeps up with oneDNN on
+        prefill (bench/cpu_linear.py). Otherwise (no compiler, another CPU, float16) reorder it
+        once into oneDNN's blocked layout so that no product reorders it per call (what inductor's
+        frozen CPU graphs and vLLM's CPU linear do). oneDNN's packing against plain weights, a whole
         SmolLM2-135M decode step at one thread (bench/decode_profile.py --linear, AVX-512-BF16 machine),
         plain / packed: float32 weights 1.9x faster at batch 1, 2.0x at 8, 1.6-1.9x at 32; bfloat16
         weights 1.9x, 1.15x, 1.15-1.3x. bfloat16 products are bit-identical to F.linear's, float32 ones
@@ -40,13 +47,24 @@ class UnquantizedLinearMethod(LinearMethod):
         if self.linear_dtype is not None and weight.dtype != self.linear_dtype:
             # A tied LM head gets its own copy: the embedding stays exact.
             weight = weight.to(self.linear_dtype)
+        if self.prepack and weight.device.type == "cpu" and cpu_linear.available(weight.dtype):
+            # The parameter holds the kernel's layout (so loaders and weight_bytes still see it, once); a
+            # tied head gets its own, the embedding keeps its plain weight.
+            layer.cpu_packed = cpu_linear.PackedLinear.pack(weight)
+            replace_param(layer, "weight", layer.cpu_packed.data)
+            return
         if self.prepack and weight.device.type == "cpu" and weight.dtype in _packable_dtypes():
             weight = torch.ops.mkldnn._reorder_linear_weight(weight)
         if weight is not layer.weight.detach():
             replace_param(layer, "weight", weight)
 
     def apply(self, layer, x, bias=None):
-        return linear(x, layer.weight, bias)
+        packed = getattr(layer, "cpu_packed", None)
+        if packed is None:
+            return linear(x, layer.weight, bias)
+        if x.dtype in cpu_linear.CODES and x.device.type == "cpu":
+            return cpu_linear.linear(x, packed, bias)
+        return linear(x, packed.unpack(), bias)  # another dtype (float64 tests): correct, slow
 
 
 def _packable_dtypes() -> set[torch.dtype]:

@@ -1,0 +1,148 @@
+"""The CPU linear kernel (shard_worker/model/quant/cpu_linear.py) against oneDNN's prepacked product and
+F.linear on a model's linear shapes: each layer's weights once, like a step, per number of input rows.
+
+    python -m bench.cpu_linear [--model models/smollm2] [--rows 1 8 32 512] [--threads 1] [--dtype bfloat16]
+                               [--variant native|avx2]
+
+Prints ms per pass over all of the model's linear weights (its layers' projections and the LM head) and the
+weight bytes streamed per second. Also holds what bench/decode_profile.py uses to compare packings.
+
+Figures (2026-12-03, AMD EPYC Zen 4, AVX-512 BF16, no AMX, 2 cores shared with other sessions; one
+thread; SmolLM2-135M, 211 products, 269 MB in bf16): see the table in shard_worker/model/quant/
+cpu_linear.py's docstring.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from common.sampling import SamplingConfig
+from shard_worker.model.quant import cpu_linear
+from shard_worker.step import SequenceInit, StepInputs
+
+PACKINGS = ("kernel", "onednn", "plain")
+
+
+@contextlib.contextmanager
+def packing_as(packing: str):
+    """Models loaded inside hold their linear weights as `packing` says (onednn: as if this machine had no
+    CPU linear kernel; plain: the caller also passes prepack_linear=False)."""
+    if packing == "kernel":
+        yield
+        return
+    saved = cpu_linear.available
+    cpu_linear.available = lambda dtype: False
+    try:
+        yield
+    finally:
+        cpu_linear.available = saved
+
+
+@contextlib.contextmanager
+def visible_cpu_linear():
+    """The kernel is a ctypes call the profiler does not see: named for it while profiling."""
+    plain = cpu_linear.linear
+
+    def named(*args, **kw):
+        with torch.profiler.record_function("cpu_linear"):
+            return plain(*args, **kw)
+
+    cpu_linear.linear = named
+    try:
+        yield
+    finally:
+        cpu_linear.linear = plain
+
+
+def prefill_ms(runner, tokens: int, block_size: int = 16, reps: int = 5) -> float:
+    """execute() median ms of one sequence's whole prompt of `tokens` tokens in one step."""
+    blocks = -(-tokens // block_size)
+    runner.allocate_kv_cache(1 + blocks, block_size)
+    ids = [(7 * i + 11) % 1000 for i in range(tokens)]
+    step = StepInputs(
+        seq_ids=[0],
+        query_lens=[tokens],
+        context_lens=[tokens],
+        sample_counts=[1],
+        input_ids=ids,
+        block_table=StepInputs.pad_tables([list(range(1, 1 + blocks))]),
+    )
+    times = []
+    for i in range(reps + 1):
+        states = [runner.sampler.new_state(SequenceInit(0, SamplingConfig(temperature=0.0), 0, ids, tokens))]
+        t = time.perf_counter()
+        runner.execute(step, states)
+        if i:  # the first one warms up
+            times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def model_shapes(model_dir: str) -> list[tuple[int, int]]:
+    """[N, K] of each linear product of a decoder-only model (q, k, v, o, gate, up, down per layer, then
+    the LM head), as the worker's unfused checkpoint names them."""
+    c = json.loads((Path(model_dir) / "config.json").read_text())
+    h, i, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    heads, kv = c["num_attention_heads"], c.get("num_key_value_heads", c["num_attention_heads"])
+    d = c.get("head_dim") or h // heads
+    per_layer = [(heads * d, h), (kv * d, h), (kv * d, h), (h, heads * d), (i, h), (i, h), (h, i)]
+    return per_layer * layers + [(c["vocab_size"], h)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="models/smollm2")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 512])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument(
+        "--variant",
+        default="native",
+        help="the kernel's flag set (shard_worker/cpu_ext.py): avx2 measures an AVX2-only CPU's path here "
+        "(with ONEDNN_MAX_CPU_ISA=AVX2 in the environment for oneDNN's)",
+    )
+    a = p.parse_args()
+    cpu_linear.VARIANT = a.variant
+    torch.set_num_threads(a.threads)
+    torch.set_flush_denormal(True)
+    dtype = getattr(torch, a.dtype)
+    gen = torch.Generator().manual_seed(0)
+    plain = [(torch.randn(n, k, generator=gen) * 0.02).to(dtype) for n, k in model_shapes(a.model)]
+    nbytes = sum(w.numel() * w.element_size() for w in plain)
+    held = {"kernel": [cpu_linear.PackedLinear.pack(w) for w in plain], "plain": plain}
+    if torch.backends.mkldnn.is_available():
+        held["onednn"] = [torch.ops.mkldnn._reorder_linear_weight(w) for w in plain]
+    products = {
+        "kernel": cpu_linear.linear,
+        "onednn": lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
+        "plain": F.linear,
+    }
+    native = bool(cpu_linear.library(a.variant).tp_linear_native(cpu_linear.CODES[dtype]))
+    print(
+        f"{len(plain)} products, {nbytes / 1e6:.0f} MB of {a.dtype} weights, {a.threads} thread(s); kernel "
+        f"{'native' if native else 'in plain loops (no vector path for this dtype here)'}"
+    )
+    for m in a.rows:
+        xs = {k: torch.randn(m, k, generator=gen).to(dtype) for k in {w.shape[1] for w in plain}}
+        best = {}
+        for _ in range(a.reps):  # packings in turn, so that all see the same background load
+            for name, ws in held.items():
+                t = time.perf_counter()
+                for w0, w in zip(plain, ws, strict=True):
+                    products[name](xs[w0.shape[1]], w)
+                best[name] = min(best.get(name, 1e9), time.perf_counter() - t)
+        cells = "  ".join(f"{n} {s * 1e3:7.1f} ms {nbytes / s / 1e9:5.1f} GB/s" for n, s in best.items())
+        ratio = best.get("onednn", best["plain"]) / best["kernel"]
+        print(f"rows {m:4d}: {cells}  kernel {ratio:.2f}x oneDNN", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""A CPU linear kernel of our own (csrc/cpu_linear.cpp) for the unquantized float32 and bfloat16 weights:
+the weight repacked once into row blocks streamed sequentially, a pass over it per call whatever the
+number of input rows up to 8 (register-blocked chunks above), float32 sums.
+
+Why: a decode step is ~78% linear products, and at small batch they are bound by how fast the weights
+stream from memory. One thread, AMD EPYC Zen 4 (AVX-512 BF16, no AMX), shared machine, 2026-12-03:
+  bench/cpu_linear.py, SmolLM2's 211 products (bf16 269 MB), kernel against oneDNN's prepacked product,
+      rows     1      8     16     32    128    512
+      bf16   1.60x  1.44x  1.11x  1.07x  0.98x  1.00x   (1 row: 17.6 GB/s against 11.0)
+      fp32   1.75x  1.43x     -   1.03x     -   0.99x
+      AVX2   1.59x  1.49x     -   1.07x     -   1.00x   (fp32, -mno-avx512f, ONEDNN_MAX_CPU_ISA=AVX2)
+  A whole decode step (bench/decode_profile.py, bf16 model, batch 1, one model per process): 33-34 ms
+      against oneDNN's 38-49 ms. Both models in one process (--variants X:cpu X:cpu:onednn) gave 1.6-1.8x,
+      oneDNN's step slower there than alone: trust separate runs. The whole stack at concurrency 1 and 8 (our
+      client, 4-12 requests a row, three rounds alternating) showed no difference beyond this shared
+      machine's run-to-run spread (TPOT p50 33-41 ms either way). A 512-token prefill: 0.9-1.1x.
+
+`PackedLinear.pack(weight)` holds the layout (weight dtype float32 or bfloat16: bfloat16 16-row blocks
+with k in pairs, float32 16-row blocks with AVX-512F, 8-row ones with AVX2); `linear(x, packed, bias)`
+multiplies x [..., K] in float32 or bfloat16 (x is rounded to bfloat16 for a bfloat16 weight, as
+unquantized.linear rounds it) and returns y in x's dtype. `available(dtype)`: whether this machine builds
+the kernel with vector instructions for that weight dtype (else the caller keeps oneDNN; the library's
+plain-loop paths then serve only tests).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from shard_worker import cpu_ext
+
+EXT = cpu_ext.Extension(
+    "cpu_linear",
+    Path(__file__).with_name("csrc") / "cpu_linear.cpp",
+    "tp_linear_abi",
+    1,
+    "the CPU linear kernel",
+)
+CODES = {torch.float32: 0, torch.bfloat16: 1}
+# The flag set (cpu_ext.VARIANTS) layers are packed for: "native" except to measure another CPU's path
+# here (bench: "avx2", as an AVX2-only machine would run).
+VARIANT = "native"
+
+
+@functools.cache
+def library(variant: str = "native") -> ctypes.CDLL:
+    lib = EXT.load(variant)
+    i, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+    lib.tp_linear.argtypes = [i, i, ptr, ptr, ptr, i, ptr, i64, i64, i64, i]
+    lib.tp_linear.restype = i
+    return lib
+
+
+def available(weight_dtype: torch.dtype) -> bool:
+    """Whether this CPU runs the kernel with vector instructions for weights of this dtype."""
+    if weight_dtype not in CODES or EXT.unavailable(VARIANT) is not None:
+        return False
+    return bool(library(VARIANT).tp_linear_native(CODES[weight_dtype]))
+
+
+class PackedLinear:
+    """A [N, K] weight in the kernel's layout: `data` [N / R, K2 / 2, R, 2] (bfloat16) or [N / R, K, R]
+    (float32), zero rows and a zero column padding N and K. The layer's `weight` parameter holds `data`
+    (so weight_bytes counts it once)."""
+
+    def __init__(self, data: torch.Tensor, out_features: int, in_features: int, variant: str):
+        self.data, self.variant = data, variant
+        self.out_features, self.in_features = out_features, in_features
+        # What each call passes, looked up once (a decode step makes a few hundred calls).
+        self.fn, self.ptr, self.code = library(variant).tp_linear, data.data_ptr(), CODES[data.dtype]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    @classmethod
+    def pack(cls, weight: torch.Tensor, variant: str | None = None) -> PackedLinear:
+        variant = variant or VARIANT
+        n, k = weight.shape
+        rows = library(variant).tp_linear_rows(CODES[weight.dtype])
+        blocks = -(-n // rows)
+        w = weight.detach()
+        if weight.dtype == torch.bfloat16:
+            k2 = k + k % 2
+            w = F.pad(w, (0, k2 - k, 0, blocks * rows - n))
+            data = w.reshape(blocks, rows, k2 // 2, 2).permute(0, 2, 1, 3).contiguous()
+        else:
+            w = F.pad(w, (0, 0, 0, blocks * rows - n))
+            data = w.reshape(blocks, rows, k).permute(0, 2, 1).contiguous()
+        return cls(data, n, k, variant)
+
+    def unpack(self) -> torch.Tensor:
+        """The [N, K] weight back."""
+        if self.data.dim() == 4:
+            blocks, pairs, rows, _ = self.data.shape
+            w = self.data.permute(0, 2, 1, 3).reshape(blocks * rows, pairs * 2)
+        else:
+            blocks, k, rows = self.data.shape
+            w = self.data.permute(0, 2, 1).reshape(blocks * rows, k)
+        return w[: self.out_features, : self.in_features]
+
+
+def linear(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b in x's dtype (float32 or bfloat16), summed in float32; threads: torch's."""
+    k, n = packed.in_features, packed.out_features
+    code = CODES.get(x.dtype)
+    if x.shape[-1] != k or code is None:
+        raise ValueError(f"x {tuple(x.shape)} {x.dtype} against a packed [{n}, {k}] {packed.dtype} weight")
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype)
+    if bias is not None and (bias.dtype not in CODES or not bias.is_contiguous()):
+        bias = bias.float().contiguous()
+    bias_code, bias_ptr = (0, None) if bias is None else (CODES[bias.dtype], bias.data_ptr())
+    threads = torch.get_num_threads()
+    rc = packed.fn(
+        code, packed.code, x2.data_ptr(), y.data_ptr(), packed.ptr, bias_code, bias_ptr, m, n, k, threads
+    )
+    if rc != 0:
+        raise ValueError(f"the CPU linear kernel refused its arguments (code {rc})")
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
