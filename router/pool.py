@@ -178,8 +178,7 @@ class SchedulerPool:
         now = time.monotonic()
         # Its TTFT behind those that leave the queue first; SloRefused when that misses its objective.
         ahead = self.admission.ahead(len(add.prompt_token_ids), add.priority)
-        loads = self._loads(now)
-        pending = self._pending(now)
+        loads, pending = self._loads(now)
         free = sum(
             self.links[t].credits.available
             for t in loads
@@ -239,11 +238,10 @@ class SchedulerPool:
         if len(self.admission):
             self._pump()
 
-    def _loads(self, now: float) -> dict[str, ReplicaLoad]:  # the up replicas'
-        return {s.replica: s.load for s in self.replicas.stats(now) if s.up and s.load is not None}
-
-    def _pending(self, now: float) -> dict[str, int]:  # requests sent to each since its last report
-        return {s.replica: s.pending for s in self.replicas.stats(now)}
+    def _loads(self, now: float) -> tuple[dict[str, ReplicaLoad], dict[str, int]]:
+        """The up replicas' last load reports, and the requests sent to each since its report."""
+        up = [s for s in self.replicas.stats(now) if s.up and s.load is not None]
+        return {s.replica: s.load for s in up}, {s.replica: s.pending for s in up}
 
     # ---- admission and the choice ----
 
@@ -251,8 +249,7 @@ class SchedulerPool:
         """Sends queued requests while some replica has credit, each to the best replica with credit."""
         now = time.monotonic()
         while len(self.admission):
-            loads = self._loads(now)  # those stepping past their requests' TPOT objectives wait
-            pending = self._pending(now)
+            loads, pending = self._loads(now)  # those stepping past their requests' TPOT objectives wait
             allowed = {
                 t
                 for t, link in self.links.items()

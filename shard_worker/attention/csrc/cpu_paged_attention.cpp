@@ -489,25 +489,8 @@ void rotary_rows(const RotaryArgs& a, int64_t tokens, int threads) {
   }
 }
 
-// exp(x) for any x (exp_nonpositive's polynomial over the whole float range; inf above 88.7).
-inline float exp_any(float x) {
-  if (x > 88.7f) return INFINITY;
-  x = x < -87.f ? -87.f : x;
-  const float t = x * 1.44269504088896341f;
-  const float n = __builtin_nearbyintf(t);
-  const float f = t - n;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return p * scale;
-}
+// exp(x) for any x: exp_nonpositive's polynomial (it holds up to 88.7), inf above.
+inline float exp_any(float x) { return x > 88.7f ? INFINITY : exp_nonpositive(x); }
 
 // out = silu(gate) * up for rows [gate | up] of x: silu rounded to the element type, then the product, as
 // torch's F.silu and mul round them (silu(g) = g / (1 + exp(-g)) in float32).
