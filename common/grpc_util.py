@@ -124,11 +124,28 @@ def _bind_errors(host: str, port: int) -> list[int]:
     return errors
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free right now. Only for peers that cannot bind port 0 themselves (torch.distributed)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+class ReservedPort:
+    """A port held for a peer that binds it later, by number: a socket bound with SO_REUSEADDR that never
+    listens. Linux then gives the port to no one else (bind(0) and connect() skip it, a plain bind fails),
+    while the peer's own SO_REUSEADDR bind (gRPC's, torch.distributed's store) and listen succeed, and
+    check_ports_free counts it as free. A port merely found free can be taken in the seconds before its
+    peer binds it, by any of the processes a machine runs (CI saw a scheduler's, chosen before its
+    workers loaded, taken by a parallel test). Only for peers that cannot bind port 0 and report it."""
+
+    def __init__(self, host: str = "127.0.0.1"):
+        self._socket = socket.socket()
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind((host, 0))
+        self.port: int = self._socket.getsockname()[1]
+
+    def close(self) -> None:
+        self._socket.close()
+
+    def __enter__(self) -> ReservedPort:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def wait_for_health(

@@ -1,7 +1,9 @@
 """`tpserve launch`: the whole stack on one machine, as separate OS processes.
 
 Starts `--replicas` model replicas (each: one shard worker per rank and a scheduler) and one router in
-front of them, each binding a free port and reporting it through a file (no race over "free" ports),
+front of them, each binding a free port and reporting it through a file (no race over "free" ports;
+the two numbers peers must know before their owner binds, a scheduler's and a group's rendezvous, are
+held by the launcher, grpc_util.ReservedPort),
 waits until the router's health is SERVING (logging each phase's time), then watches them: a child
 that dies takes the stack down with an error naming it; SIGINT/SIGTERM stop every child, router first
 so clients see the drain before the workers go.
@@ -24,7 +26,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from common import security, tracing
-from common.grpc_util import check_ports_free, free_port, read_port_file, wait_for_health
+from common.grpc_util import ReservedPort, check_ports_free, read_port_file, wait_for_health
 from common.launch import LaunchConfig
 
 log = logging.getLogger("tpserve.launch")
@@ -65,6 +67,9 @@ class Stack:
         self.metrics: dict[str, int] = {}  # child name -> its /metrics port
         self.http_port: int | None = None  # the router's OpenAI-compatible API, when --http-port is set
         self.tmp = Path(tempfile.mkdtemp(prefix="tpserve-"))
+        # Held until stop: a restarted scheduler binds its port again; replica -> its group's rendezvous.
+        self.scheduler_ports: list[ReservedPort] = []
+        self.rendezvous: dict[int, ReservedPort] = {}
 
     def _spawn(self, name: str, args: list[str], port_file: Path, replica: int | None = None) -> Child:
         cfg = self.config
@@ -148,7 +153,10 @@ class Stack:
 
     def _spawn_workers(self, replica: int, ports: list[int]) -> list[Child]:
         # A fresh rendezvous port each time: a restarted group must not meet the old store.
-        dist_init = f"127.0.0.1:{free_port()}"
+        old, self.rendezvous[replica] = self.rendezvous.get(replica), ReservedPort()
+        if old is not None:
+            old.close()
+        dist_init = f"127.0.0.1:{self.rendezvous[replica].port}"
         workers = []
         for rank, port in enumerate(ports):
             args = self._worker_args(replica, rank, dist_init, port)  # the port file last
@@ -166,8 +174,8 @@ class Stack:
     def _spawn_router(self) -> Child:
         port_file = self.tmp / "router.port"
         args = ["router", *self.config.router_args, "--port-file", str(port_file)]
-        for port in self.scheduler_ports:
-            args += ["--scheduler", f"127.0.0.1:{port}"]
+        for reserved in self.scheduler_ports:
+            args += ["--scheduler", f"127.0.0.1:{reserved.port}"]
         return self._spawn("router", args + security.public_flags(self.config.tls), port_file)
 
     def start(self) -> str:
@@ -178,13 +186,13 @@ class Stack:
         # replicas the router starts last, so that it is SERVING with every replica connected. Phases are
         # logged with the seconds since self.started (each rank logs its own).
         self.started = time.monotonic()
-        self.scheduler_ports = [free_port() for _ in range(cfg.replicas)]
+        self.scheduler_ports = [ReservedPort() for _ in range(cfg.replicas)]
         groups = [self._spawn_workers(i, [0] * cfg.tp) for i in range(cfg.replicas)]
         router = self._spawn_router() if cfg.replicas == 1 else None
         self.worker_ports = [[self._port_of(c) for c in group] for group in groups]
         self._log_phase("every rank has loaded its weights")
-        for i, port in enumerate(self.scheduler_ports):
-            self._port_of(self._spawn_scheduler(i, port))
+        for i, reserved in enumerate(self.scheduler_ports):
+            self._port_of(self._spawn_scheduler(i, reserved.port))
         self._log_phase("the scheduler(s) listen, and describe the workers (which warm up)")
         router = router or self._spawn_router()
         router_addr = f"{'127.0.0.1' if cfg.host == '0.0.0.0' else cfg.host}:{self._port_of(router)}"
@@ -213,7 +221,7 @@ class Stack:
         self.children.remove(dead)
         replica = dead.replica
         if dead.name == self.scheduler_name(replica):
-            scheduler = self._spawn_scheduler(replica, self.scheduler_ports[replica])
+            scheduler = self._spawn_scheduler(replica, self.scheduler_ports[replica].port)
             self._port_of(scheduler, [scheduler])
             return
         workers = [c for c in self.children if c.replica == replica and c.name.startswith("shard-worker")]
@@ -259,6 +267,8 @@ class Stack:
             self._terminate(
                 [child], grace_s + (self.config.router_drain_s if child.name == "router" else 0.0)
             )
+        for reserved in [*self.scheduler_ports, *self.rendezvous.values()]:
+            reserved.close()
         for f in self.tmp.iterdir():
             f.unlink()
         self.tmp.rmdir()
@@ -342,8 +352,8 @@ def launch(config: LaunchConfig) -> int:
 def _write_ready_file(path: str, stack: Stack, target: str) -> None:
     """What a test or a tool needs to reach every process: rewritten after each restart (new pids)."""
     replicas = [
-        {"scheduler": f"127.0.0.1:{sched_port}", "workers": [f"127.0.0.1:{port}" for port in worker_ports]}
-        for sched_port, worker_ports in zip(stack.scheduler_ports, stack.worker_ports, strict=True)
+        {"scheduler": f"127.0.0.1:{sched.port}", "workers": [f"127.0.0.1:{port}" for port in worker_ports]}
+        for sched, worker_ports in zip(stack.scheduler_ports, stack.worker_ports, strict=True)
     ]
     info = {
         "target": target,

@@ -190,9 +190,10 @@ def main(a: argparse.Namespace) -> int:
     else:
         import torch.multiprocessing as mp
 
-        from common.grpc_util import free_port
+        from common.grpc_util import ReservedPort
 
-        a.dist_init = a.dist_init or f"127.0.0.1:{free_port()}"
+        rendezvous = ReservedPort()  # held until the process exits
+        a.dist_init = a.dist_init or f"127.0.0.1:{rendezvous.port}"
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()
         procs = [

@@ -97,17 +97,24 @@ class ModelRunner:
             if warm_kernels and self.device.type == "cpu":
                 self.kernel_warm_up = KernelWarmUp(self.attention, model, self.kv_dtype).start()
 
-        self.config, self.model = load_model(
-            self.model_dir,
-            dtype,
-            self.device,
-            tp,
-            load_format,
-            check,
-            linear_dtype,
-            prepack_linear,
-            quantization,
-        )
+        try:
+            self.config, self.model = load_model(
+                self.model_dir,
+                dtype,
+                self.device,
+                tp,
+                load_format,
+                check,
+                linear_dtype,
+                prepack_linear,
+                quantization,
+            )
+        except BaseException:
+            # The warm-up thread runs torch's kernels: a process that exits (here, with the checkpoint's
+            # error) while it does aborts in C++ ("terminate called without an active exception").
+            if self.kernel_warm_up is not None:
+                self.kernel_warm_up.wait()
+            raise
         self.lora = None
         if lora is not None:
             modules, max_rank, *slots = lora

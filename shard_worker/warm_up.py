@@ -106,13 +106,15 @@ class KernelWarmUp:
 
     def _run(self) -> None:
         start = time.perf_counter()
-        # Floats specialised in this thread's compiles (torch 2.13 keeps dynamo's settings per thread):
-        # the only float a kernel takes is its layer's constant scale, which dynamo otherwise traces as
-        # an input, then specialises and traces again (1.5-2 s of each start, warm cache or not).
-        torch._dynamo.config.specialize_float = True
         try:
-            if self._args[0].name in COMPILED_BY_INDUCTOR:  # importing inductor: 1.8 s, off the main thread
-                install_vec_isa_probe()
+            if self._args[0].name in COMPILED_BY_INDUCTOR:
+                # Floats specialised in this thread's compiles (torch 2.13 keeps dynamo's settings per
+                # thread): the only float a kernel takes is its layer's constant scale, which dynamo
+                # otherwise traces as an input, then specialises and traces again (1.5-2 s of each start,
+                # warm cache or not). Only for these backends: importing dynamo (2 s) on this thread while
+                # the main thread imports too once failed half-way (an op its module registers missing).
+                torch._dynamo.config.specialize_float = True
+                install_vec_isa_probe()  # importing inductor: 1.8 s, off the main thread
             warm_attention(*self._args)
         except Exception as e:  # noqa: BLE001 (reported by wait(), and retried by the full warm-up)
             self.error = e

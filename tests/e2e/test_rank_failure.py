@@ -12,7 +12,7 @@ import sys
 import grpc
 import pytest
 
-from common.grpc_util import free_port, read_port_file, wait_for_health
+from common.grpc_util import ReservedPort, read_port_file, wait_for_health
 from common.pb.tpserve.v1 import generation_pb2 as pb
 from common.pb.tpserve.v1 import generation_pb2_grpc
 from tests.conftest import ROOT
@@ -46,8 +46,8 @@ def processes():
 
 
 def test_a_rank_whose_peer_died_exits_with_the_reason(tiny_model, tmp_path):
-    dist_init = f"127.0.0.1:{free_port()}"
-    with processes() as start:
+    with ReservedPort() as rendezvous, processes() as start:
+        dist_init = f"127.0.0.1:{rendezvous.port}"
         ranks, logs = [], []
         for rank in range(2):
             logs.append(tmp_path / f"rank{rank}.log")

@@ -4,7 +4,6 @@ one rank, on the tiny model and on a tiny model with a single KV head (replicate
 from __future__ import annotations
 
 import gc
-import socket
 import traceback
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from common.grpc_util import ReservedPort
 from common.sampling import SamplingConfig
 from shard_worker.model.builder import build_model
 from shard_worker.model_runner import ModelRunner
@@ -94,12 +94,6 @@ def _rank_main(rank: int, world_size: int, addr: str, model_dirs: list[str], res
         raise
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def one_kv_head_model(tmp_path_factory) -> Path:
     return build_model("tiny", tmp_path_factory.mktemp("tiny-1kv"), num_kv_heads=1)
@@ -110,7 +104,8 @@ def two_rank_results(tiny_model, one_kv_head_model) -> dict:
     """Runs both models in one pair of processes (spawning is the slow part)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    addr = f"127.0.0.1:{free_port()}"
+    rendezvous = ReservedPort()  # held until the ranks are done (closed below)
+    addr = f"127.0.0.1:{rendezvous.port}"
     model_dirs = [str(tiny_model), str(one_kv_head_model)]
     release = ctx.Event()
     args = (addr, model_dirs, results, release)
@@ -134,6 +129,7 @@ def two_rank_results(tiny_model, one_kv_head_model) -> dict:
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=10)
+        rendezvous.close()
 
 
 def single_rank(model_dir) -> tuple[list[list[int]], list[list[float]]]:

@@ -1,5 +1,6 @@
 """A port another process holds is refused in words, before and at gRPC's bind; a free one is not."""
 
+import errno
 import socket
 from concurrent import futures
 
@@ -7,7 +8,7 @@ import grpc
 import pytest
 
 from common import security
-from common.grpc_util import SERVER_OPTIONS, check_ports_free
+from common.grpc_util import SERVER_OPTIONS, ReservedPort, check_ports_free
 
 
 def free_port_number() -> int:
@@ -39,6 +40,23 @@ def test_a_port_left_in_time_wait_is_free_as_it_is_for_grpc():
     check_ports_free("127.0.0.1", {"--port": port})
     server = grpc.server(futures.ThreadPoolExecutor(1), options=SERVER_OPTIONS)
     assert security.add_port(server, f"127.0.0.1:{port}", None) == port
+
+
+def test_a_reserved_port_is_refused_to_others_and_bound_by_its_grpc_server():
+    # The launcher holds a scheduler's port from before its workers load until the scheduler binds it.
+    with ReservedPort() as reserved:
+        with socket.socket() as other, pytest.raises(OSError) as refused:
+            other.bind(("127.0.0.1", reserved.port))
+        assert refused.value.errno == errno.EADDRINUSE
+        check_ports_free("127.0.0.1", {"--port": reserved.port})  # the scheduler's own check passes
+        server = grpc.server(futures.ThreadPoolExecutor(1), options=SERVER_OPTIONS)
+        assert security.add_port(server, f"127.0.0.1:{reserved.port}", None) == reserved.port
+        server.start()
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{reserved.port}") as channel:
+                grpc.channel_ready_future(channel).result(timeout=10)
+        finally:
+            server.stop(None)
 
 
 def test_a_second_grpc_server_cannot_share_a_port():
