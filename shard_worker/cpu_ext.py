@@ -56,11 +56,15 @@ def cache_root() -> Path:
 
 
 class Extension:
-    """One C++ source: `load()` gives its library (built first when this machine's cache has none), with
-    `abi_symbol()` checked against `abi` so a stale build of another version is refused."""
+    """One library from a C++ source (and `more`: other sources compiled with it, headers they include):
+    `load()` gives it (built first when this machine's cache has none), with `abi_symbol()` checked
+    against `abi` so a stale build of another version is refused."""
 
-    def __init__(self, name: str, source: Path, abi_symbol: str, abi: int, what: str):
+    def __init__(
+        self, name: str, source: Path, abi_symbol: str, abi: int, what: str, more: tuple[Path, ...] = ()
+    ):
         self.name, self.source, self.abi_symbol, self.abi, self.what = name, source, abi_symbol, abi, what
+        self.more = more
         self._loaded: dict[str, ctypes.CDLL | Exception] = {}
         self._lock = threading.Lock()  # one build at a time: a second caller waits for the first's
 
@@ -74,7 +78,8 @@ class Extension:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
         key = hashlib.sha256()
         flags = " ".join(self.flags(variant))
-        for part in (self.source.read_bytes(), version.encode(), flags.encode(), _cpu_flags().encode()):
+        sources = b"".join(f.read_bytes() for f in (self.source, *self.more))
+        for part in (sources, version.encode(), flags.encode(), _cpu_flags().encode()):
             key.update(part)
         suffix = "" if variant == "native" else f"_{variant}"
         return self.cache_dir() / f"{self.source.stem}{suffix}_{key.hexdigest()[:16]}.so"
@@ -85,7 +90,7 @@ class Extension:
         os.close(fd)
         try:
             done = subprocess.run(
-                [cxx, *self.flags(variant), str(self.source), "-o", scratch],
+                [cxx, *self.flags(variant), *self._compiled(), "-o", scratch],
                 capture_output=True,
                 text=True,
                 timeout=300,
@@ -96,6 +101,9 @@ class Extension:
         finally:
             if os.path.exists(scratch):
                 os.unlink(scratch)
+
+    def _compiled(self) -> list[str]:
+        return [str(f) for f in (self.source, *self.more) if f.suffix in (".cpp", ".cc")]
 
     def load(self, variant: str = "native") -> ctypes.CDLL:
         """The library, built first if this machine has none yet. KernelUnavailable when it cannot be

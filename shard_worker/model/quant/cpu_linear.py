@@ -34,14 +34,17 @@ import torch.nn.functional as F
 
 from shard_worker import cpu_ext
 
+_CSRC = Path(__file__).with_name("csrc")
 EXT = cpu_ext.Extension(
     "cpu_linear",
-    Path(__file__).with_name("csrc") / "cpu_linear.cpp",
+    _CSRC / "cpu_linear.cpp",
     "tp_linear_abi",
-    1,
+    2,
     "the CPU linear kernel",
+    more=(_CSRC / "cpu_linear_int8.cpp", _CSRC / "cpu_linear.h"),
 )
-CODES = {torch.float32: 0, torch.bfloat16: 1}
+CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+X_CODES = {torch.float32: 0, torch.bfloat16: 1}  # what x, y and a bias may be
 # The flag set (cpu_ext.VARIANTS) layers are packed for: "native" except to measure another CPU's path
 # here (bench: "avx2", as an AVX2-only machine would run).
 VARIANT = "native"
@@ -51,7 +54,7 @@ VARIANT = "native"
 def library(variant: str = "native") -> ctypes.CDLL:
     lib = EXT.load(variant)
     i, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-    lib.tp_linear.argtypes = [i, i, ptr, ptr, ptr, i, ptr, i64, i64, i64, i]
+    lib.tp_linear.argtypes = [i, i, ptr, ptr, ptr, ptr, i, ptr, i64, i64, i64, i]
     lib.tp_linear.restype = i
     return lib
 
@@ -63,52 +66,75 @@ def available(weight_dtype: torch.dtype) -> bool:
     return bool(library(VARIANT).tp_linear_native(CODES[weight_dtype]))
 
 
-class PackedLinear:
-    """A [N, K] weight in the kernel's layout: `data` [N / R, K2 / 2, R, 2] (bfloat16) or [N / R, K, R]
-    (float32), zero rows and a zero column padding N and K. The layer's `weight` parameter holds `data`
-    (so weight_bytes counts it once)."""
+def int8_rounds_x(variant: str | None = None) -> bool:
+    """Whether an int8 weight's product rounds x to bfloat16 (AVX-512 BF16: _mm512_dpbf16_ps), else it
+    multiplies x in float32."""
+    return bool(library(variant or VARIANT).tp_linear_int8_bf16_x())
 
-    def __init__(self, data: torch.Tensor, out_features: int, in_features: int, variant: str):
-        self.data, self.variant = data, variant
+
+class PackedLinear:
+    """A [N, K] weight in the kernel's layout: `data` [N / R, K2 / 2, R, 2] (bfloat16), [N / R, K, R]
+    (float32) or [N / 16, K2 / 2, 2, 16] (int8, with `scale` float32 [N]: w = data * scale per row), zero
+    rows and a zero column padding N and K. The layer's `weight` parameter holds `data` (so weight_bytes
+    counts it once)."""
+
+    def __init__(self, data, out_features: int, in_features: int, variant: str, scale=None):
+        self.data, self.variant, self.scale = data, variant, scale
         self.out_features, self.in_features = out_features, in_features
         # What each call passes, looked up once (a decode step makes a few hundred calls).
         self.fn, self.ptr, self.code = library(variant).tp_linear, data.data_ptr(), CODES[data.dtype]
+        self.scale_ptr = None if scale is None else scale.data_ptr()
 
     @property
     def dtype(self) -> torch.dtype:
         return self.data.dtype
 
     @classmethod
-    def pack(cls, weight: torch.Tensor, variant: str | None = None) -> PackedLinear:
+    def pack(cls, weight: torch.Tensor, variant: str | None = None, scale=None) -> PackedLinear:
+        """weight float32 or bfloat16 [N, K]; or int8 with its scale per row (float32 [N])."""
         variant = variant or VARIANT
         n, k = weight.shape
+        if (weight.dtype == torch.int8) != (scale is not None) or weight.dtype not in CODES:
+            raise ValueError(f"a {weight.dtype} weight with{'' if scale is None else ' a'} scale")
         rows = library(variant).tp_linear_rows(CODES[weight.dtype])
         blocks = -(-n // rows)
         w = weight.detach()
-        if weight.dtype == torch.bfloat16:
-            k2 = k + k % 2
-            w = F.pad(w, (0, k2 - k, 0, blocks * rows - n))
-            data = w.reshape(blocks, rows, k2 // 2, 2).permute(0, 2, 1, 3).contiguous()
-        else:
+        if weight.dtype == torch.float32:
             w = F.pad(w, (0, 0, 0, blocks * rows - n))
             data = w.reshape(blocks, rows, k).permute(0, 2, 1).contiguous()
-        return cls(data, n, k, variant)
+        else:
+            k2 = k + k % 2
+            w = F.pad(w, (0, k2 - k, 0, blocks * rows - n)).reshape(blocks, rows, k2 // 2, 2)
+            # bfloat16: a step is 16 rows' (k, k + 1) pairs; int8: 16 rows' k, then their k + 1.
+            data = w.permute(0, 2, 1, 3) if weight.dtype == torch.bfloat16 else w.permute(0, 2, 3, 1)
+            data = data.contiguous()
+        if scale is not None:
+            scale = scale.detach().to(torch.float32).reshape(n).contiguous()
+        return cls(data, n, k, variant, scale)
 
     def unpack(self) -> torch.Tensor:
-        """The [N, K] weight back."""
-        if self.data.dim() == 4:
-            blocks, pairs, rows, _ = self.data.shape
-            w = self.data.permute(0, 2, 1, 3).reshape(blocks * rows, pairs * 2)
-        else:
+        """The [N, K] weight back (int8: the values, without the scale)."""
+        if self.data.dim() == 3:
             blocks, k, rows = self.data.shape
             w = self.data.permute(0, 2, 1).reshape(blocks * rows, k)
+        elif self.data.dtype == torch.int8:
+            blocks, pairs, _, rows = self.data.shape
+            w = self.data.permute(0, 3, 1, 2).reshape(blocks * rows, pairs * 2)
+        else:
+            blocks, pairs, rows, _ = self.data.shape
+            w = self.data.permute(0, 2, 1, 3).reshape(blocks * rows, pairs * 2)
         return w[: self.out_features, : self.in_features]
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight the product multiplies by, [N, K] in dtype."""
+        w = self.unpack()
+        return (w.float() * self.scale[:, None]).to(dtype) if self.scale is not None else w.to(dtype)
 
 
 def linear(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T + b in x's dtype (float32 or bfloat16), summed in float32; threads: torch's."""
     k, n = packed.in_features, packed.out_features
-    code = CODES.get(x.dtype)
+    code = X_CODES.get(x.dtype)
     if x.shape[-1] != k or code is None:
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} against a packed [{n}, {k}] {packed.dtype} weight")
     x2 = x if x.dim() == 2 else x.reshape(-1, k)
@@ -116,12 +142,23 @@ def linear(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None = No
         x2 = x2.contiguous()
     m = x2.shape[0]
     y = torch.empty((m, n), dtype=x.dtype)
-    if bias is not None and (bias.dtype not in CODES or not bias.is_contiguous()):
+    if bias is not None and (bias.dtype not in X_CODES or not bias.is_contiguous()):
         bias = bias.float().contiguous()
-    bias_code, bias_ptr = (0, None) if bias is None else (CODES[bias.dtype], bias.data_ptr())
+    bias_code, bias_ptr = (0, None) if bias is None else (X_CODES[bias.dtype], bias.data_ptr())
     threads = torch.get_num_threads()
     rc = packed.fn(
-        code, packed.code, x2.data_ptr(), y.data_ptr(), packed.ptr, bias_code, bias_ptr, m, n, k, threads
+        code,
+        packed.code,
+        x2.data_ptr(),
+        y.data_ptr(),
+        packed.ptr,
+        packed.scale_ptr,
+        bias_code,
+        bias_ptr,
+        m,
+        n,
+        k,
+        threads,
     )
     if rc != 0:
         raise ValueError(f"the CPU linear kernel refused its arguments (code {rc})")

@@ -7,104 +7,23 @@
 //             16 rows x 2 consecutive k, what one _mm512_dpbf16_ps takes against a broadcast
 //             (x[m, k], x[m, k + 1]) pair.
 //   float32:  [N / R][K][R]             R = 16 with AVX-512F, 8 otherwise (AVX2 + FMA, or scalar).
+//   int8:     [N / 16][K2 / 2][2][16]   with a float32 scale per row: cpu_linear_int8.cpp.
 // tp_linear_rows(dtype) tells the caller R. x [M, K] row-major, float32 or bfloat16: converted to the
 // weight's type first where it differs (float32 to bfloat16 rounds to nearest even, as torch does). y
 // [M, N] row-major in x's type; bias [N] float32 or bfloat16, or null. Sums in float32; a bfloat16
 // weight's product is rounded to bfloat16 before the bias even when y is float32 (x W^T computed in the
 // weight's type, as torch's F.linear on x rounded to it would).
-//
-// Blocking: a tile is NB row blocks (the accumulators of MB input rows x NB blocks fill the vector
-// registers); for up to 8 input rows one pass reads each weight byte once. Above that, input rows go in
-// chunks over a tile's weights split along K so the piece re-read per chunk stays in L2, and rows are cut
-// in groups so that both threads get work on narrow layers. OpenMP over (tile, row group), static blocks:
-// a thread's consecutive items share a tile.
+// Blocking and the driver: cpu_linear.h.
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
-#include <omp.h>
-
-#include <algorithm>
-#include <cstdint>
-#include <cstring>
-#include <type_traits>
-#include <vector>
+#include "cpu_linear.h"
 
 namespace {
 
-enum Dtype { F32 = 0, BF16 = 1 };
-
-constexpr int ACC_LD = 64;       // floats per accumulator row: up to 4 blocks of 16
-constexpr int64_t K_CHUNK = 1024;  // k steps per piece when rows come in several chunks
-constexpr int ROW_GROUP = 48;      // at most this many input rows per work item
-constexpr int PREFETCH = 8;        // k steps ahead (lines of a block's stream)
-
-inline float bf16_to_f32(uint16_t h) {
-  uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch rounds; branch-free (vectorizes)
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  const uint32_t rounded = (bits + 0x7fff + ((bits >> 16) & 1)) >> 16;
-  const uint32_t nan = (bits >> 16) | 0x40;
-  return static_cast<uint16_t>((bits & 0x7fffffff) > 0x7f800000 ? nan : rounded);
-}
-
-// One tile's product over k steps [s0, s1) for MB input rows: acc[m * ACC_LD + j] (+)= sum over the
-// steps. w: the tile's first block; bstride: elements from one block to the next; x: the chunk's first
-// row, ldx elements (bf16: 32-bit pairs) per row.
-struct Tile {
-  const void* w;
-  int64_t bstride;
-  int64_t s0, s1;
-  const void* x;
-  int64_t ldx;
-  float* acc;
-  bool accumulate;
-};
-
-#if defined(__AVX512BF16__)
-struct Bf16Kernel {
-  using W = uint16_t;
-  using X = uint32_t;  // a pair of bf16
-  static constexpr int ROWS = 16, MB_MAX = 8, MB_BIG = 6, NB_MAX = 4;
-  static int nb_for(int64_t m) { return m == 7 || m == 8 ? 3 : 4; }
-  static int64_t steps(int64_t k) { return (k + 1) / 2; }
-  template <int MB, int NB>
-  static void tile(const Tile& t) {
-    const uint16_t* w = static_cast<const uint16_t*>(t.w);
-    const int32_t* x = static_cast<const int32_t*>(t.x);
-    __m512 acc[MB][NB];
-    for (int m = 0; m < MB; ++m)
-      for (int b = 0; b < NB; ++b)
-        acc[m][b] = t.accumulate ? _mm512_loadu_ps(t.acc + m * ACC_LD + b * 16) : _mm512_setzero_ps();
-    for (int64_t p = t.s0; p < t.s1; ++p) {
-      __m512bh wv[NB];
-      for (int b = 0; b < NB; ++b) {
-        const uint16_t* wp = w + b * t.bstride + p * 32;
-        _mm_prefetch(reinterpret_cast<const char*>(wp + PREFETCH * 32), _MM_HINT_T0);
-        wv[b] = (__m512bh)_mm512_loadu_si512(wp);
-      }
-      for (int m = 0; m < MB; ++m) {
-        const __m512bh xv = (__m512bh)_mm512_set1_epi32(x[m * t.ldx + p]);
-        for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], xv, wv[b]);
-      }
-    }
-    for (int m = 0; m < MB; ++m)
-      for (int b = 0; b < NB; ++b) _mm512_storeu_ps(t.acc + m * ACC_LD + b * 16, acc[m][b]);
-  }
-};
-#endif
-
 #if defined(__AVX512F__)
-struct F32Kernel {
+struct F32Kernel : Traits {
   using W = float;
   using X = float;
-  static constexpr int ROWS = 16, MB_MAX = 8, MB_BIG = 6, NB_MAX = 4;
+  static constexpr int ROWS = 16, MB_MAX = 8, MB_BIG = 6, NB_MAX = 4, STEP = 16;
   static int nb_for(int64_t m) { return m == 7 || m == 8 ? 3 : 4; }
   static int64_t steps(int64_t k) { return k; }
   template <int MB, int NB>
@@ -132,10 +51,10 @@ struct F32Kernel {
   }
 };
 #elif defined(__AVX2__) && defined(__FMA__)
-struct F32Kernel {  // 16 ymm registers: 4 rows x 3 blocks of accumulators, 3 weights, 1 broadcast
+struct F32Kernel : Traits {  // 16 ymm registers: 4 rows x 3 blocks of accumulators, 3 weights, 1 broadcast
   using W = float;
   using X = float;
-  static constexpr int ROWS = 8, MB_MAX = 4, MB_BIG = 4, NB_MAX = 3;
+  static constexpr int ROWS = 8, MB_MAX = 4, MB_BIG = 4, NB_MAX = 3, STEP = 8;
   static int nb_for(int64_t) { return 3; }
   static int64_t steps(int64_t k) { return k; }
   template <int MB, int NB>
@@ -164,46 +83,6 @@ struct F32Kernel {  // 16 ymm registers: 4 rows x 3 blocks of accumulators, 3 we
 };
 #endif
 
-// Any CPU: the same layouts in plain loops (the bf16 one when the CPU lacks AVX512_BF16, float32 when it
-// lacks AVX2 + FMA). The caller prefers oneDNN over these; they exist so that the layouts are always
-// served and testable.
-template <typename WT, int R>
-struct ScalarKernel {
-  using W = WT;
-  using X = typename std::conditional<std::is_same<WT, uint16_t>::value, uint32_t, float>::type;
-  static constexpr bool PAIRS = std::is_same<WT, uint16_t>::value;
-  static constexpr int ROWS = R, MB_MAX = 4, MB_BIG = 4, NB_MAX = 4;
-  static int nb_for(int64_t) { return NB_MAX; }
-  static int64_t steps(int64_t k) { return PAIRS ? (k + 1) / 2 : k; }
-  template <int MB, int NB>
-  static void tile(const Tile& t) {
-    const WT* w = static_cast<const WT*>(t.w);
-    const X* x = static_cast<const X*>(t.x);
-    for (int m = 0; m < MB; ++m)
-      for (int j = 0; j < NB * R; ++j) {
-        float a = t.accumulate ? t.acc[m * ACC_LD + j] : 0.0f;
-        const WT* wb = w + (j / R) * t.bstride;
-        const int r = j % R;
-        for (int64_t s = t.s0; s < t.s1; ++s) {
-          if constexpr (PAIRS) {
-            const uint32_t xp = x[m * t.ldx + s];
-            a += bf16_to_f32(xp & 0xffff) * bf16_to_f32(wb[s * 2 * R + 2 * r]);
-            a += bf16_to_f32(xp >> 16) * bf16_to_f32(wb[s * 2 * R + 2 * r + 1]);
-          } else {
-            a += x[m * t.ldx + s] * wb[s * R + r];
-          }
-        }
-        t.acc[m * ACC_LD + j] = a;
-      }
-  }
-};
-
-#if !defined(__AVX512BF16__)
-using Bf16Kernel = ScalarKernel<uint16_t, 16>;
-constexpr bool BF16_NATIVE = false;
-#else
-constexpr bool BF16_NATIVE = true;
-#endif
 #if !defined(__AVX512F__) && !(defined(__AVX2__) && defined(__FMA__))
 using F32Kernel = ScalarKernel<float, 8>;
 constexpr bool F32_NATIVE = false;
@@ -211,186 +90,37 @@ constexpr bool F32_NATIVE = false;
 constexpr bool F32_NATIVE = true;
 #endif
 
-template <class Kern, int MB, int NB>
-void call_tile(const Tile& t) {
-  if constexpr (MB <= Kern::MB_MAX && NB <= Kern::NB_MAX) Kern::template tile<MB, NB>(t);
-}
-
-template <class Kern, int MB>
-void by_nb(int nb, const Tile& t) {
-  switch (nb) {
-    case 1: return call_tile<Kern, MB, 1>(t);
-    case 2: return call_tile<Kern, MB, 2>(t);
-    case 3: return call_tile<Kern, MB, 3>(t);
-    case 4: return call_tile<Kern, MB, 4>(t);
-  }
-}
-
-template <class Kern>
-void by_mb(int mb, int nb, const Tile& t) {
-  switch (mb) {
-    case 1: return by_nb<Kern, 1>(nb, t);
-    case 2: return by_nb<Kern, 2>(nb, t);
-    case 3: return by_nb<Kern, 3>(nb, t);
-    case 4: return by_nb<Kern, 4>(nb, t);
-    case 5: return by_nb<Kern, 5>(nb, t);
-    case 6: return by_nb<Kern, 6>(nb, t);
-    case 7: return by_nb<Kern, 7>(nb, t);
-    case 8: return by_nb<Kern, 8>(nb, t);
-  }
-}
-
-struct Call {
-  int x_dtype;
-  const void* x;
-  void* y;
-  const void* w;
-  int bias_dtype;  // -1: none
-  const void* bias;
-  int64_t m, n, k;
-};
-
-// A tile's sums for one input row (cols of them) plus the bias, written in y's type. round: float32
-// output of a bfloat16 product, rounded to bfloat16 before the bias (the product in the weight's type, as
-// unquantized.linear computes it with F.linear).
-void emit(const float* a, const float* bias, bool bf16_out, bool round, void* y, int64_t cols) {
-  if (bf16_out) {
-    uint16_t* out = static_cast<uint16_t*>(y);
-    if (bias) {
-#pragma omp simd
-      for (int64_t j = 0; j < cols; ++j) out[j] = f32_to_bf16(a[j] + bias[j]);
-    } else {
-#pragma omp simd
-      for (int64_t j = 0; j < cols; ++j) out[j] = f32_to_bf16(a[j]);
-    }
-  } else {
-    float* out = static_cast<float*>(y);
-    if (round) {
-#pragma omp simd
-      for (int64_t j = 0; j < cols; ++j) out[j] = bf16_to_f32(f32_to_bf16(a[j])) + (bias ? bias[j] : 0.0f);
-    } else if (bias) {
-#pragma omp simd
-      for (int64_t j = 0; j < cols; ++j) out[j] = a[j] + bias[j];
-    } else {
-      std::memcpy(out, a, sizeof(float) * cols);
-    }
-  }
-}
-
-// x as the kernel's input elements, row stride ldx (in X units): x itself where it already is.
-template <class Kern>
-const typename Kern::X* kernel_input(const Call& c, std::vector<typename Kern::X>& buf, int64_t& ldx) {
-  using X = typename Kern::X;
-  if constexpr (std::is_same<X, uint32_t>::value) {  // bf16 pairs
-    ldx = (c.k + 1) / 2;
-    if (c.x_dtype == BF16 && c.k % 2 == 0) return static_cast<const X*>(c.x);
-    buf.assign(c.m * ldx, 0);
-    uint16_t* dst = reinterpret_cast<uint16_t*>(buf.data());
-    for (int64_t i = 0; i < c.m; ++i)
-      for (int64_t j = 0; j < c.k; ++j)
-        dst[i * 2 * ldx + j] = c.x_dtype == BF16
-                                   ? static_cast<const uint16_t*>(c.x)[i * c.k + j]
-                                   : f32_to_bf16(static_cast<const float*>(c.x)[i * c.k + j]);
-    return buf.data();
-  } else {
-    ldx = c.k;
-    if (c.x_dtype == F32) return static_cast<const X*>(c.x);
-    buf.resize(c.m * c.k);
-    for (int64_t i = 0; i < c.m * c.k; ++i) buf[i] = bf16_to_f32(static_cast<const uint16_t*>(c.x)[i]);
-    return buf.data();
-  }
-}
-
-template <class Kern>
-void run(const Call& c, int threads) {
-  using X = typename Kern::X;
-  using W = typename Kern::W;
-  std::vector<X> xbuf;
-  int64_t ldx = 0;
-  const X* x = kernel_input<Kern>(c, xbuf, ldx);
-  std::vector<float> bias;
-  if (c.bias_dtype == F32) {
-    bias.assign(static_cast<const float*>(c.bias), static_cast<const float*>(c.bias) + c.n);
-  } else if (c.bias_dtype == BF16) {
-    bias.resize(c.n);
-    for (int64_t j = 0; j < c.n; ++j) bias[j] = bf16_to_f32(static_cast<const uint16_t*>(c.bias)[j]);
-  }
-  const int64_t steps = Kern::steps(c.k);
-  const int64_t bstride = steps * (std::is_same<X, uint32_t>::value ? 2 : 1) * Kern::ROWS;
-  const int64_t blocks = (c.n + Kern::ROWS - 1) / Kern::ROWS;
-  const bool one_chunk = c.m <= Kern::MB_MAX;
-  const int64_t piece = one_chunk ? steps : K_CHUNK;
-  // Rows in groups of at most ROW_GROUP, of near-equal sizes (50 rows: 25 + 25, not 48 + 2).
-  const int64_t groups = one_chunk ? 1 : (c.m + ROW_GROUP - 1) / ROW_GROUP;
-  const int64_t group = (c.m + groups - 1) / groups;
-  // Narrower tiles where wide ones would leave threads idle or unevenly loaded (a narrow layer).
-  int nb_tile = Kern::nb_for(c.m);
-  while (threads > 1 && nb_tile > 1 && (blocks + nb_tile - 1) / nb_tile * groups < 4 * threads) --nb_tile;
-  const int64_t tiles = (blocks + nb_tile - 1) / nb_tile;
-  const int64_t items = tiles * groups;
-  const bool round = c.x_dtype == F32 && std::is_same<X, uint32_t>::value;
-
-  auto work = [&](int64_t item, std::vector<float>& acc) {
-    const int64_t tile = item / groups, g0 = (item % groups) * group;
-    const int64_t rows = std::min(group, c.m - g0);
-    // The group's rows in chunks that fill the registers, of near-equal sizes (16: 6 + 5 + 5).
-    const int64_t chunks = one_chunk ? 1 : (rows + Kern::MB_BIG - 1) / Kern::MB_BIG;
-    const int64_t b0 = tile * nb_tile;
-    const int nb = static_cast<int>(std::min<int64_t>(nb_tile, blocks - b0));
-    acc.resize(rows * ACC_LD);
-    Tile t{static_cast<const W*>(c.w) + b0 * bstride, bstride, 0, 0, nullptr, ldx, nullptr, false};
-    for (int64_t s0 = 0; s0 < steps; s0 += piece) {
-      t.s0 = s0;
-      t.s1 = std::min(steps, s0 + piece);
-      t.accumulate = s0 > 0;
-      for (int64_t i = 0, m0 = 0; i < chunks; ++i) {
-        const int64_t mb = (rows - m0) / (chunks - i) + ((rows - m0) % (chunks - i) ? 1 : 0);
-        t.x = x + (g0 + m0) * ldx;
-        t.acc = acc.data() + m0 * ACC_LD;
-        by_mb<Kern>(static_cast<int>(mb), nb, t);
-        m0 += mb;
-      }
-    }
-    const int64_t n0 = b0 * Kern::ROWS;
-    const int64_t cols = std::min<int64_t>(nb * Kern::ROWS, c.n - n0);
-    const size_t elem = c.x_dtype == F32 ? 4 : 2;
-    for (int64_t m = 0; m < rows; ++m)
-      emit(acc.data() + m * ACC_LD, bias.empty() ? nullptr : bias.data() + n0, c.x_dtype == BF16, round,
-           static_cast<char*>(c.y) + ((g0 + m) * c.n + n0) * elem, cols);
-  };
-
-  if (threads <= 1 || items == 1) {
-    std::vector<float> acc;
-    for (int64_t i = 0; i < items; ++i) work(i, acc);
-    return;
-  }
-#pragma omp parallel num_threads(threads)
-  {
-    std::vector<float> acc;
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < items; ++i) work(i, acc);
-  }
-}
-
 }  // namespace
 
 extern "C" {
 
-int tp_linear_abi() { return 1; }
+// cpu_linear_int8.cpp's half of the library.
+void tp_linear_int8_run(int x_dtype, const void* x, void* y, const void* w, const float* scale, int bias_dtype,
+                        const void* bias, int64_t m, int64_t n, int64_t k, int threads);
+int tp_linear_int8_native();
+
+int tp_linear_abi() { return 2; }
 
 // Rows per block of a weight of this dtype's layout.
-int tp_linear_rows(int w_dtype) { return w_dtype == BF16 ? 16 : F32Kernel::ROWS; }
+int tp_linear_rows(int w_dtype) { return w_dtype == F32 ? F32Kernel::ROWS : 16; }
 
 // Whether this build multiplies weights of this dtype with vector instructions (else plain loops).
-int tp_linear_native(int w_dtype) { return w_dtype == BF16 ? BF16_NATIVE : F32_NATIVE; }
+int tp_linear_native(int w_dtype) {
+  return w_dtype == BF16 ? BF16_NATIVE : w_dtype == F32 ? F32_NATIVE : tp_linear_int8_native();
+}
 
-// 0 on success; 1: a dtype code out of range.
-int tp_linear(int x_dtype, int w_dtype, const void* x, void* y, const void* w, int bias_dtype, const void* bias,
-              int64_t m, int64_t n, int64_t k, int threads) {
-  if ((x_dtype != F32 && x_dtype != BF16) || (w_dtype != F32 && w_dtype != BF16)) return 1;
-  if (bias && bias_dtype != F32 && bias_dtype != BF16) return 1;
+// 0 on success; 1: a dtype code out of range or an int8 weight without its scale. scale: int8 only
+// (float32 [N]).
+int tp_linear(int x_dtype, int w_dtype, const void* x, void* y, const void* w, const float* scale,
+              int bias_dtype, const void* bias, int64_t m, int64_t n, int64_t k, int threads) {
+  if ((x_dtype != F32 && x_dtype != BF16) || (w_dtype != F32 && w_dtype != BF16 && w_dtype != INT8)) return 1;
+  if ((bias && bias_dtype != F32 && bias_dtype != BF16) || (w_dtype == INT8 && !scale)) return 1;
   if (m <= 0 || n <= 0) return 0;
-  const Call c{x_dtype, x, y, w, bias ? bias_dtype : -1, bias, m, n, k};
+  if (w_dtype == INT8) {
+    tp_linear_int8_run(x_dtype, x, y, w, scale, bias ? bias_dtype : -1, bias, m, n, k, threads);
+    return 0;
+  }
+  const Call c{x_dtype, x, y, w, bias ? bias_dtype : -1, bias, nullptr, m, n, k};
   if (w_dtype == BF16)
     run<Bf16Kernel>(c, threads);
   else

@@ -1,0 +1,335 @@
+// The driver shared by the CPU linear kernels (cpu_linear.cpp: float32 and bfloat16 weights;
+// cpu_linear_int8.cpp: int8 weights with a float32 scale per output row), compiled into one library by
+// shard_worker/cpu_ext.py. A kernel is a struct with a tile<MB, NB>() over its layout and its traits
+// (Traits below); run<Kernel>() blocks the product around it.
+//
+// Blocking: a tile is NB row blocks (the accumulators of MB input rows x NB blocks fill the vector
+// registers); for up to MB_MAX input rows one pass reads each weight byte once. Above that, input rows go
+// in chunks over a tile's weights split along K so the piece re-read per chunk stays in L2 (a STAGED
+// kernel first widens the piece once into its Staged kernel's layout, which the chunks then read), and
+// rows are cut in groups so that both threads get work on narrow layers. OpenMP over (tile, row group),
+// static blocks: a thread's consecutive items share a tile.
+
+#pragma once
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+enum Dtype { F32 = 0, BF16 = 1, INT8 = 2 };
+
+constexpr int ACC_LD = 64;       // floats per accumulator row: up to 4 blocks of 16
+constexpr int64_t K_CHUNK = 1024;  // k steps per piece when rows come in several chunks
+constexpr int ROW_GROUP = 48;      // at most this many input rows per work item
+constexpr int PREFETCH = 8;        // k steps ahead (lines of a block's stream)
+
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch rounds; branch-free (vectorizes)
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  const uint32_t rounded = (bits + 0x7fff + ((bits >> 16) & 1)) >> 16;
+  const uint32_t nan = (bits >> 16) | 0x40;
+  return static_cast<uint16_t>((bits & 0x7fffffff) > 0x7f800000 ? nan : rounded);
+}
+
+// One tile's product over k steps [s0, s1) for MB input rows: acc[m * ACC_LD + j] (+)= sum over the
+// steps. w: the tile's first block; bstride: elements from one block to the next; x: the chunk's first
+// row, ldx elements (bf16: 32-bit pairs) per row.
+struct Tile {
+  const void* w;
+  int64_t bstride;
+  int64_t s0, s1;
+  const void* x;
+  int64_t ldx;
+  float* acc;
+  bool accumulate;
+};
+
+// What a kernel may override. STEP: weight elements per block per k step (a step: one k, or a pair of
+// them when x comes as bf16 pairs, X = uint32_t, or PAIRED); ROUND: a float32 output is the product
+// rounded to bf16 (a bf16 weight's product); STAGED: above MB_MAX rows, widen each piece of the weight
+// once with stage() and run the Staged kernel over it.
+struct Traits {
+  static constexpr bool PAIRED = false, ROUND = false, STAGED = false;
+};
+
+#if defined(__AVX512BF16__)
+struct Bf16Kernel : Traits {
+  using W = uint16_t;
+  using X = uint32_t;  // a pair of bf16
+  static constexpr int ROWS = 16, MB_MAX = 8, MB_BIG = 6, NB_MAX = 4, STEP = 32;
+  static constexpr bool ROUND = true;
+  static int nb_for(int64_t m) { return m == 7 || m == 8 ? 3 : 4; }
+  static int64_t steps(int64_t k) { return (k + 1) / 2; }
+  template <int MB, int NB>
+  static void tile(const Tile& t) {
+    const uint16_t* w = static_cast<const uint16_t*>(t.w);
+    const int32_t* x = static_cast<const int32_t*>(t.x);
+    __m512 acc[MB][NB];
+    for (int m = 0; m < MB; ++m)
+      for (int b = 0; b < NB; ++b)
+        acc[m][b] = t.accumulate ? _mm512_loadu_ps(t.acc + m * ACC_LD + b * 16) : _mm512_setzero_ps();
+    for (int64_t p = t.s0; p < t.s1; ++p) {
+      __m512bh wv[NB];
+      for (int b = 0; b < NB; ++b) {
+        const uint16_t* wp = w + b * t.bstride + p * 32;
+        _mm_prefetch(reinterpret_cast<const char*>(wp + PREFETCH * 32), _MM_HINT_T0);
+        wv[b] = (__m512bh)_mm512_loadu_si512(wp);
+      }
+      for (int m = 0; m < MB; ++m) {
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(x[m * t.ldx + p]);
+        for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], xv, wv[b]);
+      }
+    }
+    for (int m = 0; m < MB; ++m)
+      for (int b = 0; b < NB; ++b) _mm512_storeu_ps(t.acc + m * ACC_LD + b * 16, acc[m][b]);
+  }
+};
+#endif
+
+
+// Any CPU: the same layouts in plain loops (the bf16 one when the CPU lacks AVX512_BF16, float32 when it
+// lacks AVX2 + FMA). The caller prefers oneDNN over these; they exist so that the layouts are always
+// served and testable.
+template <typename WT, int R>
+struct ScalarKernel : Traits {
+  using W = WT;
+  using X = typename std::conditional<std::is_same<WT, uint16_t>::value, uint32_t, float>::type;
+  static constexpr bool PAIRS = std::is_same<WT, uint16_t>::value, ROUND = PAIRS;
+  static constexpr int ROWS = R, MB_MAX = 4, MB_BIG = 4, NB_MAX = 4, STEP = PAIRS ? 2 * R : R;
+  static int nb_for(int64_t) { return NB_MAX; }
+  static int64_t steps(int64_t k) { return PAIRS ? (k + 1) / 2 : k; }
+  template <int MB, int NB>
+  static void tile(const Tile& t) {
+    const WT* w = static_cast<const WT*>(t.w);
+    const X* x = static_cast<const X*>(t.x);
+    for (int m = 0; m < MB; ++m)
+      for (int j = 0; j < NB * R; ++j) {
+        float a = t.accumulate ? t.acc[m * ACC_LD + j] : 0.0f;
+        const WT* wb = w + (j / R) * t.bstride;
+        const int r = j % R;
+        for (int64_t s = t.s0; s < t.s1; ++s) {
+          if constexpr (PAIRS) {
+            const uint32_t xp = x[m * t.ldx + s];
+            a += bf16_to_f32(xp & 0xffff) * bf16_to_f32(wb[s * 2 * R + 2 * r]);
+            a += bf16_to_f32(xp >> 16) * bf16_to_f32(wb[s * 2 * R + 2 * r + 1]);
+          } else {
+            a += x[m * t.ldx + s] * wb[s * R + r];
+          }
+        }
+        t.acc[m * ACC_LD + j] = a;
+      }
+  }
+};
+
+#if !defined(__AVX512BF16__)
+using Bf16Kernel = ScalarKernel<uint16_t, 16>;
+constexpr bool BF16_NATIVE = false;
+#else
+constexpr bool BF16_NATIVE = true;
+#endif
+
+template <class Kern, int MB, int NB>
+void call_tile(const Tile& t) {
+  if constexpr (MB <= Kern::MB_MAX && NB <= Kern::NB_MAX) Kern::template tile<MB, NB>(t);
+}
+
+template <class Kern, int MB>
+void by_nb(int nb, const Tile& t) {
+  switch (nb) {
+    case 1: return call_tile<Kern, MB, 1>(t);
+    case 2: return call_tile<Kern, MB, 2>(t);
+    case 3: return call_tile<Kern, MB, 3>(t);
+    case 4: return call_tile<Kern, MB, 4>(t);
+  }
+}
+
+template <class Kern>
+void by_mb(int mb, int nb, const Tile& t) {
+  switch (mb) {
+    case 1: return by_nb<Kern, 1>(nb, t);
+    case 2: return by_nb<Kern, 2>(nb, t);
+    case 3: return by_nb<Kern, 3>(nb, t);
+    case 4: return by_nb<Kern, 4>(nb, t);
+    case 5: return by_nb<Kern, 5>(nb, t);
+    case 6: return by_nb<Kern, 6>(nb, t);
+    case 7: return by_nb<Kern, 7>(nb, t);
+    case 8: return by_nb<Kern, 8>(nb, t);
+  }
+}
+
+struct Call {
+  int x_dtype;
+  const void* x;
+  void* y;
+  const void* w;
+  int bias_dtype;  // -1: none
+  const void* bias;
+  const float* scale;  // [N], multiplies each output's sum before the bias; null: none
+  int64_t m, n, k;
+};
+
+// A tile's sums for one input row (cols of them) plus the bias, written in y's type. round: float32
+// output of a bfloat16 product, rounded to bfloat16 before the bias (the product in the weight's type, as
+// unquantized.linear computes it with F.linear).
+void emit(const float* a, const float* bias, bool bf16_out, bool round, void* y, int64_t cols) {
+  if (bf16_out) {
+    uint16_t* out = static_cast<uint16_t*>(y);
+    if (bias) {
+#pragma omp simd
+      for (int64_t j = 0; j < cols; ++j) out[j] = f32_to_bf16(a[j] + bias[j]);
+    } else {
+#pragma omp simd
+      for (int64_t j = 0; j < cols; ++j) out[j] = f32_to_bf16(a[j]);
+    }
+  } else {
+    float* out = static_cast<float*>(y);
+    if (round) {
+#pragma omp simd
+      for (int64_t j = 0; j < cols; ++j) out[j] = bf16_to_f32(f32_to_bf16(a[j])) + (bias ? bias[j] : 0.0f);
+    } else if (bias) {
+#pragma omp simd
+      for (int64_t j = 0; j < cols; ++j) out[j] = a[j] + bias[j];
+    } else {
+      std::memcpy(out, a, sizeof(float) * cols);
+    }
+  }
+}
+
+// x as the kernel's input elements, row stride ldx (in X units): x itself where it already is.
+template <class Kern>
+const typename Kern::X* kernel_input(const Call& c, std::vector<typename Kern::X>& buf, int64_t& ldx) {
+  using X = typename Kern::X;
+  if constexpr (std::is_same<X, uint32_t>::value) {  // bf16 pairs
+    ldx = (c.k + 1) / 2;
+    if (c.x_dtype == BF16 && c.k % 2 == 0) return static_cast<const X*>(c.x);
+    buf.assign(c.m * ldx, 0);
+    uint16_t* dst = reinterpret_cast<uint16_t*>(buf.data());
+    for (int64_t i = 0; i < c.m; ++i)
+      for (int64_t j = 0; j < c.k; ++j)
+        dst[i * 2 * ldx + j] = c.x_dtype == BF16
+                                   ? static_cast<const uint16_t*>(c.x)[i * c.k + j]
+                                   : f32_to_bf16(static_cast<const float*>(c.x)[i * c.k + j]);
+    return buf.data();
+  } else {  // float32, rows padded to even K for a PAIRED kernel
+    ldx = Kern::PAIRED ? c.k + c.k % 2 : c.k;
+    if (c.x_dtype == F32 && ldx == c.k) return static_cast<const X*>(c.x);
+    buf.assign(c.m * ldx, 0.0f);
+    for (int64_t i = 0; i < c.m; ++i)
+      for (int64_t j = 0; j < c.k; ++j)
+        buf[i * ldx + j] = c.x_dtype == F32 ? static_cast<const float*>(c.x)[i * c.k + j]
+                                            : bf16_to_f32(static_cast<const uint16_t*>(c.x)[i * c.k + j]);
+    return buf.data();
+  }
+}
+
+template <class Kern>
+void run(const Call& c, int threads) {
+  using X = typename Kern::X;
+  using W = typename Kern::W;
+  std::vector<X> xbuf;
+  int64_t ldx = 0;
+  const X* x = kernel_input<Kern>(c, xbuf, ldx);
+  std::vector<float> bias;
+  if (c.bias_dtype == F32) {
+    bias.assign(static_cast<const float*>(c.bias), static_cast<const float*>(c.bias) + c.n);
+  } else if (c.bias_dtype == BF16) {
+    bias.resize(c.n);
+    for (int64_t j = 0; j < c.n; ++j) bias[j] = bf16_to_f32(static_cast<const uint16_t*>(c.bias)[j]);
+  }
+  const int64_t steps = Kern::steps(c.k);
+  const int64_t bstride = steps * Kern::STEP;
+  const int64_t blocks = (c.n + Kern::ROWS - 1) / Kern::ROWS;
+  const bool one_chunk = c.m <= Kern::MB_MAX;
+  const int64_t piece = one_chunk ? steps : K_CHUNK;
+  // Rows in groups of at most ROW_GROUP, of near-equal sizes (50 rows: 25 + 25, not 48 + 2).
+  const int64_t groups = one_chunk ? 1 : (c.m + ROW_GROUP - 1) / ROW_GROUP;
+  const int64_t group = (c.m + groups - 1) / groups;
+  // Narrower tiles where wide ones would leave threads idle or unevenly loaded (a narrow layer).
+  int nb_tile = Kern::nb_for(c.m);
+  while (threads > 1 && nb_tile > 1 && (blocks + nb_tile - 1) / nb_tile * groups < 4 * threads) --nb_tile;
+  const int64_t tiles = (blocks + nb_tile - 1) / nb_tile;
+  const int64_t items = tiles * groups;
+  const bool round = c.x_dtype == F32 && Kern::ROUND;
+
+  auto work = [&](int64_t item, std::vector<float>& acc, std::vector<float>& stage) {
+    const int64_t tile = item / groups, g0 = (item % groups) * group;
+    const int64_t rows = std::min(group, c.m - g0);
+    // The group's rows in chunks that fill the registers, of near-equal sizes (16: 6 + 5 + 5).
+    const int64_t chunks = one_chunk ? 1 : (rows + Kern::MB_BIG - 1) / Kern::MB_BIG;
+    const int64_t b0 = tile * nb_tile;
+    const int nb = static_cast<int>(std::min<int64_t>(nb_tile, blocks - b0));
+    acc.resize(rows * ACC_LD);
+    Tile t{static_cast<const W*>(c.w) + b0 * bstride, bstride, 0, 0, nullptr, ldx, nullptr, false};
+    for (int64_t s0 = 0; s0 < steps; s0 += piece) {
+      t.s0 = s0;
+      t.s1 = std::min(steps, s0 + piece);
+      t.accumulate = s0 > 0;
+      if constexpr (Kern::STAGED) {
+        if (!one_chunk) {  // the piece widened once, in the Staged kernel's layout, for all chunks
+          using S = typename Kern::Staged;
+          const int64_t len = t.s1 - s0;
+          stage.resize((nb * len * S::STEP * sizeof(typename S::W) + 3) / 4);
+          Kern::stage(t, nb, stage.data());
+          Tile st{stage.data(), len * S::STEP, 0, len, nullptr, ldx, nullptr, t.accumulate};
+          for (int64_t i = 0, m0 = 0; i < chunks; ++i) {
+            const int64_t mb = (rows - m0) / (chunks - i) + ((rows - m0) % (chunks - i) ? 1 : 0);
+            st.x = x + (g0 + m0) * ldx + s0;
+            st.acc = acc.data() + m0 * ACC_LD;
+            by_mb<S>(static_cast<int>(mb), nb, st);
+            m0 += mb;
+          }
+          continue;
+        }
+      }
+      for (int64_t i = 0, m0 = 0; i < chunks; ++i) {
+        const int64_t mb = (rows - m0) / (chunks - i) + ((rows - m0) % (chunks - i) ? 1 : 0);
+        t.x = x + (g0 + m0) * ldx;
+        t.acc = acc.data() + m0 * ACC_LD;
+        by_mb<Kern>(static_cast<int>(mb), nb, t);
+        m0 += mb;
+      }
+    }
+    const int64_t n0 = b0 * Kern::ROWS;
+    const int64_t cols = std::min<int64_t>(nb * Kern::ROWS, c.n - n0);
+    const size_t elem = c.x_dtype == F32 ? 4 : 2;
+    if (c.scale)
+      for (int64_t m = 0; m < rows; ++m) {
+        float* a = acc.data() + m * ACC_LD;
+#pragma omp simd
+        for (int64_t j = 0; j < cols; ++j) a[j] *= c.scale[n0 + j];
+      }
+    for (int64_t m = 0; m < rows; ++m)
+      emit(acc.data() + m * ACC_LD, bias.empty() ? nullptr : bias.data() + n0, c.x_dtype == BF16, round,
+           static_cast<char*>(c.y) + ((g0 + m) * c.n + n0) * elem, cols);
+  };
+
+  if (threads <= 1 || items == 1) {
+    std::vector<float> acc, stage;
+    for (int64_t i = 0; i < items; ++i) work(i, acc, stage);
+    return;
+  }
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> acc, stage;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < items; ++i) work(i, acc, stage);
+  }
+}
+
+}  // namespace

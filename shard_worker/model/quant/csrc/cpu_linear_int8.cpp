@@ -1,0 +1,192 @@
+// y = (x W^T) * scale + b on CPU for an int8 weight W [N, K] with a float32 scale per output row (symmetric
+// int8 weight-only: --quantization int8, compressed-tensors W8A16), the second half of the library that
+// cpu_linear.cpp begins (same driver, cpu_linear.h).
+//
+// Layout: [N / 16][K2 / 2][2][16] int8, K2 = K rounded up to even, N padded with zero rows: a step is 32
+// bytes, the 16 rows' values at k then at k + 1. Whatever the CPU, the weight is read as stored and
+// widened in registers (int8 values are exact in bfloat16 and float32); the scale multiplies each
+// output's float32 sum once.
+//   AVX-512 BF16: both halves of a step widened to float32, then their bits interleaved into the 16 (k,
+//     k + 1) bf16 pairs that _mm512_dpbf16_ps takes (an integer of at most 8 bits has no bits in a
+//     float32's low half, so a bf16 is its high half, exactly), against x rounded to bf16 as the bf16
+//     kernel rounds it. Above MB_MAX rows a piece of the weight is widened once into the bf16 kernel's
+//     layout and that kernel runs over it for every chunk of rows (STAGED).
+//   AVX-512F without BF16, AVX2 + FMA, or plain loops: widened to float32 and multiplied by x in float32.
+// tp_linear_int8_bf16_x() says which: whether x is rounded to bf16.
+
+#include "cpu_linear.h"
+
+namespace {
+
+#if defined(__AVX512BF16__)
+struct Int8Kernel : Traits {
+  using W = int8_t;
+  using X = uint32_t;  // a pair of bf16
+  using Staged = Bf16Kernel;
+  static constexpr int ROWS = 16, MB_MAX = 8, MB_BIG = 6, NB_MAX = 4, STEP = 32;
+  static constexpr bool STAGED = true;
+  static int nb_for(int64_t m) { return m == 7 || m == 8 ? 3 : 4; }
+  static int64_t steps(int64_t k) { return (k + 1) / 2; }
+  static __m512i widen16(const int8_t* wp) {  // 16 values' float32 bits
+    return _mm512_castps_si512(
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp)))));
+  }
+  static __m512bh widen(const int8_t* wp) {
+    return (__m512bh)_mm512_or_si512(widen16(wp + 16), _mm512_srli_epi32(widen16(wp), 16));
+  }
+  template <int MB, int NB>
+  static void tile(const Tile& t) {
+    const int8_t* w = static_cast<const int8_t*>(t.w);
+    const int32_t* x = static_cast<const int32_t*>(t.x);
+    __m512 acc[MB][NB];
+    for (int m = 0; m < MB; ++m)
+      for (int b = 0; b < NB; ++b)
+        acc[m][b] = t.accumulate ? _mm512_loadu_ps(t.acc + m * ACC_LD + b * 16) : _mm512_setzero_ps();
+    for (int64_t p = t.s0; p < t.s1; ++p) {
+      __m512bh wv[NB];
+      for (int b = 0; b < NB; ++b) {
+        const int8_t* wp = w + b * t.bstride + p * 32;
+        _mm_prefetch(reinterpret_cast<const char*>(wp + 2 * PREFETCH * 32), _MM_HINT_T0);
+        wv[b] = widen(wp);
+      }
+      for (int m = 0; m < MB; ++m) {
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(x[m * t.ldx + p]);
+        for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], xv, wv[b]);
+      }
+    }
+    for (int m = 0; m < MB; ++m)
+      for (int b = 0; b < NB; ++b) _mm512_storeu_ps(t.acc + m * ACC_LD + b * 16, acc[m][b]);
+  }
+  // Steps [t.s0, t.s1) of nb blocks into the bf16 layout ([nb][steps][16][2]).
+  static void stage(const Tile& t, int nb, void* out) {
+    uint16_t* o = static_cast<uint16_t*>(out);
+    const int8_t* w = static_cast<const int8_t*>(t.w);
+    for (int b = 0; b < nb; ++b)
+      for (int64_t p = t.s0; p < t.s1; ++p, o += 32)
+        _mm512_storeu_si512(o, (__m512i)widen(w + b * t.bstride + p * 32));
+  }
+};
+constexpr bool BF16_X = true;
+
+#elif defined(__AVX512F__)
+struct Int8Kernel : Traits {  // 32 zmm: up to 4 rows x 4 blocks or 6 x 2 of accumulators, 2 weights a block
+  using W = int8_t;
+  using X = float;
+  static constexpr int ROWS = 16, MB_MAX = 6, MB_BIG = 6, NB_MAX = 4, STEP = 32;
+  static constexpr bool PAIRED = true;
+  static int nb_for(int64_t m) { return m <= 4 ? 4 : 2; }
+  static int64_t steps(int64_t k) { return (k + 1) / 2; }
+  static __m512 widen(const int8_t* wp) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp))));
+  }
+  template <int MB, int NB>
+  static void tile(const Tile& t) {
+    const int8_t* w = static_cast<const int8_t*>(t.w);
+    const float* x = static_cast<const float*>(t.x);
+    __m512 acc[MB][NB];
+    for (int m = 0; m < MB; ++m)
+      for (int b = 0; b < NB; ++b)
+        acc[m][b] = t.accumulate ? _mm512_loadu_ps(t.acc + m * ACC_LD + b * 16) : _mm512_setzero_ps();
+    for (int64_t p = t.s0; p < t.s1; ++p) {
+      __m512 we[NB], wo[NB];
+      for (int b = 0; b < NB; ++b) {
+        const int8_t* wp = w + b * t.bstride + p * 32;
+        _mm_prefetch(reinterpret_cast<const char*>(wp + 2 * PREFETCH * 32), _MM_HINT_T0);
+        we[b] = widen(wp);
+        wo[b] = widen(wp + 16);
+      }
+      for (int m = 0; m < MB; ++m) {
+        const __m512 xe = _mm512_set1_ps(x[m * t.ldx + 2 * p]), xo = _mm512_set1_ps(x[m * t.ldx + 2 * p + 1]);
+        for (int b = 0; b < NB; ++b)
+          acc[m][b] = _mm512_fmadd_ps(xo, wo[b], _mm512_fmadd_ps(xe, we[b], acc[m][b]));
+      }
+    }
+    for (int m = 0; m < MB; ++m)
+      for (int b = 0; b < NB; ++b) _mm512_storeu_ps(t.acc + m * ACC_LD + b * 16, acc[m][b]);
+  }
+};
+constexpr bool BF16_X = false;
+
+#elif defined(__AVX2__) && defined(__FMA__)
+struct Int8Kernel : Traits {  // 16 ymm: 4 rows x 1 block (2 halves) of accumulators, 4 weights, 2 broadcasts
+  using W = int8_t;
+  using X = float;
+  static constexpr int ROWS = 16, MB_MAX = 4, MB_BIG = 4, NB_MAX = 1, STEP = 32;
+  static constexpr bool PAIRED = true;
+  static int nb_for(int64_t) { return 1; }
+  static int64_t steps(int64_t k) { return (k + 1) / 2; }
+  static __m256 widen(const int8_t* wp) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wp))));
+  }
+  template <int MB, int NB>
+  static void tile(const Tile& t) {
+    const int8_t* w = static_cast<const int8_t*>(t.w);
+    const float* x = static_cast<const float*>(t.x);
+    __m256 acc[MB][2];
+    for (int m = 0; m < MB; ++m)
+      for (int h = 0; h < 2; ++h)
+        acc[m][h] = t.accumulate ? _mm256_loadu_ps(t.acc + m * ACC_LD + h * 8) : _mm256_setzero_ps();
+    for (int64_t p = t.s0; p < t.s1; ++p) {
+      const int8_t* wp = w + p * 32;
+      _mm_prefetch(reinterpret_cast<const char*>(wp + 2 * PREFETCH * 32), _MM_HINT_T0);
+      const __m256 we[2] = {widen(wp), widen(wp + 8)}, wo[2] = {widen(wp + 16), widen(wp + 24)};
+      for (int m = 0; m < MB; ++m) {
+        const __m256 xe = _mm256_broadcast_ss(x + m * t.ldx + 2 * p);
+        const __m256 xo = _mm256_broadcast_ss(x + m * t.ldx + 2 * p + 1);
+        for (int h = 0; h < 2; ++h)
+          acc[m][h] = _mm256_fmadd_ps(xo, wo[h], _mm256_fmadd_ps(xe, we[h], acc[m][h]));
+      }
+    }
+    for (int m = 0; m < MB; ++m)
+      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(t.acc + m * ACC_LD + h * 8, acc[m][h]);
+  }
+};
+constexpr bool BF16_X = false;
+
+#else
+struct Int8Kernel : Traits {  // any CPU: plain loops over the same layout
+  using W = int8_t;
+  using X = float;
+  static constexpr int ROWS = 16, MB_MAX = 4, MB_BIG = 4, NB_MAX = 4, STEP = 32;
+  static constexpr bool PAIRED = true;
+  static int nb_for(int64_t) { return NB_MAX; }
+  static int64_t steps(int64_t k) { return (k + 1) / 2; }
+  template <int MB, int NB>
+  static void tile(const Tile& t) {
+    const int8_t* w = static_cast<const int8_t*>(t.w);
+    const float* x = static_cast<const float*>(t.x);
+    for (int m = 0; m < MB; ++m)
+      for (int j = 0; j < NB * 16; ++j) {
+        float a = t.accumulate ? t.acc[m * ACC_LD + j] : 0.0f;
+        const int8_t* wb = w + (j / 16) * t.bstride + j % 16;
+        for (int64_t p = t.s0; p < t.s1; ++p) {
+          a += x[m * t.ldx + 2 * p] * wb[p * 32];
+          a += x[m * t.ldx + 2 * p + 1] * wb[p * 32 + 16];
+        }
+        t.acc[m * ACC_LD + j] = a;
+      }
+  }
+};
+constexpr bool BF16_X = false;
+#define TP_INT8_SCALAR
+#endif
+
+}  // namespace
+
+extern "C" {
+
+void tp_linear_int8_run(int x_dtype, const void* x, void* y, const void* w, const float* scale, int bias_dtype,
+                        const void* bias, int64_t m, int64_t n, int64_t k, int threads) {
+  run<Int8Kernel>(Call{x_dtype, x, y, w, bias_dtype, bias, scale, m, n, k}, threads);
+}
+
+#if defined(TP_INT8_SCALAR)
+int tp_linear_int8_native() { return 0; }
+#else
+int tp_linear_int8_native() { return 1; }
+#endif
+
+// Whether x is rounded to bf16 for the product (else multiplied in float32).
+int tp_linear_int8_bf16_x() { return BF16_X; }
+
+}  // extern "C"
