@@ -2,10 +2,13 @@
 F.linear on a model's linear shapes: each layer's weights once, like a step, per number of input rows.
 
     python -m bench.cpu_linear [--model models/smollm2] [--rows 1 8 32 512] [--threads 1] [--dtype bfloat16]
-                               [--variant native|avx2]
+                               [--variant native|avx2] [--int8]
 
 Prints ms per pass over all of the model's linear weights (its layers' projections and the LM head) and the
-weight bytes streamed per second. Also holds what bench/decode_profile.py uses to compare packings.
+weight bytes streamed per second. --int8 adds the same weights quantized to int8 per output row (as
+--quantization int8 does): our kernel's int8 product (int8), aten._weight_int8pack_mm (int8pack, what runs
+without it) and our kernel on float32 weights (f32), x in --dtype (float32 for f32). Also holds what
+bench/decode_profile.py uses to compare packings.
 
 Figures (2026-12-03, AMD EPYC Zen 4, AVX-512 BF16, no AMX, 2 cores shared with other sessions; one
 thread; SmolLM2-135M, 211 products, 269 MB in bf16): see the table in shard_worker/model/quant/
@@ -25,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from common.sampling import SamplingConfig
-from shard_worker.model.quant import cpu_linear
+from shard_worker.model.quant import cpu_linear, products
 from shard_worker.step import SequenceInit, StepInputs
 
 PACKINGS = ("kernel", "onednn", "plain")
@@ -109,6 +112,7 @@ def main() -> None:
         help="the kernel's flag set (shard_worker/cpu_ext.py): avx2 measures an AVX2-only CPU's path here "
         "(with ONEDNN_MAX_CPU_ISA=AVX2 in the environment for oneDNN's)",
     )
+    p.add_argument("--int8", action="store_true", help="add int8 weight-only columns (and float32 weights)")
     a = p.parse_args()
     cpu_linear.VARIANT = a.variant
     torch.set_num_threads(a.threads)
@@ -120,28 +124,49 @@ def main() -> None:
     held = {"kernel": [cpu_linear.PackedLinear.pack(w) for w in plain], "plain": plain}
     if torch.backends.mkldnn.is_available():
         held["onednn"] = [torch.ops.mkldnn._reorder_linear_weight(w) for w in plain]
-    products = {
+    fns = {
         "kernel": cpu_linear.linear,
         "onednn": lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
         "plain": F.linear,
     }
+    x_dtypes = dict.fromkeys(held, dtype)
+    sizes = dict.fromkeys(held, nbytes)
+    if a.int8:
+        quantized = [products.quantize_int8(w) for w in plain]
+        held["int8"] = [cpu_linear.PackedLinear.pack(q, scale=s) for q, s in quantized]
+        held["int8pack"] = [(q, s.bfloat16()) for q, s in quantized]
+        held["f32"] = [cpu_linear.PackedLinear.pack(w.float()) for w in plain]
+        fns["int8"], fns["f32"] = cpu_linear.linear, cpu_linear.linear
+        fns["int8pack"] = lambda x, w: torch.ops.aten._weight_int8pack_mm(x.bfloat16(), w[0], w[1])
+        x_dtypes.update(int8=dtype, int8pack=dtype, f32=torch.float32)
+        sizes.update(
+            int8=nbytes // dtype.itemsize, int8pack=nbytes // dtype.itemsize, f32=nbytes * 4 // dtype.itemsize
+        )
     native = bool(cpu_linear.library(a.variant).tp_linear_native(cpu_linear.CODES[dtype]))
     print(
         f"{len(plain)} products, {nbytes / 1e6:.0f} MB of {a.dtype} weights, {a.threads} thread(s); kernel "
         f"{'native' if native else 'in plain loops (no vector path for this dtype here)'}"
     )
     for m in a.rows:
-        xs = {k: torch.randn(m, k, generator=gen).to(dtype) for k in {w.shape[1] for w in plain}}
+        xs = {k: torch.randn(m, k, generator=gen) for k in {w.shape[1] for w in plain}}
+        xs = {t: {k: x.to(t) for k, x in xs.items()} for t in set(x_dtypes.values())}
         best = {}
         for _ in range(a.reps):  # packings in turn, so that all see the same background load
             for name, ws in held.items():
+                x_of = xs[x_dtypes[name]]
                 t = time.perf_counter()
                 for w0, w in zip(plain, ws, strict=True):
-                    products[name](xs[w0.shape[1]], w)
+                    fns[name](x_of[w0.shape[1]], w)
                 best[name] = min(best.get(name, 1e9), time.perf_counter() - t)
-        cells = "  ".join(f"{n} {s * 1e3:7.1f} ms {nbytes / s / 1e9:5.1f} GB/s" for n, s in best.items())
+        cells = "  ".join(f"{n} {s * 1e3:6.1f} ms {sizes[n] / s / 1e9:4.1f} GB/s" for n, s in best.items())
         ratio = best.get("onednn", best["plain"]) / best["kernel"]
         print(f"rows {m:4d}: {cells}  kernel {ratio:.2f}x oneDNN", flush=True)
+        if a.int8:
+            print(
+                f"           int8 kernel: {best['kernel'] / best['int8']:.2f}x the {a.dtype} kernel, "
+                f"{best['int8pack'] / best['int8']:.2f}x weight_int8pack_mm, {best['f32'] / best['int8']:.2f}x float32",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -5,9 +5,8 @@
 //
 // Blocking: a tile is NB row blocks (the accumulators of MB input rows x NB blocks fill the vector
 // registers); for up to MB_MAX input rows one pass reads each weight byte once. Above that, input rows go
-// in chunks over a tile's weights split along K so the piece re-read per chunk stays in L2 (a STAGED
-// kernel first widens the piece once into its Staged kernel's layout, which the chunks then read), and
-// rows are cut in groups so that both threads get work on narrow layers. OpenMP over (tile, row group),
+// in chunks over a tile's weights split along K so the piece re-read per chunk stays in L2, and rows are
+// cut in groups so that both threads get work on narrow layers. OpenMP over (tile, row group),
 // static blocks: a thread's consecutive items share a tile.
 
 #pragma once
@@ -62,10 +61,9 @@ struct Tile {
 
 // What a kernel may override. STEP: weight elements per block per k step (a step: one k, or a pair of
 // them when x comes as bf16 pairs, X = uint32_t, or PAIRED); ROUND: a float32 output is the product
-// rounded to bf16 (a bf16 weight's product); STAGED: above MB_MAX rows, widen each piece of the weight
-// once with stage() and run the Staged kernel over it.
+// rounded to bf16 (a bf16 weight's product).
 struct Traits {
-  static constexpr bool PAIRED = false, ROUND = false, STAGED = false;
+  static constexpr bool PAIRED = false, ROUND = false;
 };
 
 #if defined(__AVX512BF16__)
@@ -267,7 +265,7 @@ void run(const Call& c, int threads) {
   const int64_t items = tiles * groups;
   const bool round = c.x_dtype == F32 && Kern::ROUND;
 
-  auto work = [&](int64_t item, std::vector<float>& acc, std::vector<float>& stage) {
+  auto work = [&](int64_t item, std::vector<float>& acc) {
     const int64_t tile = item / groups, g0 = (item % groups) * group;
     const int64_t rows = std::min(group, c.m - g0);
     // The group's rows in chunks that fill the registers, of near-equal sizes (16: 6 + 5 + 5).
@@ -280,23 +278,6 @@ void run(const Call& c, int threads) {
       t.s0 = s0;
       t.s1 = std::min(steps, s0 + piece);
       t.accumulate = s0 > 0;
-      if constexpr (Kern::STAGED) {
-        if (!one_chunk) {  // the piece widened once, in the Staged kernel's layout, for all chunks
-          using S = typename Kern::Staged;
-          const int64_t len = t.s1 - s0;
-          stage.resize((nb * len * S::STEP * sizeof(typename S::W) + 3) / 4);
-          Kern::stage(t, nb, stage.data());
-          Tile st{stage.data(), len * S::STEP, 0, len, nullptr, ldx, nullptr, t.accumulate};
-          for (int64_t i = 0, m0 = 0; i < chunks; ++i) {
-            const int64_t mb = (rows - m0) / (chunks - i) + ((rows - m0) % (chunks - i) ? 1 : 0);
-            st.x = x + (g0 + m0) * ldx + s0;
-            st.acc = acc.data() + m0 * ACC_LD;
-            by_mb<S>(static_cast<int>(mb), nb, st);
-            m0 += mb;
-          }
-          continue;
-        }
-      }
       for (int64_t i = 0, m0 = 0; i < chunks; ++i) {
         const int64_t mb = (rows - m0) / (chunks - i) + ((rows - m0) % (chunks - i) ? 1 : 0);
         t.x = x + (g0 + m0) * ldx;
@@ -320,15 +301,15 @@ void run(const Call& c, int threads) {
   };
 
   if (threads <= 1 || items == 1) {
-    std::vector<float> acc, stage;
-    for (int64_t i = 0; i < items; ++i) work(i, acc, stage);
+    std::vector<float> acc;
+    for (int64_t i = 0; i < items; ++i) work(i, acc);
     return;
   }
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> acc, stage;
+    std::vector<float> acc;
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < items; ++i) work(i, acc, stage);
+    for (int64_t i = 0; i < items; ++i) work(i, acc);
   }
 }
 
