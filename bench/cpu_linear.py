@@ -164,7 +164,8 @@ def main() -> None:
         if a.int8:
             print(
                 f"           int8 kernel: {best['kernel'] / best['int8']:.2f}x the {a.dtype} kernel, "
-                f"{best['int8pack'] / best['int8']:.2f}x weight_int8pack_mm, {best['f32'] / best['int8']:.2f}x float32",
+                f"{best['int8pack'] / best['int8']:.2f}x weight_int8pack_mm, "
+                f"{best['f32'] / best['int8']:.2f}x float32",
                 flush=True,
             )
 

@@ -4,7 +4,8 @@ through ctypes.
 A source is plain C++17 with OpenMP and no torch headers, so it builds in seconds with the system's C++
 compiler (`$CXX`, else g++ or c++), with -march=native: the CPU it runs on decides its vector width
 (AVX2, AVX-512, AVX-512 BF16). A flag set other than "native" builds it for less than this CPU has
-(`avx2`: no AVX-512; `scalar`: no AVX at all), so that tests prove the paths this machine would not take.
+(`avx512`: no AVX-512 BF16; `avx2`: no AVX-512; `scalar`: no AVX at all), so that tests prove the paths
+this machine would not take.
 The library is kept in the worker's compile cache (TORCHINDUCTOR_CACHE_DIR, set from --compile-cache-dir
 by shard_worker/startup.py) under a name that hashes the source, the compiler, the flags and the CPU's
 feature flags, so a restart loads it and a different node builds its own. Several ranks building at
@@ -27,7 +28,7 @@ from pathlib import Path
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 # What each flag set adds to FLAGS (later -m options win over -march=native's).
-VARIANTS = {"native": (), "avx2": ("-mno-avx512f",), "scalar": ("-mno-avx",)}
+VARIANTS = {"native": (), "avx512": ("-mno-avx512bf16",), "avx2": ("-mno-avx512f",), "scalar": ("-mno-avx",)}
 
 
 class KernelUnavailable(RuntimeError):

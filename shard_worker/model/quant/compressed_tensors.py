@@ -3,11 +3,11 @@ form: config.json's quantization_config names config_groups (targets -> weights 
 args, and a format), an ignore list, and a global format.
 
 Served (per layer: a group's scheme, or unquantized when ignored or targeted by no group):
-    int-quantized    int8 weights [N, K], weight_scale [N, 1]: W8A16 (weight-only, kernels.PackedInt8)
+    int-quantized    int8 weights [N, K], weight_scale [N, 1]: W8A16 (weight-only, products.pack_int8)
                      and W8A8 (activations int8 per token, dynamic; kernels.PackedInt8.matmul_dynamic)
     pack-quantized   4-bit (group or channel; symmetric, or asymmetric with weight_zero_point) and
                      symmetric 8-bit per channel, eight / four values per int32 (weight_packed), and
-                     weight_shape: kernels.PackedInt4 / PackedInt8
+                     weight_shape: kernels.PackedInt4 / products.pack_int8
     float-quantized  e4m3 weights, weight_scale per channel [N, 1] or per tensor [1], activations none
                      or dynamic e4m3 (per token or per tensor); dequantized for the product
 Refused in one line: any other format, bit width, strategy, asymmetric 8-bit, static activation scales,
@@ -130,14 +130,18 @@ class Int8Method(LinearMethod):
         add_param(layer, "weight_scale", (n, 1), torch.float32, output_dim=0)
 
     def process_weights_after_loading(self, layer) -> None:
-        layer.packed = PackedInt8.pack(layer.weight.detach(), layer.weight_scale.detach().reshape(-1))
+        q, scale = layer.weight.detach(), layer.weight_scale.detach().reshape(-1)
         del layer.weight, layer.weight_scale
+        if self.w8a8:
+            layer.packed = PackedInt8.pack(q, scale)
+        else:
+            products.pack_int8(layer, q, scale)
 
     def apply(self, layer, x, bias=None):
         if self.w8a8:  # kernels.PackedInt8.matmul_dynamic: fbgemm on CPU, per token
             y = layer.packed.matmul_dynamic(x)
             return y if bias is None else y + bias
-        return products.weight_only(layer.packed, x, bias)
+        return products.int8_weight_only(layer, x, bias)
 
 
 class PackedIntMethod(LinearMethod):
@@ -184,17 +188,19 @@ class PackedIntMethod(LinearMethod):
             raise ValueError(f"{NAME}: weight_shape {got} does not match {type(layer).__name__}'s shape")
         q = unpack(layer.weight_packed.detach(), self.bits)  # values 0 .. 2^bits - 1
         scale = layer.weight_scale.detach()
+        del layer.weight_packed, layer.weight_scale, layer.weight_shape
         if self.bits == 8:
-            layer.packed = PackedInt8.pack((q.to(torch.int16) - 128).to(torch.int8), scale.reshape(-1))
+            products.pack_int8(layer, (q.to(torch.int16) - 128).to(torch.int8), scale.reshape(-1))
         else:
             zero = None
             if not self.symmetric:
                 zero = unpack(layer.weight_zero_point.detach().t(), self.bits).t().float()
                 del layer.weight_zero_point
             layer.packed = PackedInt4.pack(q, scale, zero, self.group_size or q.shape[1])
-        del layer.weight_packed, layer.weight_scale, layer.weight_shape
 
     def apply(self, layer, x, bias=None):
+        if self.bits == 8:
+            return products.int8_weight_only(layer, x, bias)
         return products.weight_only(layer.packed, x, bias)
 
 

@@ -6,8 +6,9 @@ at most one layer is ever held in full precision beside the quantized model. Lin
 LM head, the embedding, norms and MoE routers keep the model's dtype (as vLLM's online fp8 does); MoE
 experts are refused (no quantized expert method yet).
 
-int8: weight-only, symmetric per output channel (products.quantize_int8), multiplied by the int8
-kernel (quant/kernels.py PackedInt8). fp8: e4m3 weights with a scale per output channel
+int8: weight-only, symmetric per output channel (products.quantize_int8), multiplied by our CPU
+linear kernel's int8 product where it runs, else the int8 kernel of quant/kernels.py (products.pack_int8).
+fp8: e4m3 weights with a scale per output channel
 (products.quantize_fp8), weight-only: multiplied by dequantizing to the activations' dtype on every
 device (no fp8 matmul is used), so it saves memory, not time.
 """
@@ -18,7 +19,6 @@ import torch
 
 from shard_worker.model.quant import products
 from shard_worker.model.quant.base import LinearMethod, QuantConfig, add_param
-from shard_worker.model.quant.kernels import PackedInt8
 
 
 class _Staged(LinearMethod):
@@ -40,10 +40,10 @@ class _Staged(LinearMethod):
 
 class OnlineInt8Method(_Staged):
     def quantize(self, layer, w):
-        layer.packed = PackedInt8.pack(*products.quantize_int8(w))
+        products.pack_int8(layer, *products.quantize_int8(w))
 
     def apply(self, layer, x, bias=None):
-        return products.weight_only(layer.packed, x, bias)
+        return products.int8_weight_only(layer, x, bias)
 
 
 class OnlineFp8Method(_Staged):

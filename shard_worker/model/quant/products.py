@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from shard_worker.model.quant import cpu_linear
+from shard_worker.model.quant.kernels import PackedInt8
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -45,6 +49,31 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
 def weight_only(packed, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """A PackedInt8 / PackedInt4 product; other float dtypes through the dequantized weight."""
     y = packed.matmul(x) if x.dtype in KERNEL_DTYPES else F.linear(x, packed.dequantize(x.dtype))
+    return y if bias is None else y + bias
+
+
+def pack_int8(layer: nn.Module, q: torch.Tensor, scale: torch.Tensor) -> None:
+    """Holds a weight-only int8 layer's q (int8 [N, K]) and scale (float32 [N]) for its device's kernel:
+    on a CPU where our linear kernel multiplies int8 (cpu_linear.available), in its layout, which the
+    layer's `weight` parameter holds (`layer.cpu_packed` describes it, `weight_scale` is its scale), as the
+    unquantized method holds bf16 weights; else as kernels.PackedInt8 (`layer.packed`:
+    aten._weight_int8pack_mm on CPU). After the layer's tensor-parallel shard has loaded."""
+    if q.device.type == "cpu" and cpu_linear.available(torch.int8):
+        layer.cpu_packed = cpu_linear.PackedLinear.pack(q, scale=scale)
+        layer.register_parameter("weight", nn.Parameter(layer.cpu_packed.data, requires_grad=False))
+        layer.register_parameter("weight_scale", nn.Parameter(layer.cpu_packed.scale, requires_grad=False))
+    else:
+        layer.packed = PackedInt8.pack(q, scale)
+
+
+def int8_weight_only(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T + b for a layer packed by pack_int8, in x's dtype."""
+    packed = getattr(layer, "cpu_packed", None)
+    if packed is None:
+        return weight_only(layer.packed, x, bias)
+    if x.dtype in cpu_linear.X_CODES and x.device.type == "cpu":
+        return cpu_linear.linear(x, packed, bias)
+    y = F.linear(x, packed.dequantize(x.dtype))  # another dtype (float64 tests): correct, slow
     return y if bias is None else y + bias
 
 

@@ -1,0 +1,163 @@
+"""The CPU linear kernel's int8 weight-only product (csrc/cpu_linear_int8.cpp through cpu_linear.py) against
+the dequantized product x @ (q * scale[:, None]).T in float64, with x rounded to bfloat16 where the build
+multiplies in bf16 (AVX-512 BF16) and kept float32 elsewhere, on every path this machine can run: native
+(AVX-512 BF16 here), `avx512` (AVX-512F without BF16: float32 FMA), `avx2` and `scalar`; M = 1..64 rows
+(one pass, chunks of 8), odd K and N off the 16-row blocks, both x dtypes, bias. And its seat in the
+weight-only int8 methods (products.pack_int8): the layer's `weight` holds the layout.
+
+Tolerance: float32 sums of K exact products (a bf16 x bf16 product is exact in float32, int8 values are
+exact in both) in any order are within K * 2^-24 * sum_k |x_k w_k| of the exact sum (2x for the fused pair
+products), plus the scale's and bias's float32 roundings (2^-23 of the value) and a bfloat16 output's
+(2^-8)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shard_worker.model.layers.linear import ColumnParallelLinear
+from shard_worker.model.quant import cpu_linear
+from shard_worker.model.quant.base import replace_param, weight_bytes
+from shard_worker.model.quant.compressed_tensors import Int8Method
+from shard_worker.model.quant.kernels import PackedInt8
+from shard_worker.parallel import TensorParallel
+from tests.unit.test_cpu_linear import X86, _cpu_has
+
+VARIANTS = [
+    "native",
+    pytest.param("avx512", marks=pytest.mark.skipif(not _cpu_has("avx512f"), reason="no AVX-512F")),
+    pytest.param("avx2", marks=pytest.mark.skipif(not (X86 and _cpu_has("avx2", "fma")), reason="no AVX2")),
+    pytest.param("scalar", marks=pytest.mark.skipif(not X86, reason="x86 flag set")),
+]
+SHAPES = [(17, 33), (48, 64), (100, 31), (200, 2101)]  # (N, K): odd K, N off the blocks, K in pieces
+ROWS = [1, 3, 8, 9, 17, 64]
+
+
+def _quantized(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)  # -128 too (pack-quantized's)
+    return q, torch.rand(n, generator=gen) * 0.01 + 1e-4
+
+
+def _check(y: torch.Tensor, x, q, scale, bias, rounds_x: bool) -> None:
+    xr = (x.bfloat16() if rounds_x else x).double()
+    w = q.double() * scale.double()[:, None]
+    want = xr @ w.T + (0 if bias is None else bias.double())
+    bound = 2 * q.shape[1] * 2**-24 * (xr.abs() @ w.abs().T) + 2**-23 * want.abs()
+    if y.dtype == torch.bfloat16:
+        bound = bound + 2**-8 * want.abs()
+    excess = (y.double() - want).abs() - bound
+    assert excess.max().item() <= 0, f"off by {excess.max().item():.3g} beyond the bound"
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32], ids=["bf16_x", "f32_x"])
+def test_int8_products_match_the_dequantized_product(variant, x_dtype):
+    if cpu_linear.EXT.unavailable(variant) is not None:
+        pytest.skip(cpu_linear.EXT.unavailable(variant))
+    rounds_x = cpu_linear.int8_rounds_x(variant)
+    assert rounds_x == (variant == "native" and _cpu_has("avx512_bf16"))
+    gen = torch.Generator().manual_seed(0)
+    for n, k in SHAPES:
+        q, scale = _quantized(n, k, gen)
+        packed = cpu_linear.PackedLinear.pack(q, variant, scale)
+        assert torch.equal(packed.unpack(), q) and torch.equal(packed.scale, scale)
+        for i, m in enumerate(ROWS):
+            x = torch.randn(m, k, generator=gen).to(x_dtype)
+            bias = None if i % 3 == 0 else torch.randn(n, generator=gen).to((x_dtype, torch.float32)[i % 2])
+            y = cpu_linear.linear(x, packed, bias)
+            assert y.dtype == x_dtype and y.shape == (m, n)
+            _check(y, x, q, scale, bias, rounds_x)
+
+
+def test_a_row_gets_the_same_bits_alone_in_a_batch_and_on_any_thread_count():
+    """Each output's sum runs over K in the same order whatever the number of rows or threads."""
+    gen = torch.Generator().manual_seed(1)
+    q, scale = _quantized(300, 1100, gen)
+    packed = cpu_linear.PackedLinear.pack(q, scale=scale)
+    x = torch.randn(40, 1100, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_linear.linear(x, packed)
+        alone = torch.cat([cpu_linear.linear(x[i : i + 1], packed) for i in (0, 17, 39)])
+        torch.set_num_threads(2)
+        two = cpu_linear.linear(x, packed)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    assert torch.equal(one[[0, 17, 39]], alone)
+
+
+def test_row_parallel_shards_sum_to_the_whole_product():
+    """Tensor parallelism shards q and scale before packing: K split in two, the partial sums add up."""
+    gen = torch.Generator().manual_seed(2)
+    q, scale = _quantized(64, 96, gen)
+    x = torch.randn(5, 96, generator=gen)
+    parts = [
+        cpu_linear.linear(x[:, s], cpu_linear.PackedLinear.pack(q[:, s], scale=scale))
+        for s in (
+            slice(0, 48),
+            slice(48, 96),
+        )
+    ]
+    torch.testing.assert_close(
+        parts[0] + parts[1], cpu_linear.linear(x, cpu_linear.PackedLinear.pack(q, scale=scale))
+    )
+
+
+def test_an_int8_weight_needs_its_scale():
+    with pytest.raises(ValueError, match="scale"):
+        cpu_linear.PackedLinear.pack(torch.zeros(16, 16, dtype=torch.int8))
+    with pytest.raises(ValueError, match="scale"):
+        cpu_linear.PackedLinear.pack(torch.zeros(16, 16), scale=torch.ones(16))
+
+
+def _int8_layer(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> ColumnParallelLinear:
+    """A compressed-tensors W8A16 layer as the loader leaves it: weight and weight_scale filled, processed."""
+    layer = ColumnParallelLinear(q.shape[1], q.shape[0], TensorParallel(), bias=bias is not None)
+    method = Int8Method(w8a8=False)
+    layer.quant_method = method
+    del layer.weight
+    method.create_weights(layer, q.shape[1], [q.shape[0]], torch.float32)
+    layer.weight.data.copy_(q)
+    layer.weight_scale.data.copy_(scale[:, None])
+    if bias is not None:
+        replace_param(layer, "bias", bias.clone())
+    method.process_weights_after_loading(layer)
+    return layer
+
+
+def test_the_weight_only_int8_method_holds_the_kernel_layout():
+    if not cpu_linear.available(torch.int8):
+        pytest.skip("this CPU runs int8 weights through aten._weight_int8pack_mm")
+    gen = torch.Generator().manual_seed(3)
+    q, scale = _quantized(70, 36, gen)
+    b = torch.randn(70, generator=gen)
+    layer = _int8_layer(q, scale, b)
+    assert isinstance(layer.cpu_packed, cpu_linear.PackedLinear) and getattr(layer, "packed", None) is None
+    assert layer.weight.data_ptr() == layer.cpu_packed.data.data_ptr()  # the parameter holds the layout
+    assert weight_bytes(layer) == 80 * 36 + 4 * 70 + 4 * 70  # 5 blocks of int8, the scales, the bias
+    x = torch.randn(3, 36, generator=gen)
+    _check(layer(x), x, q, scale, b, cpu_linear.int8_rounds_x())
+    xd = x.double()  # another dtype: the weight dequantized in float32, F.linear
+    torch.testing.assert_close(layer(xd), xd @ (q.float() * scale[:, None]).double().T + b.double())
+
+
+def test_without_the_kernel_the_method_keeps_weight_int8pack_mm(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "available", lambda dtype: False)
+    gen = torch.Generator().manual_seed(4)
+    q, scale = _quantized(32, 48, gen)
+    layer = _int8_layer(q, scale, None)
+    assert isinstance(layer.packed, PackedInt8) and getattr(layer, "cpu_packed", None) is None
+    assert layer.packed.kernel == "weight_int8pack_mm"
+    x = torch.randn(2, 48, generator=gen)
+    torch.testing.assert_close(layer(x), x @ (q.float() * scale[:, None]).T, rtol=2e-2, atol=2e-2)
