@@ -7,8 +7,9 @@ F.linear on a model's linear shapes: each layer's weights once, like a step, per
 Prints ms per pass over all of the model's linear weights (its layers' projections and the LM head) and the
 weight bytes streamed per second. --int8 adds the same weights quantized to int8 per output row (as
 --quantization int8 does): our kernel's int8 product (int8), aten._weight_int8pack_mm (int8pack, what runs
-without it) and our kernel on float32 weights (f32), x in --dtype (float32 for f32). Also holds what
-bench/decode_profile.py uses to compare packings.
+without it) and our kernel on float32 weights (f32), x in --dtype (float32 for f32). At one thread the
+clock is the thread's CPU time (on a shared machine, wall time also counts the others' turns on the core).
+Also holds what bench/decode_profile.py uses to compare packings.
 
 Figures (2026-12-03, AMD EPYC Zen 4, AVX-512 BF16, no AMX, 2 cores shared with other sessions; one
 thread; SmolLM2-135M, 211 products, 269 MB in bf16): see the table in shard_worker/model/quant/
@@ -150,14 +151,15 @@ def main() -> None:
     for m in a.rows:
         xs = {k: torch.randn(m, k, generator=gen) for k in {w.shape[1] for w in plain}}
         xs = {t: {k: x.to(t) for k, x in xs.items()} for t in set(x_dtypes.values())}
+        clock = time.thread_time if a.threads == 1 else time.perf_counter
         best = {}
         for _ in range(a.reps):  # packings in turn, so that all see the same background load
             for name, ws in held.items():
                 x_of = xs[x_dtypes[name]]
-                t = time.perf_counter()
+                t = clock()
                 for w0, w in zip(plain, ws, strict=True):
                     fns[name](x_of[w0.shape[1]], w)
-                best[name] = min(best.get(name, 1e9), time.perf_counter() - t)
+                best[name] = min(best.get(name, 1e9), clock() - t)
         cells = "  ".join(f"{n} {s * 1e3:6.1f} ms {sizes[n] / s / 1e9:4.1f} GB/s" for n, s in best.items())
         ratio = best.get("onednn", best["plain"]) / best["kernel"]
         print(f"rows {m:4d}: {cells}  kernel {ratio:.2f}x oneDNN", flush=True)

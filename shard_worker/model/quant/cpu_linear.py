@@ -1,6 +1,7 @@
-"""A CPU linear kernel of our own (csrc/cpu_linear.cpp) for the unquantized float32 and bfloat16 weights:
-the weight repacked once into row blocks streamed sequentially, a pass over it per call whatever the
-number of input rows up to 8 (register-blocked chunks above), float32 sums.
+"""A CPU linear kernel of our own (csrc/cpu_linear.cpp) for the unquantized float32 and bfloat16 weights,
+and int8 weight-only ones with a float32 scale per output row (csrc/cpu_linear_int8.cpp): the weight
+repacked once into row blocks streamed sequentially, a pass over it per call whatever the number of input
+rows up to 8 (register-blocked chunks above), float32 sums.
 
 Why: a decode step is ~78% linear products, and at small batch they are bound by how fast the weights
 stream from memory. One thread, AMD EPYC Zen 4 (AVX-512 BF16, no AMX), shared machine, 2026-12-03:
@@ -14,13 +15,23 @@ stream from memory. One thread, AMD EPYC Zen 4 (AVX-512 BF16, no AMX), shared ma
       oneDNN's step slower there than alone: trust separate runs. The whole stack at concurrency 1 and 8 (our
       client, 4-12 requests a row, three rounds alternating) showed no difference beyond this shared
       machine's run-to-run spread (TPOT p50 33-41 ms either way). A 512-token prefill: 0.9-1.1x.
+  int8 weights (per-row scales, as --quantization int8 holds them; bench/cpu_linear.py --int8, bf16 x,
+      the thread's CPU time, one run: ratios within it), SmolLM2's products (135 MB of int8):
+      rows                              1      8     32
+      int8 kernel, ms                10.1   15.8   47.1
+      against our bf16 kernel        1.71x  1.25x  1.08x
+      against _weight_int8pack_mm    2.17x  3.16x  3.43x   (what int8 ran through before)
+      against our float32 kernel     2.89x  1.97x  1.98x
+      At 1 row it widens int8 at ~13 GB/s, short of the memory's rate (bf16 streams ~16-19 GB/s here).
 
 `PackedLinear.pack(weight)` holds the layout (weight dtype float32 or bfloat16: bfloat16 16-row blocks
-with k in pairs, float32 16-row blocks with AVX-512F, 8-row ones with AVX2); `linear(x, packed, bias)`
-multiplies x [..., K] in float32 or bfloat16 (x is rounded to bfloat16 for a bfloat16 weight, as
-unquantized.linear rounds it) and returns y in x's dtype. `available(dtype)`: whether this machine builds
-the kernel with vector instructions for that weight dtype (else the caller keeps oneDNN; the library's
-plain-loop paths then serve only tests).
+with k in pairs, float32 16-row blocks with AVX-512F, 8-row ones with AVX2; int8 with `scale=`: 16-row
+blocks, a step the 16 rows at k then at k + 1); `linear(x, packed, bias)` multiplies x [..., K] in float32
+or bfloat16 (x is rounded to bfloat16 for a bfloat16 weight, as unquantized.linear rounds it, and for an
+int8 one where the CPU has AVX-512 BF16: `int8_rounds_x()`) and returns y in x's dtype.
+`available(dtype)`: whether this machine builds the kernel with vector instructions for that weight dtype
+(else the caller keeps oneDNN, or _weight_int8pack_mm for int8; the library's plain-loop paths then serve
+only tests).
 """
 
 from __future__ import annotations

@@ -5,9 +5,14 @@ PackedInt4: 4-bit in groups of group_size along K, w[n, k] = (q[n, k] - zero[n, 
 (zero may be non-integer: GGUF's Q4_K min offsets; None means symmetric, zero 8).
 
 Chosen by bench/quant_kernels.py (its header holds the table), on CPU, the same on AVX-512 and AVX2:
-  int8: aten._weight_int8pack_mm (int8 weight, bf16 activations: its float32 path is 2-8x slower;
-        per-channel scale in the kernel); it needs K % 16 == 0. At batch 1: 3.3-4.0x float32 and
-        1.6-2.6x bf16 on Llama-3-8B's shapes, 1.0-1.7x float32 and 0.86-1.0x bf16 on SmolLM2's.
+  int8: weight-only layers go through our own CPU kernel where it runs (products.pack_int8,
+        cpu_linear.py: 1.7x our bf16 kernel at 1 row, 1.25x at 8, 1.08x at 32 on SmolLM2's shapes,
+        2.2-3.4x _weight_int8pack_mm; AMD EPYC Zen 4, AVX-512 BF16 + VNNI, no AMX, one thread, shared
+        machine); PackedInt8 serves the others and W8A8.
+        PackedInt8.matmul: aten._weight_int8pack_mm (int8 weight, bf16 activations: its float32 path is
+        2-8x slower; per-channel scale in the kernel); it needs K % 16 == 0. At batch 1: 3.3-4.0x float32
+        and 1.6-2.6x bf16 on Llama-3-8B's shapes, 1.0-1.7x float32 and 0.86-1.0x bf16 on SmolLM2's
+        (bf16 there: oneDNN's product, before our kernel).
   int4: aten._weight_int4pack_mm_for_cpu (the "tinygemm" layout, repacked once here by
         _convert_weight_to_int4pack_for_cpu; its form of the affine rule is w = (q - 8) * s + m, so
         m = (8 - zero) * s). It needs N % 16 == 0 and a group of 32, 64, 128 or 256 (a larger group
