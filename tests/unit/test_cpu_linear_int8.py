@@ -2,8 +2,9 @@
 the dequantized product x @ (q * scale[:, None]).T in float64, with x rounded to bfloat16 where the build
 multiplies in bf16 (AVX-512 BF16) and kept float32 elsewhere, on every path this machine can run: native
 (AVX-512 BF16 here), `avx512` (AVX-512F without BF16: float32 FMA), `avx2` and `scalar`; M = 1..64 rows
-(one pass, chunks of 8), odd K and N off the 16-row blocks, both x dtypes, bias. And its seat in the
-weight-only int8 methods (products.pack_int8): the layer's `weight` holds the layout.
+(one pass, chunks of 8), odd K and N off the 16-row blocks, both x dtypes, bias; and with a scale per group
+of 16 or 32 k (GGUF's Q6_K, Q8_0). And its seat in the weight-only int8 methods (products.pack_int8): the
+layer's `weight` holds the layout.
 
 Tolerance: float32 sums of K exact products (a bf16 x bf16 product is exact in float32, int8 values are
 exact in both) in any order are within K * 2^-24 * sum_k |x_k w_k| of the exact sum (2x for the fused pair
@@ -38,11 +39,16 @@ def _quantized(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torc
     return q, torch.rand(n, generator=gen) * 0.01 + 1e-4
 
 
-def _check(y: torch.Tensor, x, q, scale, bias, rounds_x: bool) -> None:
+def _dequantized(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.double() * scale.double()[:, None]
+
+
+def _check(y: torch.Tensor, x, w: torch.Tensor, bias, rounds_x: bool) -> None:
+    """y against x @ w.T (+ bias) in float64, w the dequantized weight."""
     xr = (x.bfloat16() if rounds_x else x).double()
-    w = q.double() * scale.double()[:, None]
+    w = w.double()
     want = xr @ w.T + (0 if bias is None else bias.double())
-    bound = 2 * q.shape[1] * 2**-24 * (xr.abs() @ w.abs().T) + 2**-23 * want.abs()
+    bound = 2 * w.shape[1] * 2**-24 * (xr.abs() @ w.abs().T) + 2**-23 * want.abs()
     if y.dtype == torch.bfloat16:
         bound = bound + 2**-8 * want.abs()
     excess = (y.double() - want).abs() - bound
@@ -75,7 +81,26 @@ def test_int8_products_match_the_dequantized_product(variant, x_dtype):
             bias = None if i % 3 == 0 else torch.randn(n, generator=gen).to((x_dtype, torch.float32)[i % 2])
             y = cpu_linear.linear(x, packed, bias)
             assert y.dtype == x_dtype and y.shape == (m, n)
-            _check(y, x, q, scale, bias, rounds_x)
+            _check(y, x, _dequantized(q, scale), bias, rounds_x)
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_int8_products_with_a_scale_per_group_of_k(variant):
+    """GGUF's Q8_0 (groups of 32) and Q6_K (16): w[n, k] = q[n, k] * scale[n, k // g]."""
+    if cpu_linear.EXT.unavailable(variant) is not None:
+        pytest.skip(cpu_linear.EXT.unavailable(variant))
+    gen = torch.Generator().manual_seed(5)
+    for n, k, g in [(17, 64, 32), (100, 96, 16), (40, 4160, 32)]:  # the last: K in pieces of 2048
+        q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+        scale = torch.rand(n, k // g, generator=gen) * 0.01 + 1e-4
+        packed = cpu_linear.PackedLinear.pack(q, variant, scale)
+        assert torch.equal(packed.unpack(), q) and torch.equal(packed.scales(), scale)
+        dequantized = (q.float().view(n, -1, g) * scale[..., None]).view(n, k)
+        for i, m in enumerate(ROWS):
+            x = torch.randn(m, k, generator=gen).to((torch.float32, torch.bfloat16)[i % 2])
+            y = cpu_linear.linear(x, packed)
+            _check(y, x, dequantized, None, cpu_linear.int8_rounds_x(variant))
 
 
 def test_a_row_gets_the_same_bits_alone_in_a_batch_and_on_any_thread_count():
@@ -114,11 +139,13 @@ def test_row_parallel_shards_sum_to_the_whole_product():
     )
 
 
-def test_an_int8_weight_needs_its_scale():
+def test_an_int8_weight_needs_its_scale_and_groups_the_kernel_takes():
     with pytest.raises(ValueError, match="scale"):
         cpu_linear.PackedLinear.pack(torch.zeros(16, 16, dtype=torch.int8))
     with pytest.raises(ValueError, match="scale"):
         cpu_linear.PackedLinear.pack(torch.zeros(16, 16), scale=torch.ones(16))
+    with pytest.raises(ValueError, match="groups"):  # groups of 3 k
+        cpu_linear.PackedLinear.pack(torch.zeros(16, 24, dtype=torch.int8), scale=torch.ones(16, 8))
 
 
 def _int8_layer(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> ColumnParallelLinear:
@@ -147,7 +174,7 @@ def test_the_weight_only_int8_method_holds_the_kernel_layout():
     assert layer.weight.data_ptr() == layer.cpu_packed.data.data_ptr()  # the parameter holds the layout
     assert weight_bytes(layer) == 80 * 36 + 4 * 70 + 4 * 70  # 5 blocks of int8, the scales, the bias
     x = torch.randn(3, 36, generator=gen)
-    _check(layer(x), x, q, scale, b, cpu_linear.int8_rounds_x())
+    _check(layer(x), x, _dequantized(q, scale), b, cpu_linear.int8_rounds_x())
     xd = x.double()  # another dtype: the weight dequantized in float32, F.linear
     torch.testing.assert_close(layer(xd), xd @ (q.float() * scale[:, None]).double().T + b.double())
 

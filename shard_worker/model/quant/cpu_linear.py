@@ -50,7 +50,7 @@ EXT = cpu_ext.Extension(
     "cpu_linear",
     _CSRC / "cpu_linear.cpp",
     "tp_linear_abi",
-    2,
+    3,
     "the CPU linear kernel",
     more=(_CSRC / "cpu_linear_int8.cpp", _CSRC / "cpu_linear.h"),
 )
@@ -65,7 +65,7 @@ VARIANT = "native"
 def library(variant: str = "native") -> ctypes.CDLL:
     lib = EXT.load(variant)
     i, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-    lib.tp_linear.argtypes = [i, i, ptr, ptr, ptr, ptr, i, ptr, i64, i64, i64, i]
+    lib.tp_linear.argtypes = [i, i, ptr, ptr, ptr, ptr, i64, i, ptr, i64, i64, i64, i]
     lib.tp_linear.restype = i
     return lib
 
@@ -85,12 +85,13 @@ def int8_rounds_x(variant: str | None = None) -> bool:
 
 class PackedLinear:
     """A [N, K] weight in the kernel's layout: `data` [N / R, K2 / 2, R, 2] (bfloat16), [N / R, K, R]
-    (float32) or [N / 16, K2 / 2, 2, 16] (int8, with `scale` float32 [N]: w = data * scale per row), zero
-    rows and a zero column padding N and K. The layer's `weight` parameter holds `data` (so weight_bytes
-    counts it once)."""
+    (float32) or [N / 16, K2 / 2, 2, 16] (int8), zero rows and a zero column padding N and K. An int8
+    weight's `scale`: float32 [N] (w = q * scale per row), or with `group` g, [N / 16, K / g, 16] (a scale
+    per row and group of g k). The layer's `weight` parameter holds `data` (so weight_bytes counts it
+    once)."""
 
-    def __init__(self, data, out_features: int, in_features: int, variant: str, scale=None):
-        self.data, self.variant, self.scale = data, variant, scale
+    def __init__(self, data, out_features: int, in_features: int, variant: str, scale=None, group: int = 0):
+        self.data, self.variant, self.scale, self.group = data, variant, scale, group
         self.out_features, self.in_features = out_features, in_features
         # What each call passes, looked up once (a decode step makes a few hundred calls).
         self.fn, self.ptr, self.code = library(variant).tp_linear, data.data_ptr(), CODES[data.dtype]
@@ -102,7 +103,8 @@ class PackedLinear:
 
     @classmethod
     def pack(cls, weight: torch.Tensor, variant: str | None = None, scale=None) -> PackedLinear:
-        """weight float32 or bfloat16 [N, K]; or int8 with its scale per row (float32 [N])."""
+        """weight float32 or bfloat16 [N, K]; or int8 with its scale per row (float32 [N]) or per row and
+        group of g k ([N, K / g]: g even, dividing K and 2048)."""
         variant = variant or VARIANT
         n, k = weight.shape
         if (weight.dtype == torch.int8) != (scale is not None) or weight.dtype not in CODES:
@@ -119,9 +121,18 @@ class PackedLinear:
             # bfloat16: a step is 16 rows' (k, k + 1) pairs; int8: 16 rows' k, then their k + 1.
             data = w.permute(0, 2, 1, 3) if weight.dtype == torch.bfloat16 else w.permute(0, 2, 3, 1)
             data = data.contiguous()
-        if scale is not None:
+        group = 0
+        if scale is not None and scale.dim() == 2:
+            group = k // max(scale.shape[1], 1)
+            if tuple(scale.shape) != (n, k // group) or group % 2 or 2048 % group:
+                raise ValueError(
+                    f"group scales {tuple(scale.shape)} for [{n}, {k}]: groups of an even k dividing 2048"
+                )
+            s = F.pad(scale.detach().to(torch.float32), (0, 0, 0, blocks * rows - n))
+            scale = s.reshape(blocks, rows, k // group).permute(0, 2, 1).contiguous()
+        elif scale is not None:
             scale = scale.detach().to(torch.float32).reshape(n).contiguous()
-        return cls(data, n, k, variant, scale)
+        return cls(data, n, k, variant, scale, group)
 
     def unpack(self) -> torch.Tensor:
         """The [N, K] weight back (int8: the values, without the scale)."""
@@ -136,10 +147,21 @@ class PackedLinear:
             w = self.data.permute(0, 2, 1, 3).reshape(blocks * rows, pairs * 2)
         return w[: self.out_features, : self.in_features]
 
+    def scales(self) -> torch.Tensor | None:
+        """An int8 weight's scale as given to pack ([N] or [N, K / g])."""
+        if not self.group:
+            return self.scale
+        blocks, groups, rows = self.scale.shape
+        return self.scale.permute(0, 2, 1).reshape(blocks * rows, groups)[: self.out_features]
+
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight the product multiplies by, [N, K] in dtype."""
-        w = self.unpack()
-        return (w.float() * self.scale[:, None]).to(dtype) if self.scale is not None else w.to(dtype)
+        w, scale = self.unpack(), self.scales()
+        if scale is None:
+            return w.to(dtype)
+        if self.group:
+            scale = scale.repeat_interleave(self.group, dim=1)
+        return (w.float() * (scale if self.group else scale[:, None])).to(dtype)
 
 
 def linear(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -164,6 +186,7 @@ def linear(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None = No
         y.data_ptr(),
         packed.ptr,
         packed.scale_ptr,
+        packed.group,
         bias_code,
         bias_ptr,
         m,

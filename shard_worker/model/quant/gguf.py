@@ -11,7 +11,8 @@ A block whose scale is zero holds one value c (q does not matter): stored as q 0
 The float zero makes Q4_1 and Q4_K equal to gguf's own dequantization up to float32 rounding (a few
 ulps), Q4_0 exactly.
 
-A layer whose parts are all symmetric: PackedInt8Groups (quant/int8_groups.py), w = q * scale, q int8:
+A layer whose parts are all symmetric: int8 in groups (our CPU kernel, else quant/int8_groups.py's
+PackedInt8Groups: products.pack_int8), w = q * scale, q int8:
     Q8_0  w = d q                       group 32, q -128..127
     Q5_0  w = d (q - 16)                group 32, q - 16 in -16..15
     Q4_0  w = d (q - 8)                 group 32 (only in a merged layer with one of the others)
@@ -37,7 +38,6 @@ import torch
 
 from shard_worker.model.quant import products
 from shard_worker.model.quant.base import LinearMethod, QuantConfig, add_param
-from shard_worker.model.quant.int8_groups import PackedInt8Groups
 from shard_worker.model.quant.kernels import PackedInt4
 
 GROUP = 32
@@ -218,8 +218,8 @@ class GGUFInt4Method(LinearMethod):
 
 
 class GGUFInt8Method(LinearMethod):
-    """qweight int8 [N, K], scales float32 [N, K / group]: sliced like GGUFInt4Method's, then held as a
-    PackedInt8Groups."""
+    """qweight int8 [N, K], scales float32 [N, K / group]: sliced like GGUFInt4Method's, then held for our
+    CPU kernel (products.pack_int8) or as a PackedInt8Groups."""
 
     def __init__(self, group: int):
         self.group = group
@@ -232,11 +232,12 @@ class GGUFInt8Method(LinearMethod):
         add_param(layer, "scales", (n, k // g), torch.float32, output_dim=0, input_dim=1, input_per=g)
 
     def process_weights_after_loading(self, layer) -> None:
-        layer.packed = PackedInt8Groups.pack(layer.qweight.detach(), layer.scales.detach(), self.group)
+        q, scale = layer.qweight.detach(), layer.scales.detach()
         del layer.qweight, layer.scales
+        products.pack_int8(layer, q, scale)  # our CPU kernel's groups, else PackedInt8Groups
 
     def apply(self, layer, x, bias=None):
-        return products.weight_only(layer.packed, x, bias)
+        return products.int8_weight_only(layer, x, bias)
 
 
 def hf_names(quant: GGUFConfig, hf_config) -> tuple[dict[str, str], object]:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shard_worker.model.quant import cpu_linear
+from shard_worker.model.quant.int8_groups import PackedInt8Groups
 from shard_worker.model.quant.kernels import PackedInt8
 
 FP8 = torch.float8_e4m3fn
@@ -53,15 +54,20 @@ def weight_only(packed, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Ten
 
 
 def pack_int8(layer: nn.Module, q: torch.Tensor, scale: torch.Tensor) -> None:
-    """Holds a weight-only int8 layer's q (int8 [N, K]) and scale (float32 [N]) for its device's kernel:
-    on a CPU where our linear kernel multiplies int8 (cpu_linear.available), in its layout, which the
-    layer's `weight` parameter holds (`layer.cpu_packed` describes it, `weight_scale` is its scale), as the
-    unquantized method holds bf16 weights; else as kernels.PackedInt8 (`layer.packed`:
-    aten._weight_int8pack_mm on CPU). After the layer's tensor-parallel shard has loaded."""
-    if q.device.type == "cpu" and cpu_linear.available(torch.int8):
+    """Holds a weight-only int8 layer's q (int8 [N, K]) and scale (float32 [N], or [N, K / g] for groups
+    of g k: GGUF's Q8_0, g 32) for its device's kernel: on a CPU where our linear kernel multiplies int8
+    (cpu_linear.available), in its layout, which the layer's `weight` parameter holds (`layer.cpu_packed`
+    describes it, `weight_scale` is its scale), as the unquantized method holds bf16 weights; else as
+    kernels.PackedInt8 (`layer.packed`: aten._weight_int8pack_mm on CPU) or int8_groups.PackedInt8Groups.
+    After the layer's tensor-parallel shard has loaded."""
+    group = q.shape[1] // scale.shape[1] if scale.dim() == 2 else 0
+    fits = group % 2 == 0 and 2048 % max(group, 1) == 0  # what the kernel takes (GGUF's 16 and 32 do)
+    if q.device.type == "cpu" and cpu_linear.available(torch.int8) and fits:
         layer.cpu_packed = cpu_linear.PackedLinear.pack(q, scale=scale)
         layer.register_parameter("weight", nn.Parameter(layer.cpu_packed.data, requires_grad=False))
         layer.register_parameter("weight_scale", nn.Parameter(layer.cpu_packed.scale, requires_grad=False))
+    elif group:
+        layer.packed = PackedInt8Groups.pack(q, scale, group)
     else:
         layer.packed = PackedInt8.pack(q, scale)
 

@@ -57,6 +57,9 @@ struct Tile {
   int64_t ldx;
   float* acc;
   bool accumulate;
+  // An int8 weight in groups along K: its scales [blocks][K / group][16] from the tile's first block.
+  const float* gscale = nullptr;
+  int64_t gstride = 0, group = 0;
 };
 
 // What a kernel may override. STEP: weight elements per block per k step (a step: one k, or a pair of
@@ -180,6 +183,8 @@ struct Call {
   const void* bias;
   const float* scale;  // [N], multiplies each output's sum before the bias; null: none
   int64_t m, n, k;
+  const float* gscale = nullptr;  // or a scale per group of `group` k (Tile.gscale's layout)
+  int64_t group = 0;
 };
 
 // A tile's sums for one input row (cols of them) plus the bias, written in y's type. round: float32
@@ -274,6 +279,11 @@ void run(const Call& c, int threads) {
     const int nb = static_cast<int>(std::min<int64_t>(nb_tile, blocks - b0));
     acc.resize(rows * ACC_LD);
     Tile t{static_cast<const W*>(c.w) + b0 * bstride, bstride, 0, 0, nullptr, ldx, nullptr, false};
+    if (c.gscale) {
+      t.group = c.group;
+      t.gstride = c.k / c.group * Kern::ROWS;
+      t.gscale = c.gscale + b0 * t.gstride;
+    }
     for (int64_t s0 = 0; s0 < steps; s0 += piece) {
       t.s0 = s0;
       t.s1 = std::min(steps, s0 + piece);

@@ -59,6 +59,45 @@ struct Int8Kernel : Traits {
       for (int b = 0; b < NB; ++b) _mm512_storeu_ps(t.acc + m * ACC_LD + b * 16, acc[m][b]);
   }
 };
+
+// Groups along K (GGUF's Q8_0: 32): each group's products summed apart in float32, then times its scales.
+struct Int8GroupKernel : Int8Kernel {  // partial and running sums: 2 x MB x NB registers
+  static constexpr int MB_MAX = 8, MB_BIG = 8, NB_MAX = 4;
+  static int nb_for(int64_t m) { return m <= 2 ? 4 : m <= 4 ? 3 : m <= 6 ? 2 : 1; }
+  template <int MB, int NB>
+  static void tile(const Tile& t) {
+    const int8_t* w = static_cast<const int8_t*>(t.w);
+    const int32_t* x = static_cast<const int32_t*>(t.x);
+    const int64_t gs = t.group / 2;  // steps per group
+    __m512 acc[MB][NB];
+    for (int m = 0; m < MB; ++m)
+      for (int b = 0; b < NB; ++b)
+        acc[m][b] = t.accumulate ? _mm512_loadu_ps(t.acc + m * ACC_LD + b * 16) : _mm512_setzero_ps();
+    for (int64_t p0 = t.s0; p0 < t.s1; p0 += gs) {
+      __m512 part[MB][NB];
+      for (int m = 0; m < MB; ++m)
+        for (int b = 0; b < NB; ++b) part[m][b] = _mm512_setzero_ps();
+      for (int64_t p = p0; p < p0 + gs; ++p) {
+        __m512bh wv[NB];
+        for (int b = 0; b < NB; ++b) {
+          const int8_t* wp = w + b * t.bstride + p * 32;
+          _mm_prefetch(reinterpret_cast<const char*>(wp + 2 * PREFETCH * 32), _MM_HINT_T0);
+          wv[b] = widen(wp);
+        }
+        for (int m = 0; m < MB; ++m) {
+          const __m512bh xv = (__m512bh)_mm512_set1_epi32(x[m * t.ldx + p]);
+          for (int b = 0; b < NB; ++b) part[m][b] = _mm512_dpbf16_ps(part[m][b], xv, wv[b]);
+        }
+      }
+      for (int b = 0; b < NB; ++b) {
+        const __m512 sv = _mm512_loadu_ps(t.gscale + b * t.gstride + p0 / gs * 16);
+        for (int m = 0; m < MB; ++m) acc[m][b] = _mm512_fmadd_ps(part[m][b], sv, acc[m][b]);
+      }
+    }
+    for (int m = 0; m < MB; ++m)
+      for (int b = 0; b < NB; ++b) _mm512_storeu_ps(t.acc + m * ACC_LD + b * 16, acc[m][b]);
+  }
+};
 constexpr bool BF16_X = true;
 
 #elif defined(__AVX512F__)
@@ -82,11 +121,16 @@ struct Int8Kernel : Traits {  // 32 zmm: up to 4 rows x 4 blocks or 6 x 2 of acc
         acc[m][b] = t.accumulate ? _mm512_loadu_ps(t.acc + m * ACC_LD + b * 16) : _mm512_setzero_ps();
     for (int64_t p = t.s0; p < t.s1; ++p) {
       __m512 we[NB], wo[NB];
+      const float* gs = t.gscale ? t.gscale + 2 * p / t.group * 16 : nullptr;  // the weights dequantized
       for (int b = 0; b < NB; ++b) {
         const int8_t* wp = w + b * t.bstride + p * 32;
         _mm_prefetch(reinterpret_cast<const char*>(wp + 2 * PREFETCH * 32), _MM_HINT_T0);
         we[b] = widen(wp);
         wo[b] = widen(wp + 16);
+        if (gs) {
+          const __m512 sv = _mm512_loadu_ps(gs + b * t.gstride);
+          we[b] = _mm512_mul_ps(we[b], sv), wo[b] = _mm512_mul_ps(wo[b], sv);
+        }
       }
       for (int m = 0; m < MB; ++m) {
         const __m512 xe = _mm512_set1_ps(x[m * t.ldx + 2 * p]), xo = _mm512_set1_ps(x[m * t.ldx + 2 * p + 1]);
@@ -122,7 +166,14 @@ struct Int8Kernel : Traits {  // 16 ymm: 4 rows x 1 block (2 halves) of accumula
     for (int64_t p = t.s0; p < t.s1; ++p) {
       const int8_t* wp = w + p * 32;
       _mm_prefetch(reinterpret_cast<const char*>(wp + 2 * PREFETCH * 32), _MM_HINT_T0);
-      const __m256 we[2] = {widen(wp), widen(wp + 8)}, wo[2] = {widen(wp + 16), widen(wp + 24)};
+      __m256 we[2] = {widen(wp), widen(wp + 8)}, wo[2] = {widen(wp + 16), widen(wp + 24)};
+      if (t.gscale) {  // the weights dequantized
+        const float* gs = t.gscale + 2 * p / t.group * 16;
+        for (int h = 0; h < 2; ++h) {
+          const __m256 sv = _mm256_loadu_ps(gs + h * 8);
+          we[h] = _mm256_mul_ps(we[h], sv), wo[h] = _mm256_mul_ps(wo[h], sv);
+        }
+      }
       for (int m = 0; m < MB; ++m) {
         const __m256 xe = _mm256_broadcast_ss(x + m * t.ldx + 2 * p);
         const __m256 xo = _mm256_broadcast_ss(x + m * t.ldx + 2 * p + 1);
@@ -152,9 +203,11 @@ struct Int8Kernel : Traits {  // any CPU: plain loops over the same layout
       for (int j = 0; j < NB * 16; ++j) {
         float a = t.accumulate ? t.acc[m * ACC_LD + j] : 0.0f;
         const int8_t* wb = w + (j / 16) * t.bstride + j % 16;
+        const float* gs = t.gscale ? t.gscale + (j / 16) * t.gstride + j % 16 : nullptr;
         for (int64_t p = t.s0; p < t.s1; ++p) {
-          a += x[m * t.ldx + 2 * p] * wb[p * 32];
-          a += x[m * t.ldx + 2 * p + 1] * wb[p * 32 + 16];
+          const float s = gs ? gs[2 * p / t.group * 16] : 1.0f;  // the weights dequantized
+          a += x[m * t.ldx + 2 * p] * (wb[p * 32] * s);
+          a += x[m * t.ldx + 2 * p + 1] * (wb[p * 32 + 16] * s);
         }
         t.acc[m * ACC_LD + j] = a;
       }
@@ -163,14 +216,21 @@ struct Int8Kernel : Traits {  // any CPU: plain loops over the same layout
 constexpr bool BF16_X = false;
 #define TP_INT8_SCALAR
 #endif
+#if !defined(__AVX512BF16__)
+using Int8GroupKernel = Int8Kernel;  // the group scales multiply the widened weights
+#endif
 
 }  // namespace
 
 extern "C" {
 
-void tp_linear_int8_run(int x_dtype, const void* x, void* y, const void* w, const float* scale, int bias_dtype,
-                        const void* bias, int64_t m, int64_t n, int64_t k, int threads) {
-  run<Int8Kernel>(Call{x_dtype, x, y, w, bias_dtype, bias, scale, m, n, k}, threads);
+// group 0: scale [N]; else [N / 16][K / group][16], group even and dividing K and 2048 (a piece's k).
+void tp_linear_int8_run(int x_dtype, const void* x, void* y, const void* w, const float* scale, int64_t group,
+                        int bias_dtype, const void* bias, int64_t m, int64_t n, int64_t k, int threads) {
+  if (group)
+    run<Int8GroupKernel>(Call{x_dtype, x, y, w, bias_dtype, bias, nullptr, m, n, k, scale, group}, threads);
+  else
+    run<Int8Kernel>(Call{x_dtype, x, y, w, bias_dtype, bias, scale, m, n, k}, threads);
 }
 
 #if defined(TP_INT8_SCALAR)
