@@ -60,19 +60,18 @@ struct Int8Kernel : Traits {
   }
 };
 
-// Groups along K (GGUF's Q8_0: 32): each group's products summed apart in float32, then times its scales.
-struct Int8GroupKernel : Int8Kernel {  // partial and running sums: 2 x MB x NB registers
-  static constexpr int MB_MAX = 8, MB_BIG = 8, NB_MAX = 4;
-  static int nb_for(int64_t m) { return m <= 2 ? 4 : m <= 4 ? 3 : m <= 6 ? 2 : 1; }
+// Groups along K (GGUF's Q8_0: 32): each group's products summed apart in float32 (in registers), then
+// times its scales into the running sums (kept in t.acc, in L1: the registers hold the partial sums, so the
+// tiles are as large as Int8Kernel's).
+struct Int8GroupKernel : Int8Kernel {
   template <int MB, int NB>
   static void tile(const Tile& t) {
     const int8_t* w = static_cast<const int8_t*>(t.w);
     const int32_t* x = static_cast<const int32_t*>(t.x);
     const int64_t gs = t.group / 2;  // steps per group
-    __m512 acc[MB][NB];
-    for (int m = 0; m < MB; ++m)
-      for (int b = 0; b < NB; ++b)
-        acc[m][b] = t.accumulate ? _mm512_loadu_ps(t.acc + m * ACC_LD + b * 16) : _mm512_setzero_ps();
+    if (!t.accumulate)
+      for (int m = 0; m < MB; ++m)
+        for (int b = 0; b < NB; ++b) _mm512_storeu_ps(t.acc + m * ACC_LD + b * 16, _mm512_setzero_ps());
     for (int64_t p0 = t.s0; p0 < t.s1; p0 += gs) {
       __m512 part[MB][NB];
       for (int m = 0; m < MB; ++m)
@@ -91,11 +90,12 @@ struct Int8GroupKernel : Int8Kernel {  // partial and running sums: 2 x MB x NB 
       }
       for (int b = 0; b < NB; ++b) {
         const __m512 sv = _mm512_loadu_ps(t.gscale + b * t.gstride + p0 / gs * 16);
-        for (int m = 0; m < MB; ++m) acc[m][b] = _mm512_fmadd_ps(part[m][b], sv, acc[m][b]);
+        for (int m = 0; m < MB; ++m) {
+          float* a = t.acc + m * ACC_LD + b * 16;
+          _mm512_storeu_ps(a, _mm512_fmadd_ps(part[m][b], sv, _mm512_loadu_ps(a)));
+        }
       }
     }
-    for (int m = 0; m < MB; ++m)
-      for (int b = 0; b < NB; ++b) _mm512_storeu_ps(t.acc + m * ACC_LD + b * 16, acc[m][b]);
   }
 };
 constexpr bool BF16_X = true;
