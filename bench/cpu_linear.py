@@ -7,8 +7,10 @@ F.linear on a model's linear shapes: each layer's weights once, like a step, per
 Prints ms per pass over all of the model's linear weights (its layers' projections and the LM head) and the
 weight bytes streamed per second. --int8 adds the same weights quantized to int8 per output row (as
 --quantization int8 does): our kernel's int8 product (int8), aten._weight_int8pack_mm (int8pack, what runs
-without it) and our kernel on float32 weights (f32), x in --dtype (float32 for f32). At one thread the
-clock is the thread's CPU time (on a shared machine, wall time also counts the others' turns on the core).
+without it) and our kernel on float32 weights (f32), x in --dtype (float32 for f32); and in groups of 32 k
+(GGUF's Q8_0): our kernel (q8_0) and int8_groups.PackedInt8Groups (q8groups, what runs without it). At
+one thread the clock is the thread's CPU time (on a shared machine, wall time also counts the others'
+turns on the core).
 Also holds what bench/decode_profile.py uses to compare packings.
 
 Figures (2026-12-03, AMD EPYC Zen 4, AVX-512 BF16, no AMX, 2 cores shared with other sessions; one
@@ -30,6 +32,7 @@ import torch.nn.functional as F
 
 from common.sampling import SamplingConfig
 from shard_worker.model.quant import cpu_linear, products
+from shard_worker.model.quant.int8_groups import PackedInt8Groups
 from shard_worker.step import SequenceInit, StepInputs
 
 PACKINGS = ("kernel", "onednn", "plain")
@@ -100,6 +103,14 @@ def model_shapes(model_dir: str) -> list[tuple[int, int]]:
     return per_layer * layers + [(c["vocab_size"], h)]
 
 
+def q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF Q8_0's rule: int8 in groups of 32 k, scale = amax / 127 per group."""
+    n, k = w.shape
+    groups = w.float().view(n, k // 32, 32)
+    scale = groups.abs().amax(-1).clamp(min=torch.finfo(torch.float32).tiny) / 127
+    return torch.round(groups / scale[..., None]).clamp(-127, 127).to(torch.int8).view(n, k), scale
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="models/smollm2")
@@ -139,7 +150,12 @@ def main() -> None:
         held["f32"] = [cpu_linear.PackedLinear.pack(w.float()) for w in plain]
         fns["int8"], fns["f32"] = cpu_linear.linear, cpu_linear.linear
         fns["int8pack"] = lambda x, w: torch.ops.aten._weight_int8pack_mm(x.bfloat16(), w[0], w[1])
-        x_dtypes.update(int8=dtype, int8pack=dtype, f32=torch.float32)
+        grouped = [q8_0(w) for w in plain]
+        held["q8_0"] = [cpu_linear.PackedLinear.pack(q, scale=s) for q, s in grouped]
+        held["q8groups"] = [PackedInt8Groups.pack(q, s, 32) for q, s in grouped]
+        fns["q8_0"], fns["q8groups"] = cpu_linear.linear, lambda x, w: w.matmul(x)
+        x_dtypes.update(int8=dtype, int8pack=dtype, f32=torch.float32, q8_0=dtype, q8groups=dtype)
+        sizes.update(q8_0=nbytes * 9 // 8 // dtype.itemsize, q8groups=nbytes * 9 // 8 // dtype.itemsize)
         sizes.update(
             int8=nbytes // dtype.itemsize, int8pack=nbytes // dtype.itemsize, f32=nbytes * 4 // dtype.itemsize
         )
@@ -167,7 +183,8 @@ def main() -> None:
             print(
                 f"           int8 kernel: {best['kernel'] / best['int8']:.2f}x the {a.dtype} kernel, "
                 f"{best['int8pack'] / best['int8']:.2f}x weight_int8pack_mm, "
-                f"{best['f32'] / best['int8']:.2f}x float32",
+                f"{best['f32'] / best['int8']:.2f}x float32; q8_0: {best['kernel'] / best['q8_0']:.2f}x the "
+                f"{a.dtype} kernel, {best['q8groups'] / best['q8_0']:.2f}x PackedInt8Groups",
                 flush=True,
             )
 

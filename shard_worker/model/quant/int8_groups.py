@@ -2,6 +2,12 @@
 scales. What GGUF's Q8_0 (g 32), Q5_0 and Q4_0 (g 32, q - 16 and q - 8) and Q6_K (g 16: its int8
 sub-block scale times the fp16 super-block scale, exact in float32) hold exactly (quant/gguf.py).
 
+On a CPU where our linear kernel multiplies int8 (cpu_linear.available), GGUF's layers skip this class:
+products.pack_int8 holds them in that kernel's layout with a scale per group (each group summed in
+float32, then times its scale): SmolLM2's shapes at groups of 32, one thread, AMD EPYC Zen 4 (AVX-512 BF16,
+no AMX), shared machine, bench/cpu_linear.py --int8: 1.22x our bf16 kernel at 1 row, 1.02x at 8, 0.87x at
+32, and 1.5x / 3.2x / 3.9x this class. What follows serves the other CPUs (and devices).
+
 The product, chosen by bench/gguf_kernels.py (its header holds the figures):
   g a multiple of 32, N % 16 == 0, on CPU: two 4-bit tinygemm products (PackedInt4,
       aten._weight_int4pack_mm_for_cpu). q + 128 = 16 a + b with a, b in 0..15, so
