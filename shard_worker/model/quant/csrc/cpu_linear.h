@@ -1,7 +1,7 @@
 // The driver shared by the CPU linear kernels (cpu_linear.cpp: float32 and bfloat16 weights;
-// cpu_linear_int8.cpp: int8 weights with a float32 scale per output row), compiled into one library by
-// shard_worker/cpu_ext.py. A kernel is a struct with a tile<MB, NB>() over its layout and its traits
-// (Traits below); run<Kernel>() blocks the product around it.
+// cpu_linear_int8.cpp: int8 weights with float32 scales per output row or group), compiled into one
+// library by shard_worker/cpu_ext.py. A kernel is a struct with a tile<MB, NB>() over its layout and its
+// traits (Traits below); run<Kernel>() blocks the product around it.
 //
 // Blocking: a tile is NB row blocks (the accumulators of MB input rows x NB blocks fill the vector
 // registers); for up to MB_MAX input rows one pass reads each weight byte once. Above that, input rows go
@@ -102,7 +102,6 @@ struct Bf16Kernel : Traits {
   }
 };
 #endif
-
 
 // Any CPU: the same layouts in plain loops (the bf16 one when the CPU lacks AVX512_BF16, float32 when it
 // lacks AVX2 + FMA). The caller prefers oneDNN over these; they exist so that the layouts are always

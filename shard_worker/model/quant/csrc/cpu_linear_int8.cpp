@@ -1,11 +1,12 @@
 // y = (x W^T) * scale + b on CPU for an int8 weight W [N, K] with a float32 scale per output row (symmetric
-// int8 weight-only: --quantization int8, compressed-tensors W8A16), the second half of the library that
-// cpu_linear.cpp begins (same driver, cpu_linear.h).
+// int8 weight-only: --quantization int8, compressed-tensors W8A16), or a scale per row and group of k
+// (GGUF's Q8_0: 32), the second half of the library that cpu_linear.cpp begins (driver: cpu_linear.h).
 //
 // Layout: [N / 16][K2 / 2][2][16] int8, K2 = K rounded up to even, N padded with zero rows: a step is 32
 // bytes, the 16 rows' values at k then at k + 1. Whatever the CPU, the weight is read as stored and
 // widened in registers (int8 values are exact in bfloat16 and float32); the scale multiplies each
-// output's float32 sum once.
+// output's float32 sum once. Group scales: [N / 16][K / g][16] (Int8GroupKernel; on the float32 paths the
+// widened weights are multiplied by them: the dequantized weights).
 //   AVX-512 BF16: both halves of a step widened to float32, then their bits interleaved into the 16 (k,
 //     k + 1) bf16 pairs that _mm512_dpbf16_ps takes (an integer of at most 8 bits has no bits in a
 //     float32's low half, so a bf16 is its high half, exactly), against x rounded to bf16 as the bf16
