@@ -102,10 +102,10 @@ struct Int8GroupKernel : Int8Kernel {
 constexpr bool BF16_X = true;
 
 #elif defined(__AVX512F__)
-struct Int8Kernel : Traits {  // 32 zmm: up to 4 rows x 4 blocks or 6 x 2 of accumulators, 2 weights a block
+struct Int8Kernel : Traits {  // 32 zmm: 4 rows x 4 blocks or 8 x 2 of accumulators, 2 weights a block
   using W = int8_t;
   using X = float;
-  static constexpr int ROWS = 16, MB_MAX = 6, MB_BIG = 6, NB_MAX = 4, STEP = 32;
+  static constexpr int ROWS = 16, MB_MAX = 8, MB_BIG = 8, NB_MAX = 4, STEP = 32;
   static constexpr bool PAIRED = true;
   static int nb_for(int64_t m) { return m <= 4 ? 4 : 2; }
   static int64_t steps(int64_t k) { return (k + 1) / 2; }
