@@ -3,8 +3,8 @@ the dequantized product x @ (q * scale[:, None]).T in float64, with x rounded to
 multiplies in bf16 (AVX-512 BF16) and kept float32 elsewhere, on every path this machine can run: native
 (AVX-512 BF16 here), `avx512` (AVX-512F without BF16: float32 FMA), `avx2` and `scalar`; M = 1..64 rows
 (one pass, chunks of 8), odd K and N off the 16-row blocks, both x dtypes, bias; and with a scale per group
-of 16 or 32 k (GGUF's Q6_K, Q8_0). And its seat in the weight-only int8 methods (products.pack_int8): the
-layer's `weight` holds the layout.
+of 16 or 32 k (GGUF's Q6_K, Q8_0); W8A8 (x quantized per row, AVX-512 VNNI) against matmul_dynamic's rule.
+And its seat in the int8 methods (products.pack_int8): the layer's `weight` holds the layout.
 
 Tolerance: float32 sums of K exact products (a bf16 x bf16 product is exact in float32, int8 values are
 exact in both) in any order are within K * 2^-24 * sum_k |x_k w_k| of the exact sum (2x for the fused pair
@@ -103,6 +103,36 @@ def test_int8_products_with_a_scale_per_group_of_k(variant):
             _check(y, x, dequantized, None, cpu_linear.int8_rounds_x(variant))
 
 
+def _per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels.PackedInt8.matmul_dynamic's rule for x: (x_q, scale) per row, in float32 operations."""
+    rows = x.float()
+    scale = rows.abs().amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / 127
+    return torch.round(rows / scale).clamp(-127, 127), scale
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_w8a8_products_quantize_each_row_of_x_like_matmul_dynamic(variant):
+    """Exact int32 sums of x_q q, times both scales: float32 roundings of the result only."""
+    if cpu_linear.EXT.unavailable(variant) is not None:
+        pytest.skip(cpu_linear.EXT.unavailable(variant))
+    gen = torch.Generator().manual_seed(6)
+    for n, k in SHAPES:
+        q, scale = _quantized(n, k, gen)
+        packed = cpu_linear.PackedLinear.pack_w8a8(q, scale, variant)
+        assert torch.equal(packed.unpack(), q) and torch.equal(packed.scales(), scale)
+        for i, m in enumerate(ROWS):
+            x = torch.randn(m, k, generator=gen).to((torch.float32, torch.bfloat16)[i % 2])
+            bias = None if i % 3 == 0 else torch.randn(n, generator=gen)
+            y = cpu_linear.linear(x, packed, bias)
+            xq, xs = _per_token(x)
+            product = (xq.double() @ q.double().T) * xs.double() * scale.double()
+            want = product + (0 if bias is None else bias.double())
+            bound = 2**-21 * (product.abs() + (0 if bias is None else bias.double().abs()))
+            bound = bound + (2**-8 * want.abs() if y.dtype == torch.bfloat16 else 0)
+            assert ((y.double() - want).abs() - bound).max().item() <= 0
+
+
 def test_a_row_gets_the_same_bits_alone_in_a_batch_and_on_any_thread_count():
     """Each output's sum runs over K in the same order whatever the number of rows or threads."""
     gen = torch.Generator().manual_seed(1)
@@ -148,10 +178,11 @@ def test_an_int8_weight_needs_its_scale_and_groups_the_kernel_takes():
         cpu_linear.PackedLinear.pack(torch.zeros(16, 24, dtype=torch.int8), scale=torch.ones(16, 8))
 
 
-def _int8_layer(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> ColumnParallelLinear:
-    """A compressed-tensors W8A16 layer as the loader leaves it: weight and weight_scale filled, processed."""
+def _int8_layer(q: torch.Tensor, scale: torch.Tensor, bias, w8a8: bool = False) -> ColumnParallelLinear:
+    """A compressed-tensors W8A16 (W8A8) layer as the loader leaves it: weight and weight_scale filled,
+    processed."""
     layer = ColumnParallelLinear(q.shape[1], q.shape[0], TensorParallel(), bias=bias is not None)
-    method = Int8Method(w8a8=False)
+    method = Int8Method(w8a8=w8a8)
     layer.quant_method = method
     del layer.weight
     method.create_weights(layer, q.shape[1], [q.shape[0]], torch.float32)
@@ -177,6 +208,21 @@ def test_the_weight_only_int8_method_holds_the_kernel_layout():
     _check(layer(x), x, _dequantized(q, scale), b, cpu_linear.int8_rounds_x())
     xd = x.double()  # another dtype: the weight dequantized in float32, F.linear
     torch.testing.assert_close(layer(xd), xd @ (q.float() * scale[:, None]).double().T + b.double())
+
+
+def test_the_w8a8_method_holds_the_vnni_layout():
+    if not cpu_linear.available_w8a8():
+        pytest.skip("this CPU runs W8A8 products through fbgemm")
+    gen = torch.Generator().manual_seed(7)
+    q, scale = _quantized(40, 52, gen)
+    layer = _int8_layer(q, scale, None, w8a8=True)
+    assert layer.cpu_packed.code == cpu_linear.W8A8 and getattr(layer, "packed", None) is None
+    assert layer.weight.data_ptr() == layer.cpu_packed.data.data_ptr()
+    x = torch.randn(3, 52, generator=gen)
+    # The per-token rule as written (PackedInt8's float64 path; its fbgemm one quantizes x its own way).
+    exact = PackedInt8.pack(q, scale).matmul_dynamic(x.double())
+    torch.testing.assert_close(layer(x), exact.float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer(x.double()), exact)  # another dtype: that rule in torch
 
 
 def test_without_the_kernel_the_method_keeps_weight_int8pack_mm(monkeypatch):

@@ -3,8 +3,9 @@ form: config.json's quantization_config names config_groups (targets -> weights 
 args, and a format), an ignore list, and a global format.
 
 Served (per layer: a group's scheme, or unquantized when ignored or targeted by no group):
-    int-quantized    int8 weights [N, K], weight_scale [N, 1]: W8A16 (weight-only, products.pack_int8)
-                     and W8A8 (activations int8 per token, dynamic; kernels.PackedInt8.matmul_dynamic)
+    int-quantized    int8 weights [N, K], weight_scale [N, 1]: W8A16 (weight-only) and W8A8 (activations
+                     int8 per token, dynamic): products.pack_int8 (our CPU kernel, AVX-512 VNNI for
+                     W8A8; else kernels.PackedInt8, matmul_dynamic for W8A8)
     pack-quantized   4-bit (group or channel; symmetric, or asymmetric with weight_zero_point) and
                      symmetric 8-bit per channel, eight / four values per int32 (weight_packed), and
                      weight_shape: kernels.PackedInt4 / products.pack_int8
@@ -22,7 +23,7 @@ import torch
 
 from shard_worker.model.quant import products
 from shard_worker.model.quant.base import LinearMethod, QuantConfig, add_param
-from shard_worker.model.quant.kernels import PackedInt4, PackedInt8
+from shard_worker.model.quant.kernels import PackedInt4
 
 NAME = "compressed-tensors"
 LINEAR_FORMATS = ("int-quantized", "naive-quantized", "pack-quantized", "float-quantized")
@@ -132,16 +133,13 @@ class Int8Method(LinearMethod):
     def process_weights_after_loading(self, layer) -> None:
         q, scale = layer.weight.detach(), layer.weight_scale.detach().reshape(-1)
         del layer.weight, layer.weight_scale
-        if self.w8a8:
-            layer.packed = PackedInt8.pack(q, scale)
-        else:
-            products.pack_int8(layer, q, scale)
+        products.pack_int8(layer, q, scale, w8a8=self.w8a8)
 
     def apply(self, layer, x, bias=None):
-        if self.w8a8:  # kernels.PackedInt8.matmul_dynamic: fbgemm on CPU, per token
+        if self.w8a8 and getattr(layer, "cpu_packed", None) is None:  # PackedInt8: fbgemm on CPU
             y = layer.packed.matmul_dynamic(x)
             return y if bias is None else y + bias
-        return products.int8_weight_only(layer, x, bias)
+        return products.int8_product(layer, x, bias)
 
 
 class PackedIntMethod(LinearMethod):
@@ -200,7 +198,7 @@ class PackedIntMethod(LinearMethod):
 
     def apply(self, layer, x, bias=None):
         if self.bits == 8:
-            return products.int8_weight_only(layer, x, bias)
+            return products.int8_product(layer, x, bias)
         return products.weight_only(layer.packed, x, bias)
 
 

@@ -55,12 +55,13 @@ EXT = cpu_ext.Extension(
     "cpu_linear",
     _CSRC / "cpu_linear.cpp",
     "tp_linear_abi",
-    3,
+    4,
     "the CPU linear kernel",
     more=(_CSRC / "cpu_linear_int8.cpp", _CSRC / "cpu_linear.h"),
 )
 CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 X_CODES = {torch.float32: 0, torch.bfloat16: 1}  # what x, y and a bias may be
+W8A8 = 3  # the code of an int8 weight whose products quantize x per row (PackedLinear.pack_w8a8)
 # The flag set (cpu_ext.VARIANTS) layers are packed for: "native" except to measure another CPU's path
 # here (bench: "avx2", as an AVX2-only machine would run).
 VARIANT = "native"
@@ -80,6 +81,11 @@ def available(weight_dtype: torch.dtype) -> bool:
     if weight_dtype not in CODES or EXT.unavailable(VARIANT) is not None:
         return False
     return bool(library(VARIANT).tp_linear_native(CODES[weight_dtype]))
+
+
+def available_w8a8() -> bool:
+    """Whether this CPU runs W8A8 products with vector instructions (AVX-512 VNNI)."""
+    return EXT.unavailable(VARIANT) is None and bool(library(VARIANT).tp_linear_native(W8A8))
 
 
 def int8_rounds_x(variant: str | None = None) -> bool:
@@ -139,9 +145,26 @@ class PackedLinear:
             scale = scale.detach().to(torch.float32).reshape(n).contiguous()
         return cls(data, n, k, variant, scale, group)
 
+    @classmethod
+    def pack_w8a8(cls, q: torch.Tensor, scale: torch.Tensor, variant: str | None = None) -> PackedLinear:
+        """int8 q [N, K] with a scale per row, multiplied W8A8: each row of x quantized to int8 by its own
+        absmax (kernels.PackedInt8.matmul_dynamic's rule), exact int32 sums. `data` [N / 16, K4 / 4, 16, 4]
+        (K4: K rounded up to a multiple of 4), `scale` [2, N]: the scales, then each row's sum of q."""
+        n, k = q.shape
+        blocks, k4 = -(-n // 16), -(-k // 4) * 4
+        w = F.pad(q.detach(), (0, k4 - k, 0, blocks * 16 - n)).reshape(blocks, 16, k4 // 4, 4)
+        sums = q.detach().sum(1, dtype=torch.int32).float()
+        scales = torch.stack([scale.detach().to(torch.float32).reshape(n), sums]).contiguous()
+        packed = cls(w.permute(0, 2, 1, 3).contiguous(), n, k, variant or VARIANT, scales)
+        packed.code = W8A8
+        return packed
+
     def unpack(self) -> torch.Tensor:
         """The [N, K] weight back (int8: the values, without the scale)."""
-        if self.data.dim() == 3:
+        if self.code == W8A8:
+            blocks, quads, rows, _ = self.data.shape
+            w = self.data.permute(0, 2, 1, 3).reshape(blocks * rows, quads * 4)
+        elif self.data.dim() == 3:
             blocks, k, rows = self.data.shape
             w = self.data.permute(0, 2, 1).reshape(blocks * rows, k)
         elif self.data.dtype == torch.int8:
@@ -154,6 +177,8 @@ class PackedLinear:
 
     def scales(self) -> torch.Tensor | None:
         """An int8 weight's scale as given to pack ([N] or [N, K / g])."""
+        if self.code == W8A8:
+            return self.scale[0]
         if not self.group:
             return self.scale
         blocks, groups, rows = self.scale.shape

@@ -237,7 +237,7 @@ class GGUFInt8Method(LinearMethod):
         products.pack_int8(layer, q, scale)  # our CPU kernel's groups, else PackedInt8Groups
 
     def apply(self, layer, x, bias=None):
-        return products.int8_weight_only(layer, x, bias)
+        return products.int8_product(layer, x, bias)
 
 
 def hf_names(quant: GGUFConfig, hf_config) -> tuple[dict[str, str], object]:

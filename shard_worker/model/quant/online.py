@@ -43,7 +43,7 @@ class OnlineInt8Method(_Staged):
         products.pack_int8(layer, *products.quantize_int8(w))
 
     def apply(self, layer, x, bias=None):
-        return products.int8_weight_only(layer, x, bias)
+        return products.int8_product(layer, x, bias)
 
 
 class OnlineFp8Method(_Staged):

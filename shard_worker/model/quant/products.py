@@ -53,33 +53,44 @@ def weight_only(packed, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Ten
     return y if bias is None else y + bias
 
 
-def pack_int8(layer: nn.Module, q: torch.Tensor, scale: torch.Tensor) -> None:
-    """Holds a weight-only int8 layer's q (int8 [N, K]) and scale (float32 [N], or [N, K / g] for groups
-    of g k: GGUF's Q8_0, g 32) for its device's kernel: on a CPU where our linear kernel multiplies int8
-    (cpu_linear.available), in its layout, which the layer's `weight` parameter holds (`layer.cpu_packed`
-    describes it, `weight_scale` is its scale), as the unquantized method holds bf16 weights; else as
-    kernels.PackedInt8 (`layer.packed`: aten._weight_int8pack_mm on CPU) or int8_groups.PackedInt8Groups.
-    After the layer's tensor-parallel shard has loaded."""
+def pack_int8(layer: nn.Module, q: torch.Tensor, scale: torch.Tensor, w8a8: bool = False) -> None:
+    """Holds an int8 layer's q (int8 [N, K]) and scale (float32 [N], or [N, K / g] for groups of g k:
+    GGUF's Q8_0, g 32) for its device's kernel: on a CPU where our linear kernel multiplies int8
+    (cpu_linear.available; W8A8: available_w8a8), in its layout, which the layer's `weight` parameter holds
+    (`layer.cpu_packed` describes it, `weight_scale` is its scale), as the unquantized method holds bf16
+    weights; else as kernels.PackedInt8 (`layer.packed`: aten._weight_int8pack_mm on CPU, fbgemm for W8A8)
+    or int8_groups.PackedInt8Groups. w8a8: x quantized per token for the product (compressed-tensors
+    W8A8). After the layer's tensor-parallel shard has loaded."""
     group = q.shape[1] // scale.shape[1] if scale.dim() == 2 else 0
     fits = group % 2 == 0 and 2048 % max(group, 1) == 0  # what the kernel takes (GGUF's 16 and 32 do)
-    if q.device.type == "cpu" and cpu_linear.available(torch.int8) and fits:
+    cpu = q.device.type == "cpu"
+    if w8a8 and cpu and cpu_linear.available_w8a8():
+        layer.cpu_packed = cpu_linear.PackedLinear.pack_w8a8(q, scale)
+    elif not w8a8 and cpu and cpu_linear.available(torch.int8) and fits:
         layer.cpu_packed = cpu_linear.PackedLinear.pack(q, scale=scale)
-        layer.register_parameter("weight", nn.Parameter(layer.cpu_packed.data, requires_grad=False))
-        layer.register_parameter("weight_scale", nn.Parameter(layer.cpu_packed.scale, requires_grad=False))
     elif group:
         layer.packed = PackedInt8Groups.pack(q, scale, group)
+        return
     else:
         layer.packed = PackedInt8.pack(q, scale)
+        return
+    layer.register_parameter("weight", nn.Parameter(layer.cpu_packed.data, requires_grad=False))
+    layer.register_parameter("weight_scale", nn.Parameter(layer.cpu_packed.scale, requires_grad=False))
 
 
-def int8_weight_only(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x W^T + b for a layer packed by pack_int8, in x's dtype."""
+def int8_product(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T + b for a layer packed by pack_int8, in x's dtype (a W8A8 one held as PackedInt8 is the
+    caller's: PackedInt8.matmul_dynamic)."""
     packed = getattr(layer, "cpu_packed", None)
     if packed is None:
         return weight_only(layer.packed, x, bias)
     if x.dtype in cpu_linear.X_CODES and x.device.type == "cpu":
         return cpu_linear.linear(x, packed, bias)
-    y = F.linear(x, packed.dequantize(x.dtype))  # another dtype (float64 tests): correct, slow
+    # Another dtype (float64 tests): the same rule in torch, correct and slow.
+    if packed.code == cpu_linear.W8A8:
+        y = PackedInt8.pack(packed.unpack(), packed.scales()).matmul_dynamic(x)
+    else:
+        y = F.linear(x, packed.dequantize(x.dtype))
     return y if bias is None else y + bias
 
 

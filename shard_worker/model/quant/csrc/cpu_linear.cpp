@@ -98,28 +98,36 @@ extern "C" {
 void tp_linear_int8_run(int x_dtype, const void* x, void* y, const void* w, const float* scale, int64_t group,
                         int bias_dtype, const void* bias, int64_t m, int64_t n, int64_t k, int threads);
 int tp_linear_int8_native();
+void tp_linear_w8a8_run(int x_dtype, const void* x, void* y, const void* w, const float* scale, int bias_dtype,
+                        const void* bias, int64_t m, int64_t n, int64_t k, int threads);
+int tp_linear_w8a8_native();
 
-int tp_linear_abi() { return 3; }
+int tp_linear_abi() { return 4; }
 
 // Rows per block of a weight of this dtype's layout.
 int tp_linear_rows(int w_dtype) { return w_dtype == F32 ? F32Kernel::ROWS : 16; }
 
 // Whether this build multiplies weights of this dtype with vector instructions (else plain loops).
 int tp_linear_native(int w_dtype) {
+  if (w_dtype == W8A8) return tp_linear_w8a8_native();
   return w_dtype == BF16 ? BF16_NATIVE : w_dtype == F32 ? F32_NATIVE : tp_linear_int8_native();
 }
 
 // 0 on success; 1: a dtype code out of range, an int8 weight without its scale, a group that is not
 // even or does not divide K and 2048. scale, group: int8 only (float32 [N] for group 0, else a scale per
-// group of k: cpu_linear_int8.cpp).
+// group of k; W8A8: [2, N]: cpu_linear_int8.cpp).
 int tp_linear(int x_dtype, int w_dtype, const void* x, void* y, const void* w, const float* scale,
               int64_t group, int bias_dtype, const void* bias, int64_t m, int64_t n, int64_t k, int threads) {
-  if ((x_dtype != F32 && x_dtype != BF16) || (w_dtype != F32 && w_dtype != BF16 && w_dtype != INT8)) return 1;
-  if ((bias && bias_dtype != F32 && bias_dtype != BF16) || (w_dtype == INT8 && !scale)) return 1;
+  if ((x_dtype != F32 && x_dtype != BF16) || w_dtype < F32 || w_dtype > W8A8) return 1;
+  if ((bias && bias_dtype != F32 && bias_dtype != BF16) || (w_dtype >= INT8 && !scale)) return 1;
   if (group && (group < 0 || group % 2 || k % group || 2 * K_CHUNK % group)) return 1;
   if (m <= 0 || n <= 0) return 0;
   if (w_dtype == INT8) {
     tp_linear_int8_run(x_dtype, x, y, w, scale, group, bias ? bias_dtype : -1, bias, m, n, k, threads);
+    return 0;
+  }
+  if (w_dtype == W8A8) {
+    tp_linear_w8a8_run(x_dtype, x, y, w, scale, bias ? bias_dtype : -1, bias, m, n, k, threads);
     return 0;
   }
   const Call c{x_dtype, x, y, w, bias ? bias_dtype : -1, bias, nullptr, m, n, k};

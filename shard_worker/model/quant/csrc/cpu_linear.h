@@ -17,6 +17,8 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cfloat>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -24,7 +26,7 @@
 
 namespace {
 
-enum Dtype { F32 = 0, BF16 = 1, INT8 = 2 };
+enum Dtype { F32 = 0, BF16 = 1, INT8 = 2, W8A8 = 3 };  // W8A8: int8 weights, x quantized per row
 
 constexpr int ACC_LD = 64;       // floats per accumulator row: up to 4 blocks of 16
 constexpr int64_t K_CHUNK = 1024;  // k steps per piece when rows come in several chunks
@@ -64,9 +66,10 @@ struct Tile {
 
 // What a kernel may override. STEP: weight elements per block per k step (a step: one k, or a pair of
 // them when x comes as bf16 pairs, X = uint32_t, or PAIRED); ROUND: a float32 output is the product
-// rounded to bf16 (a bf16 weight's product).
+// rounded to bf16 (a bf16 weight's product); QUADS: x quantized per row to int8 (quantized_input), four k
+// a step, int32 sums (stored as their bits in the float accumulators).
 struct Traits {
-  static constexpr bool PAIRED = false, ROUND = false;
+  static constexpr bool PAIRED = false, ROUND = false, QUADS = false;
 };
 
 #if defined(__AVX512BF16__)
@@ -240,13 +243,52 @@ const typename Kern::X* kernel_input(const Call& c, std::vector<typename Kern::X
   }
 }
 
+// W8A8's x: each row quantized by its own absmax (scale absmax / 127, round half to even, clamp to
+// +-127: kernels.PackedInt8.matmul_dynamic's rule, in the same float32 operations), plus 128 as the
+// unsigned bytes _mm512_dpbusd_epi32 takes, four k a 32-bit word (padding k: 128, a zero x).
+inline const uint32_t* quantized_input(const Call& c, std::vector<uint32_t>& buf, int64_t& ldx,
+                                       std::vector<float>& xscale) {
+  ldx = (c.k + 3) / 4;
+  buf.assign(c.m * ldx, 0x80808080u);
+  xscale.resize(c.m);
+  std::vector<float> row(c.k);
+  for (int64_t i = 0; i < c.m; ++i) {
+    float amax = 0.0f;
+    for (int64_t j = 0; j < c.k; ++j) {
+      row[j] = c.x_dtype == F32 ? static_cast<const float*>(c.x)[i * c.k + j]
+                                : bf16_to_f32(static_cast<const uint16_t*>(c.x)[i * c.k + j]);
+      amax = std::max(amax, std::fabs(row[j]));
+    }
+    const float s = std::max(amax, FLT_MIN) / 127.0f;
+    xscale[i] = s;
+    uint8_t* dst = reinterpret_cast<uint8_t*>(buf.data() + i * ldx);
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    const __m512 sv = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+    for (; j + 16 <= c.k; j += 16) {
+      __m512 q = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(&row[j]), sv), _MM_FROUND_TO_NEAREST_INT);
+      q = _mm512_add_ps(_mm512_min_ps(hi, _mm512_max_ps(lo, q)), _mm512_set1_ps(128.0f));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + j), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q)));
+    }
+#endif
+    for (; j < c.k; ++j)
+      dst[j] = static_cast<uint8_t>(std::min(127.0f, std::max(-127.0f, std::nearbyint(row[j] / s))) + 128.0f);
+  }
+  return buf.data();
+}
+
 template <class Kern>
 void run(const Call& c, int threads) {
   using X = typename Kern::X;
   using W = typename Kern::W;
   std::vector<X> xbuf;
   int64_t ldx = 0;
-  const X* x = kernel_input<Kern>(c, xbuf, ldx);
+  std::vector<float> xscale;  // W8A8: each row's scale
+  const X* x;
+  if constexpr (Kern::QUADS)
+    x = quantized_input(c, xbuf, ldx, xscale);
+  else
+    x = kernel_input<Kern>(c, xbuf, ldx);
   std::vector<float> bias;
   if (c.bias_dtype == F32) {
     bias.assign(static_cast<const float*>(c.bias), static_cast<const float*>(c.bias) + c.n);
@@ -298,6 +340,15 @@ void run(const Call& c, int threads) {
     const int64_t n0 = b0 * Kern::ROWS;
     const int64_t cols = std::min<int64_t>(nb * Kern::ROWS, c.n - n0);
     const size_t elem = c.x_dtype == F32 ? 4 : 2;
+    if constexpr (Kern::QUADS)  // sums of (x_q + 128) q: less 128 sum_k q (scale[N + n]), times x's scale
+      for (int64_t m = 0; m < rows; ++m) {
+        float* a = acc.data() + m * ACC_LD;
+        for (int64_t j = 0; j < cols; ++j) {
+          int32_t sum;
+          std::memcpy(&sum, a + j, 4);
+          a[j] = static_cast<float>(sum - 128 * static_cast<int32_t>(c.scale[c.n + n0 + j])) * xscale[g0 + m];
+        }
+      }
     if (c.scale)
       for (int64_t m = 0; m < rows; ++m) {
         float* a = acc.data() + m * ACC_LD;

@@ -221,6 +221,70 @@ constexpr bool BF16_X = false;
 using Int8GroupKernel = Int8Kernel;  // the group scales multiply the widened weights
 #endif
 
+// W8A8 (compressed-tensors int-quantized with dynamic per-token activations): x quantized per row
+// (quantized_input), weights [N / 16][K4 / 4][16][4], K4 = K rounded up to a multiple of 4: a 64-byte line
+// is 16 rows x 4 k, what one _mm512_dpbusd_epi32 takes against a broadcast quad of x's bytes. Exact int32
+// sums; the driver subtracts 128 sum(q) and applies both scales.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+struct W8A8Kernel : Traits {
+  using W = int8_t;
+  using X = uint32_t;  // four x_q + 128
+  static constexpr int ROWS = 16, MB_MAX = 8, MB_BIG = 6, NB_MAX = 4, STEP = 64;
+  static constexpr bool QUADS = true;
+  static int nb_for(int64_t m) { return m == 7 || m == 8 ? 3 : 4; }
+  static int64_t steps(int64_t k) { return (k + 3) / 4; }
+  template <int MB, int NB>
+  static void tile(const Tile& t) {
+    const int8_t* w = static_cast<const int8_t*>(t.w);
+    const int32_t* x = static_cast<const int32_t*>(t.x);
+    __m512i acc[MB][NB];
+    for (int m = 0; m < MB; ++m)
+      for (int b = 0; b < NB; ++b)
+        acc[m][b] = t.accumulate ? _mm512_loadu_si512(t.acc + m * ACC_LD + b * 16) : _mm512_setzero_si512();
+    for (int64_t p = t.s0; p < t.s1; ++p) {
+      __m512i wv[NB];
+      for (int b = 0; b < NB; ++b) {
+        const int8_t* wp = w + b * t.bstride + p * 64;
+        _mm_prefetch(reinterpret_cast<const char*>(wp + PREFETCH * 64), _MM_HINT_T0);
+        wv[b] = _mm512_loadu_si512(wp);
+      }
+      for (int m = 0; m < MB; ++m) {
+        const __m512i xv = _mm512_set1_epi32(x[m * t.ldx + p]);
+        for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_dpbusd_epi32(acc[m][b], xv, wv[b]);
+      }
+    }
+    for (int m = 0; m < MB; ++m)
+      for (int b = 0; b < NB; ++b) _mm512_storeu_si512(t.acc + m * ACC_LD + b * 16, acc[m][b]);
+  }
+};
+constexpr bool W8A8_NATIVE = true;
+#else
+struct W8A8Kernel : Traits {  // plain loops (the caller keeps fbgemm on such CPUs)
+  using W = int8_t;
+  using X = uint32_t;
+  static constexpr int ROWS = 16, MB_MAX = 4, MB_BIG = 4, NB_MAX = 4, STEP = 64;
+  static constexpr bool QUADS = true;
+  static int nb_for(int64_t) { return NB_MAX; }
+  static int64_t steps(int64_t k) { return (k + 3) / 4; }
+  template <int MB, int NB>
+  static void tile(const Tile& t) {
+    const int8_t* w = static_cast<const int8_t*>(t.w);
+    const uint32_t* x = static_cast<const uint32_t*>(t.x);
+    for (int m = 0; m < MB; ++m)
+      for (int j = 0; j < NB * 16; ++j) {
+        int32_t a = 0;
+        if (t.accumulate) std::memcpy(&a, t.acc + m * ACC_LD + j, 4);
+        const int8_t* wb = w + (j / 16) * t.bstride + (j % 16) * 4;
+        for (int64_t p = t.s0; p < t.s1; ++p)
+          for (int i = 0; i < 4; ++i)
+            a += static_cast<int32_t>((x[m * t.ldx + p] >> (8 * i)) & 255) * wb[p * 64 + i];
+        std::memcpy(t.acc + m * ACC_LD + j, &a, 4);
+      }
+  }
+};
+constexpr bool W8A8_NATIVE = false;
+#endif
+
 }  // namespace
 
 extern "C" {
@@ -234,11 +298,18 @@ void tp_linear_int8_run(int x_dtype, const void* x, void* y, const void* w, cons
     run<Int8Kernel>(Call{x_dtype, x, y, w, bias_dtype, bias, scale, m, n, k}, threads);
 }
 
+// scale: float32 [2, N], the weight scales then each row's sum of q (exact in float32).
+void tp_linear_w8a8_run(int x_dtype, const void* x, void* y, const void* w, const float* scale, int bias_dtype,
+                        const void* bias, int64_t m, int64_t n, int64_t k, int threads) {
+  run<W8A8Kernel>(Call{x_dtype, x, y, w, bias_dtype, bias, scale, m, n, k}, threads);
+}
+
 #if defined(TP_INT8_SCALAR)
 int tp_linear_int8_native() { return 0; }
 #else
 int tp_linear_int8_native() { return 1; }
 #endif
+int tp_linear_w8a8_native() { return W8A8_NATIVE; }
 
 // Whether x is rounded to bf16 for the product (else multiplied in float32).
 int tp_linear_int8_bf16_x() { return BF16_X; }
