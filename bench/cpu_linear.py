@@ -8,7 +8,8 @@ Prints ms per pass over all of the model's linear weights (its layers' projectio
 weight bytes streamed per second. --int8 adds the same weights quantized to int8 per output row (as
 --quantization int8 does): our kernel's int8 product (int8), aten._weight_int8pack_mm (int8pack, what runs
 without it) and our kernel on float32 weights (f32), x in --dtype (float32 for f32); and in groups of 32 k
-(GGUF's Q8_0): our kernel (q8_0) and int8_groups.PackedInt8Groups (q8groups, what runs without it). At
+(GGUF's Q8_0): our kernel (q8_0) and int8_groups.PackedInt8Groups (q8groups, what runs without it); and
+W8A8 (x quantized per row): our kernel (w8a8) and kernels.PackedInt8.matmul_dynamic (fbgemm). At
 one thread the clock is the thread's CPU time (on a shared machine, wall time also counts the others'
 turns on the core).
 Also holds what bench/decode_profile.py uses to compare packings.
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 from common.sampling import SamplingConfig
 from shard_worker.model.quant import cpu_linear, products
 from shard_worker.model.quant.int8_groups import PackedInt8Groups
+from shard_worker.model.quant.kernels import PackedInt8
 from shard_worker.step import SequenceInit, StepInputs
 
 PACKINGS = ("kernel", "onednn", "plain")
@@ -145,20 +147,54 @@ def main() -> None:
     sizes = dict.fromkeys(held, nbytes)
     if a.int8:
         quantized = [products.quantize_int8(w) for w in plain]
-        held["int8"] = [cpu_linear.PackedLinear.pack(q, scale=s) for q, s in quantized]
-        held["int8pack"] = [(q, s.bfloat16()) for q, s in quantized]
-        held["f32"] = [cpu_linear.PackedLinear.pack(w.float()) for w in plain]
-        fns["int8"], fns["f32"] = cpu_linear.linear, cpu_linear.linear
-        fns["int8pack"] = lambda x, w: torch.ops.aten._weight_int8pack_mm(x.bfloat16(), w[0], w[1])
         grouped = [q8_0(w) for w in plain]
-        held["q8_0"] = [cpu_linear.PackedLinear.pack(q, scale=s) for q, s in grouped]
-        held["q8groups"] = [PackedInt8Groups.pack(q, s, 32) for q, s in grouped]
-        fns["q8_0"], fns["q8groups"] = cpu_linear.linear, lambda x, w: w.matmul(x)
-        x_dtypes.update(int8=dtype, int8pack=dtype, f32=torch.float32, q8_0=dtype, q8groups=dtype)
-        sizes.update(q8_0=nbytes * 9 // 8 // dtype.itemsize, q8groups=nbytes * 9 // 8 // dtype.itemsize)
-        sizes.update(
-            int8=nbytes // dtype.itemsize, int8pack=nbytes // dtype.itemsize, f32=nbytes * 4 // dtype.itemsize
-        )
+        int8 = nbytes // dtype.itemsize
+        extra = {  # name: (weights, product, x dtype, bytes held)
+            "int8": (
+                [cpu_linear.PackedLinear.pack(q, scale=s) for q, s in quantized],
+                cpu_linear.linear,
+                dtype,
+                int8,
+            ),
+            "int8pack": (
+                [(q, s.bfloat16()) for q, s in quantized],
+                lambda x, w: torch.ops.aten._weight_int8pack_mm(x.bfloat16(), w[0], w[1]),
+                dtype,
+                int8,
+            ),
+            "f32": (
+                [cpu_linear.PackedLinear.pack(w.float()) for w in plain],
+                cpu_linear.linear,
+                torch.float32,
+                4 * int8,
+            ),
+            "q8_0": (
+                [cpu_linear.PackedLinear.pack(q, scale=s) for q, s in grouped],
+                cpu_linear.linear,
+                dtype,
+                int8,
+            ),
+            "q8groups": (
+                [PackedInt8Groups.pack(q, s, 32) for q, s in grouped],
+                lambda x, w: w.matmul(x),
+                dtype,
+                int8,
+            ),
+            "w8a8": (
+                [cpu_linear.PackedLinear.pack_w8a8(q, s) for q, s in quantized],
+                cpu_linear.linear,
+                dtype,
+                int8,
+            ),
+            "fbgemm": (
+                [PackedInt8.pack(q, s) for q, s in quantized],
+                lambda x, w: w.matmul_dynamic(x),
+                dtype,
+                int8,
+            ),
+        }
+        for name, (ws, fn, x_dtype, size) in extra.items():
+            held[name], fns[name], x_dtypes[name], sizes[name] = ws, fn, x_dtype, size
     native = bool(cpu_linear.library(a.variant).tp_linear_native(cpu_linear.CODES[dtype]))
     print(
         f"{len(plain)} products, {nbytes / 1e6:.0f} MB of {a.dtype} weights, {a.threads} thread(s); kernel "
@@ -184,7 +220,9 @@ def main() -> None:
                 f"           int8 kernel: {best['kernel'] / best['int8']:.2f}x the {a.dtype} kernel, "
                 f"{best['int8pack'] / best['int8']:.2f}x weight_int8pack_mm, "
                 f"{best['f32'] / best['int8']:.2f}x float32; q8_0: {best['kernel'] / best['q8_0']:.2f}x the "
-                f"{a.dtype} kernel, {best['q8groups'] / best['q8_0']:.2f}x PackedInt8Groups",
+                f"{a.dtype} kernel, {best['q8groups'] / best['q8_0']:.2f}x PackedInt8Groups; w8a8: "
+                f"{best['kernel'] / best['w8a8']:.2f}x the {a.dtype} kernel, "
+                f"{best['fbgemm'] / best['w8a8']:.2f}x fbgemm",
                 flush=True,
             )
 

@@ -253,12 +253,18 @@ inline const uint32_t* quantized_input(const Call& c, std::vector<uint32_t>& buf
   xscale.resize(c.m);
   std::vector<float> row(c.k);
   for (int64_t i = 0; i < c.m; ++i) {
+    if (c.x_dtype == F32)
+      std::memcpy(row.data(), static_cast<const float*>(c.x) + i * c.k, 4 * c.k);
+    else
+      for (int64_t j = 0; j < c.k; ++j) row[j] = bf16_to_f32(static_cast<const uint16_t*>(c.x)[i * c.k + j]);
     float amax = 0.0f;
-    for (int64_t j = 0; j < c.k; ++j) {
-      row[j] = c.x_dtype == F32 ? static_cast<const float*>(c.x)[i * c.k + j]
-                                : bf16_to_f32(static_cast<const uint16_t*>(c.x)[i * c.k + j]);
-      amax = std::max(amax, std::fabs(row[j]));
-    }
+    int64_t j0 = 0;
+#if defined(__AVX512F__)
+    __m512 vmax = _mm512_setzero_ps();
+    for (; j0 + 16 <= c.k; j0 += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(&row[j0])));
+    amax = _mm512_reduce_max_ps(vmax);
+#endif
+    for (int64_t j = j0; j < c.k; ++j) amax = std::max(amax, std::fabs(row[j]));
     const float s = std::max(amax, FLT_MIN) / 127.0f;
     xscale[i] = s;
     uint8_t* dst = reinterpret_cast<uint8_t*>(buf.data() + i * ldx);
@@ -343,10 +349,20 @@ void run(const Call& c, int threads) {
     if constexpr (Kern::QUADS)  // sums of (x_q + 128) q: less 128 sum_k q (scale[N + n]), times x's scale
       for (int64_t m = 0; m < rows; ++m) {
         float* a = acc.data() + m * ACC_LD;
-        for (int64_t j = 0; j < cols; ++j) {
+        const float* wsum = c.scale + c.n + n0;
+        int64_t j = 0;
+#if defined(__AVX512F__)
+        const __m512 xs = _mm512_set1_ps(xscale[g0 + m]);
+        for (; j + 16 <= cols; j += 16) {
+          const __m512i fix = _mm512_slli_epi32(_mm512_cvtps_epi32(_mm512_loadu_ps(wsum + j)), 7);
+          const __m512i sum = _mm512_sub_epi32(_mm512_loadu_si512(a + j), fix);
+          _mm512_storeu_ps(a + j, _mm512_mul_ps(_mm512_cvtepi32_ps(sum), xs));
+        }
+#endif
+        for (; j < cols; ++j) {
           int32_t sum;
           std::memcpy(&sum, a + j, 4);
-          a[j] = static_cast<float>(sum - 128 * static_cast<int32_t>(c.scale[c.n + n0 + j])) * xscale[g0 + m];
+          a[j] = static_cast<float>(sum - 128 * static_cast<int32_t>(wsum[j])) * xscale[g0 + m];
         }
       }
     if (c.scale)

@@ -231,7 +231,8 @@ struct W8A8Kernel : Traits {
   using X = uint32_t;  // four x_q + 128
   static constexpr int ROWS = 16, MB_MAX = 8, MB_BIG = 6, NB_MAX = 4, STEP = 64;
   static constexpr bool QUADS = true;
-  static int nb_for(int64_t m) { return m == 7 || m == 8 ? 3 : 4; }
+  // Above 8 rows, chunks of 6 x 3 blocks: 1.5-1.7x faster than 6 x 4 at 32-64 rows (measured).
+  static int nb_for(int64_t m) { return m >= 7 ? 3 : 4; }
   static int64_t steps(int64_t k) { return (k + 3) / 4; }
   template <int MB, int NB>
   static void tile(const Tile& t) {
