@@ -15,19 +15,28 @@ stream from memory. One thread, AMD EPYC Zen 4 (AVX-512 BF16, no AMX), shared ma
       oneDNN's step slower there than alone: trust separate runs. The whole stack at concurrency 1 and 8 (our
       client, 4-12 requests a row, three rounds alternating) showed no difference beyond this shared
       machine's run-to-run spread (TPOT p50 33-41 ms either way). A 512-token prefill: 0.9-1.1x.
-  int8 weights (per-row scales, as --quantization int8 holds them; bench/cpu_linear.py --int8, bf16 x,
-      the thread's CPU time, one run: ratios within it), SmolLM2's products (135 MB of int8):
-      rows                              1      8     32
-      int8 kernel, ms                10.1   15.8   47.1
-      against our bf16 kernel        1.71x  1.25x  1.08x
-      against _weight_int8pack_mm    2.17x  3.16x  3.43x   (what int8 ran through before)
-      against our float32 kernel     2.89x  1.97x  1.98x
-      A second run: 1.44x, 1.23x, 1.08x our bf16 kernel. At 1 row it widens int8 at 12-13 GB/s, short
-      of the memory's rate (bf16 streams 16-19 GB/s here). With a scale per group of 32 k (GGUF's Q8_0):
-      1.22x, 1.02x, 0.87x our bf16 kernel; 1.5x, 3.2x, 3.9x int8_groups.PackedInt8Groups.
+  int8 weights (bench/cpu_linear.py --int8, SmolLM2's products, 135 MB of int8, bf16 x, the thread's CPU
+      time, ratios within one run; the int8 rows' spread over three runs in brackets):
+      rows                                1      8     32
+      int8 per row (--quantization int8, W8A16), ms
+                                       10.1   14.7   47.9
+        against our bf16 kernel        1.66x  1.37x  1.09x   (1.44-1.71x, 1.23-1.37x, 1.07-1.09x)
+        against _weight_int8pack_mm    2.18x  3.34x  3.48x   (what ran before)
+        against our float32 kernel     2.69x  2.10x  2.09x
+      groups of 32 k (GGUF Q8_0), against our bf16 kernel
+                                       1.50x  1.18x  0.90x   (1.22-1.50x, 1.02-1.18x, 0.87-0.90x)
+        against PackedInt8Groups       1.73x  3.41x  4.23x
+      W8A8 (VNNI), against our bf16    1.81x  1.27x  1.56x
+        against fbgemm's dynamic       1.54x  1.70x  2.00x
+      As an AVX2-only CPU would run them (--variant avx2, ATEN_CPU_CAPABILITY=avx2): int8 2.0-2.2x
+      _weight_int8pack_mm, Q8_0 2.6-3.4x PackedInt8Groups; without AVX-512 BF16 (--variant avx512):
+      int8 1.7-2.3x. At 1 row int8 streams at 12-14 GB/s, short of bf16's 16-19 GB/s here (~9 us of
+      Python and ctypes a call, 2 ms of the 211 calls, weigh more on the shorter pass).
   A whole decode step (bench/decode_profile.py --quant, one thread, one run, LM head in bf16): batch 1
       float32 36.7 ms, bf16 23.2, int8 20.1 (1.83x float32's tokens/s, 1.15x bf16's); batch 8: 58.1,
       52.0, 46.0; batch 32: 166.8, 111.4, 104.5. Teacher-forced NLL on README.md: int8 +0.11%.
+      SmolLM2 written as a Q8_0 GGUF (bfloat16:cpu against bfloat16:cpu:onednn, which also holds the
+      other layers for oneDNN): 18.0 / 23.7 ms at batch 1, 34.6 / 63.0 at 8, 86.4 / 243.4 at 32.
 
 `PackedLinear.pack(weight)` holds the layout (weight dtype float32 or bfloat16: bfloat16 16-row blocks
 with k in pairs, float32 16-row blocks with AVX-512F, 8-row ones with AVX2; int8 with `scale=`: 16-row

@@ -5,12 +5,12 @@ PackedInt4: 4-bit in groups of group_size along K, w[n, k] = (q[n, k] - zero[n, 
 (zero may be non-integer: GGUF's Q4_K min offsets; None means symmetric, zero 8).
 
 Chosen by bench/quant_kernels.py (its header holds the table), on CPU, the same on AVX-512 and AVX2:
-  int8: weight-only layers go through our own CPU kernel where it runs (products.pack_int8,
-        cpu_linear.py: 1.7x our bf16 kernel at 1 row, 1.25x at 8, 1.08x at 32 on SmolLM2's shapes,
-        2.2-3.4x _weight_int8pack_mm; AMD EPYC Zen 4, AVX-512 BF16 + VNNI, no AMX, one thread, shared
-        machine); PackedInt8 serves the others and W8A8.
-        PackedInt8.matmul: aten._weight_int8pack_mm (int8 weight, bf16 activations: its float32 path is
-        2-8x slower; per-channel scale in the kernel); it needs K % 16 == 0. At batch 1: 3.3-4.0x float32
+  int8: on a CPU where our own kernel runs, int8 layers go through it (products.pack_int8,
+        cpu_linear.py's table: weight-only 1.4-1.7x our bf16 kernel at 1 row, 1.1x at 32, 2.2-3.5x
+        _weight_int8pack_mm; W8A8 on AVX-512 VNNI 1.5-2.0x fbgemm; AMD EPYC Zen 4, AVX-512 BF16 + VNNI,
+        no AMX, one thread, shared machine). PackedInt8 serves the others:
+        matmul: aten._weight_int8pack_mm (int8 weight, bf16 activations: its float32 path is 2-8x
+        slower; per-channel scale in the kernel); it needs K % 16 == 0. At batch 1: 3.3-4.0x float32
         and 1.6-2.6x bf16 on Llama-3-8B's shapes, 1.0-1.7x float32 and 0.86-1.0x bf16 on SmolLM2's
         (bf16 there: oneDNN's product, before our kernel).
   int4: aten._weight_int4pack_mm_for_cpu (the "tinygemm" layout, repacked once here by
@@ -19,9 +19,10 @@ Chosen by bench/quant_kernels.py (its header holds the table), on CPU, the same 
         that one of them divides, per-channel included, is served by repeating its scales). At batch 1
         1.4-5.5x the int8 kernel, 1.5-12x bf16.
   W8A8 (PackedInt8.matmul_dynamic): activations quantized per token to int8, through fbgemm's dynamic
-        linear (the fastest int8 product measured at every batch; on the large shapes 2.1-12x bf16 at
-        one row and 1.0-1.6x from 8 rows up, where both weight-only kernels fall behind bf16, their
-        cost growing with M).
+        linear (before our kernel, the fastest int8 product measured at every batch; on the large shapes
+        2.1-12x bf16 at one row and 1.0-1.6x from 8 rows up, where both weight-only kernels fall behind
+        bf16, their cost growing with M). Its quantization of x is its own (one u8 range, pinned):
+        up to ~1% off the per-token rule that our kernel and the float64 path follow exactly.
 Activations go to the kernels in bfloat16 and results come back in x's dtype (as --linear-dtype bfloat16
 does for the unquantized layers). Anything a kernel cannot take (another device, odd shapes, float64)
 falls back to dequantize() + F.linear per call: correct, and as slow as it sounds; `kernel` names which
