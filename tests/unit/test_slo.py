@@ -190,6 +190,19 @@ def test_the_prediction_learns_from_the_ttfts_it_got_wrong():
     assert est.bias == 4.0
 
 
+def test_the_prediction_is_scaled_to_cover_nine_in_ten_requests_not_the_average():
+    # The promise is each request's: a prediction right on average leaves the late ones past their objective.
+    est = measured()
+    for i in range(64):  # 58 on time, 6 late by half: a tenth of the window, under the 0.9 quantile
+        est.observed_ttft(1.0, 1.5 if i % 10 == 9 else 1.0)
+    assert est.bias == 1.0
+    est.observed_ttft(1.0, 1.5)  # a seventh late one (the window keeps the last 64): now past it
+    assert est.bias == 1.5
+    for _ in range(64):  # all on time again: the window forgets the late ones
+        est.observed_ttft(1.0, 0.9)
+    assert est.bias == pytest.approx(0.9)
+
+
 def test_the_scheduler_gets_what_is_left_of_the_ttft_objective():
     assert ttft_budget_ms(Objectives(ttft_s=1.0), 0.25) == 750
     assert ttft_budget_ms(Objectives(ttft_s=1.0), 2.0) == 1  # overdue: due at once, never "none"
