@@ -167,6 +167,7 @@ class _Rates:
     first_token_s: float | None = None  # EWMA: sent -> first token
     service_s: float | None = None  # EWMA: sent -> end
     holding: dict[str, float] = field(default_factory=dict)  # request id -> its TPOT objective (s)
+    last_step: tuple[float, int] | None = None  # the last step time reported and its running batch
 
 
 class SloEstimator:
@@ -215,19 +216,27 @@ class SloEstimator:
         (those waiting there, the `pending` ones the router sent since its report, and this one), is
         within the tightest TPOT objective (times the margin) of the requests it holds. Counting what is
         on its way keeps a burst of admissions, all made on one report, from overshooting together."""
-        holding = self._replicas.get(replica)
-        if load is None or holding is None or not holding.holding:
+        rates = self._replicas.get(replica)
+        if load is not None and load.step_seconds > 0 and rates is not None:
+            rates.last_step = (load.step_seconds, load.running)
+        if load is None or rates is None or not rates.holding:
             return True
-        limit = self.policy.slo_tpot_margin * min(holding.holding.values())
-        return self.projected_step(load, pending) <= limit
+        limit = self.policy.slo_tpot_margin * min(rates.holding.values())
+        return self.projected_step(load, pending, rates.last_step) <= limit
 
-    def projected_step(self, load: ReplicaLoad, pending: int = 0) -> float:
+    def projected_step(
+        self, load: ReplicaLoad, pending: int = 0, last_step: tuple[float, int] | None = None
+    ) -> float:
         """The replica's step once it runs what it holds and is sent, plus one more sequence: its recent
         step scaled by (sequences + fixed) / (running + fixed), a step costing about fixed_sequences'
-        worth for the whole batch and one unit per sequence."""
+        worth for the whole batch and one unit per sequence. A replica that reports no step (it was idle
+        at its report) is projected from last_step, (seconds, running) of its last report that had one:
+        counting it as free let everything the router held through on one report (session 10, a machine
+        too slow for the objective: admitted requests' TPOT p50 414 ms against 200)."""
         fixed = self.policy.fixed_sequences
+        step, running = (load.step_seconds, load.running) if load.step_seconds > 0 else last_step or (0.0, 0)
         sequences = load.running + load.waiting + pending + 1
-        return load.step_seconds * (sequences + fixed) / (load.running + fixed)
+        return step * (sequences + fixed) / (running + fixed)
 
     def predict_ttft(
         self, loads: dict[str, ReplicaLoad], ahead: int, free_slots: int

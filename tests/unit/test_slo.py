@@ -102,6 +102,17 @@ def test_the_step_is_projected_to_the_batch_the_replica_would_run():
     assert not est.takes_decode("a", load(running=30, waiting=7, step_s=0.15))
 
 
+def test_a_replica_idle_at_its_report_is_projected_from_its_last_measured_step():
+    est = SloEstimator(SloPolicy())
+    est.sent("a", "r0", Objectives(tpot_s=0.2))
+    assert not est.takes_decode("a", load(running=0, step_s=0.25))  # one sequence alone: 0.25 * 9 / 8
+    # Its next report comes from an idle moment (no step in flight): 0 s. Those sent since then still
+    # count against the step it last measured, not against nothing.
+    assert est.projected_step(load(running=0, step_s=0.0), 2, (0.25, 0)) == pytest.approx(0.25 * 11 / 8)
+    assert not est.takes_decode("a", load(running=0, step_s=0.0), pending=2)
+    assert est.takes_decode("b", load(running=0, step_s=0.0))  # nothing measured there: open
+
+
 @dataclass
 class Seq:
     name: str
