@@ -4,7 +4,8 @@ through ctypes.
 A source is plain C++17 with OpenMP and no torch headers, so it builds in seconds with the system's C++
 compiler (`$CXX`, else g++ or c++), with -march=native: the CPU it runs on decides its vector width
 (AVX2, AVX-512, AVX-512 BF16). A flag set other than "native" builds it for less than this CPU has
-(`avx2`: no AVX-512; `scalar`: no AVX at all), so that tests prove the paths this machine would not take.
+(`avx512`: no AVX-512 BF16; `avx2`: no AVX-512; `scalar`: no AVX at all), so that tests prove the paths
+this machine would not take.
 The library is kept in the worker's compile cache (TORCHINDUCTOR_CACHE_DIR, set from --compile-cache-dir
 by shard_worker/startup.py) under a name that hashes the source, the compiler, the flags and the CPU's
 feature flags, so a restart loads it and a different node builds its own. Several ranks building at
@@ -27,7 +28,7 @@ from pathlib import Path
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 # What each flag set adds to FLAGS (later -m options win over -march=native's).
-VARIANTS = {"native": (), "avx2": ("-mno-avx512f",), "scalar": ("-mno-avx",)}
+VARIANTS = {"native": (), "avx512": ("-mno-avx512bf16",), "avx2": ("-mno-avx512f",), "scalar": ("-mno-avx",)}
 
 
 class KernelUnavailable(RuntimeError):
@@ -56,11 +57,15 @@ def cache_root() -> Path:
 
 
 class Extension:
-    """One C++ source: `load()` gives its library (built first when this machine's cache has none), with
-    `abi_symbol()` checked against `abi` so a stale build of another version is refused."""
+    """One library from a C++ source (and `more`: other sources compiled with it, headers they include):
+    `load()` gives it (built first when this machine's cache has none), with `abi_symbol()` checked
+    against `abi` so a stale build of another version is refused."""
 
-    def __init__(self, name: str, source: Path, abi_symbol: str, abi: int, what: str):
+    def __init__(
+        self, name: str, source: Path, abi_symbol: str, abi: int, what: str, more: tuple[Path, ...] = ()
+    ):
         self.name, self.source, self.abi_symbol, self.abi, self.what = name, source, abi_symbol, abi, what
+        self.more = more
         self._loaded: dict[str, ctypes.CDLL | Exception] = {}
         self._lock = threading.Lock()  # one build at a time: a second caller waits for the first's
 
@@ -74,7 +79,8 @@ class Extension:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
         key = hashlib.sha256()
         flags = " ".join(self.flags(variant))
-        for part in (self.source.read_bytes(), version.encode(), flags.encode(), _cpu_flags().encode()):
+        sources = b"".join(f.read_bytes() for f in (self.source, *self.more))
+        for part in (sources, version.encode(), flags.encode(), _cpu_flags().encode()):
             key.update(part)
         suffix = "" if variant == "native" else f"_{variant}"
         return self.cache_dir() / f"{self.source.stem}{suffix}_{key.hexdigest()[:16]}.so"
@@ -85,7 +91,7 @@ class Extension:
         os.close(fd)
         try:
             done = subprocess.run(
-                [cxx, *self.flags(variant), str(self.source), "-o", scratch],
+                [cxx, *self.flags(variant), *self._compiled(), "-o", scratch],
                 capture_output=True,
                 text=True,
                 timeout=300,
@@ -96,6 +102,9 @@ class Extension:
         finally:
             if os.path.exists(scratch):
                 os.unlink(scratch)
+
+    def _compiled(self) -> list[str]:
+        return [str(f) for f in (self.source, *self.more) if f.suffix in (".cpp", ".cc")]
 
     def load(self, variant: str = "native") -> ctypes.CDLL:
         """The library, built first if this machine has none yet. KernelUnavailable when it cannot be
