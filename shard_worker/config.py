@@ -7,7 +7,6 @@ launch=True are taken by `tpserve launch` too and given to every rank.
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from common import gguf_model, metrics, security, settings, tracing
 from common.security import TlsFiles
 from common.settings import at_least, setting
 from common.tracing import TracingConfig
+from shard_worker.devices import usable_cores
 from shard_worker.startup import DEFAULT_COMPILE_CACHE_DIR
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
@@ -74,7 +74,8 @@ class WorkerConfig:
         0,
         help="torch CPU threads (0: the cores but one for steps under 32 tokens, every core for larger "
         "ones, shared by the ranks: small steps lose more to the router's, the scheduler's and gRPC's "
-        "interruptions than a second thread gains them)",
+        "interruptions than a second thread gains them; cores: those the worker may run on, capped by its "
+        "container's CPU limit)",
         rule=at_least(0),
         launch=True,
     )
@@ -181,14 +182,14 @@ class WorkerConfig:
         """torch threads for small steps (and every step, when --num-threads is given)."""
         if self.num_threads > 0:
             return self.num_threads
-        return default_threads(os.cpu_count() or 1, self.world_size)
+        return default_threads(usable_cores(), self.world_size)
 
     @property
     def big_step_threads(self) -> int:
         """torch threads for steps of BIG_STEP_TOKENS tokens or more."""
         if self.num_threads > 0:
             return self.num_threads
-        return max(1, (os.cpu_count() or 1) // self.world_size)
+        return max(1, usable_cores() // self.world_size)
 
 
 def default_threads(cores: int, world_size: int) -> int:

@@ -98,17 +98,8 @@ class ModelRunner:
                 self.kernel_warm_up = KernelWarmUp(self.attention, model, self.kv_dtype).start()
 
         try:
-            self.config, self.model = load_model(
-                self.model_dir,
-                dtype,
-                self.device,
-                tp,
-                load_format,
-                check,
-                linear_dtype,
-                prepack_linear,
-                quantization,
-            )
+            args = (dtype, self.device, tp, load_format, check, linear_dtype, prepack_linear, quantization)
+            self.config, self.model = load_model(self.model_dir, *args)
         except BaseException:
             # The warm-up thread runs torch's kernels: a process that exits (here, with the checkpoint's
             # error) while it does aborts in C++ ("terminate called without an active exception").

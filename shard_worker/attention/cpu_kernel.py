@@ -14,12 +14,14 @@ import torch
 from shard_worker import cpu_ext
 from shard_worker.cpu_ext import KernelUnavailable
 
+CSRC = Path(__file__).with_name("csrc")
 EXT = cpu_ext.Extension(
     "cpu_attention",
-    Path(__file__).with_name("csrc") / "cpu_paged_attention.cpp",
+    CSRC / "cpu_paged_attention.cpp",
     "tp_paged_attention_abi",
     1,
     "the CPU attention kernel",
+    more=(CSRC / "cpu_small_ops.cpp", CSRC / "cpu_kernels.h"),
 )
 
 DTYPE_CODES = {

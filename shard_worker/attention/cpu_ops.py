@@ -1,4 +1,4 @@
-"""The small ops of a CPU decode step, from the attention kernel's library (csrc/cpu_paged_attention.cpp):
+"""The small ops of a CPU decode step, from the attention kernel's library (csrc/cpu_small_ops.cpp):
 an RMS norm (with the residual add before it), rotary on queries and keys in place, the gated MLP's
 silu(gate) * up, a layer's KV write with its attention in one call, and the greedy sampler's argmax.
 

@@ -122,3 +122,16 @@ def test_vllm_result_becomes_a_run_of_our_schema():
     assert nothing["ttft_ms"] == dict.fromkeys(STAT_KEYS)
     table = format_table([run], {"vllm c1": details}, {"vllm c1": "vllm c1"})
     assert "3/4" in table and "24.0" in table and "1.00x" in table
+
+
+def test_a_duration_sizes_each_rate_and_the_missed_objectives_are_counted_apart():
+    argv = ["--server", "t=http://h:1", "--vllm-bench", "vllm", "--request-rate", "2", "4.5", "0.01"]
+    a = parser().parse_args([*argv, "--duration", "60"])
+    assert [(lv.label, lv.n) for lv in levels(a)] == [("r2", 120), ("r4.5", 270), ("r0.01", 8)]
+    # Per-request lists of a --save-detailed result; a refused request has no first token (ttft 0).
+    detailed = RESULT | {"ttfts": [1.5, 2.5, 0.0, 1.0], "itls": [[0.1, 0.2], [0.1], [], [0.25, 0.25]]}
+    _, details = run_from_vllm_result("v r2", detailed, {"ttft": 2000.0, "tpot": 200.0})
+    assert details["served_with_latencies"] == 3
+    assert details["over_ttft_objective"] == 1  # 2.5 s
+    assert details["over_tpot_objective"] == 1  # the last (250 ms); the first is 150 ms
+    assert "over_ttft_objective" not in run_from_vllm_result("v r2", detailed)[1]

@@ -9,6 +9,7 @@ from shard_worker.devices import (
     cuda_index,
     linear_dtype,
     model_dtype,
+    usable_cores,
 )
 
 
@@ -86,3 +87,33 @@ def test_dtype_auto_is_bf16_where_it_is_native_and_float32_on_other_cpus():
     # An explicit choice is kept as it is.
     assert model_dtype("float32", "cpu", avx512_bf16, False) == "float32"
     assert model_dtype("float64", "cuda", frozenset(), True) == "float64"
+
+
+def cgroup(tmp_path, lines: str, files: dict[str, str]) -> dict[str, str]:
+    (tmp_path / "self_cgroup").write_text(lines)
+    for name, text in files.items():
+        (tmp_path / "fs" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "fs" / name).write_text(text)
+    return {"cgroup_root": str(tmp_path / "fs"), "cgroup_file": str(tmp_path / "self_cgroup")}
+
+
+def test_a_containers_cpu_quota_caps_the_cores_rounded_up(tmp_path):
+    # Kubernetes' limits.cpu: 2.5 on a 64-core node (cgroup v2): 3 threads, not 63.
+    v2 = cgroup(tmp_path, "0::/kubepods/pod1\n", {"kubepods/pod1/cpu.max": "250000 100000\n"})
+    assert usable_cores(affinity=64, **v2) == 3
+    assert usable_cores(affinity=2, **v2) == 2  # the CPUs it may run on bind first
+
+
+def test_no_quota_leaves_the_cpus_it_may_run_on(tmp_path):
+    unlimited = cgroup(tmp_path, "0::/\n", {"cpu.max": "max 100000\n"})
+    assert usable_cores(affinity=6, **unlimited) == 6
+    assert usable_cores(affinity=6, cgroup_root=str(tmp_path / "none"), cgroup_file="/nonexistent") == 6
+
+
+def test_cgroup_v1_quota_and_its_unlimited_minus_one(tmp_path):
+    where = "cpu,cpuacct/docker/abc"
+    quota = {f"{where}/cpu.cfs_quota_us": "400000", f"{where}/cpu.cfs_period_us": "100000"}
+    v1 = cgroup(tmp_path, "4:memory:/docker/abc\n3:cpu,cpuacct:/docker/abc\n", quota)
+    assert usable_cores(affinity=32, **v1) == 4
+    (tmp_path / "fs" / where / "cpu.cfs_quota_us").write_text("-1")
+    assert usable_cores(affinity=32, **v1) == 32

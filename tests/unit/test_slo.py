@@ -102,6 +102,17 @@ def test_the_step_is_projected_to_the_batch_the_replica_would_run():
     assert not est.takes_decode("a", load(running=30, waiting=7, step_s=0.15))
 
 
+def test_a_replica_idle_at_its_report_is_projected_from_its_last_measured_step():
+    est = SloEstimator(SloPolicy())
+    est.sent("a", "r0", Objectives(tpot_s=0.2))
+    assert not est.takes_decode("a", load(running=0, step_s=0.25))  # one sequence alone: 0.25 * 9 / 8
+    # Its next report comes from an idle moment (no step in flight): 0 s. Those sent since then still
+    # count against the step it last measured, not against nothing.
+    assert est.projected_step(load(running=0, step_s=0.0), 2, (0.25, 0)) == pytest.approx(0.25 * 11 / 8)
+    assert not est.takes_decode("a", load(running=0, step_s=0.0), pending=2)
+    assert est.takes_decode("b", load(running=0, step_s=0.0))  # nothing measured there: open
+
+
 @dataclass
 class Seq:
     name: str
@@ -188,6 +199,19 @@ def test_the_prediction_learns_from_the_ttfts_it_got_wrong():
     for _ in range(30):
         est.observed_ttft(1.0, 100.0)  # bounded: one stall does not shut admission for good
     assert est.bias == 4.0
+
+
+def test_the_prediction_is_scaled_to_cover_nine_in_ten_requests_not_the_average():
+    # The promise is each request's: a prediction right on average leaves the late ones past their objective.
+    est = measured()
+    for i in range(64):  # 58 on time, 6 late by half: a tenth of the window, under the 0.9 quantile
+        est.observed_ttft(1.0, 1.5 if i % 10 == 9 else 1.0)
+    assert est.bias == 1.0
+    est.observed_ttft(1.0, 1.5)  # a seventh late one (the window keeps the last 64): now past it
+    assert est.bias == 1.5
+    for _ in range(64):  # all on time again: the window forgets the late ones
+        est.observed_ttft(1.0, 0.9)
+    assert est.bias == pytest.approx(0.9)
 
 
 def test_the_scheduler_gets_what_is_left_of_the_ttft_objective():
