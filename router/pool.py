@@ -231,10 +231,12 @@ class SchedulerPool:
         if req is not None and req.routed is not None:
             self._left(req.routed.replica, request_id, None)
 
-    def _left(self, replica: str, request_id: str, seconds: float | None) -> None:
+    def _left(
+        self, replica: str, request_id: str, seconds: float | None, tokens: int = 0, now: float | None = None
+    ) -> None:
         """A request left replica: its TPOT objective no longer holds the replica closed (slo.takes_decode),
         so what waits here is offered again (no credit message need follow: the window may not change)."""
-        self.slo.ended(replica, request_id, seconds)
+        self.slo.ended(replica, request_id, seconds, tokens, now)
         if len(self.admission):
             self._pump()
 
@@ -317,6 +319,7 @@ class SchedulerPool:
         in_transit = max(0, link.credits.sent - msg.adds_received)
         was_up = self.replicas.is_up(link.target, time.monotonic())
         self.replicas.report(link.target, load, time.monotonic(), in_transit=in_transit)
+        self.slo.reported(link.target, load, time.monotonic())
         if not was_up:
             self._update_health()
         if not was_up or len(self.admission):
@@ -343,12 +346,13 @@ class SchedulerPool:
         now = time.monotonic()
         if out.token_ids and not req.first_seen:
             req.first_seen = True
-            self.slo.first_token(link.target, now - req.sent_at)
+            self.slo.first_token(link.target, now - req.sent_at, out.request_id, now)
             if req.predicted_ttft and len(req.generated) == len(out.token_ids):  # not a resume
                 self.slo.observed_ttft(req.predicted_ttft, now - req.arrival)
         if out.finish_reason or out.error:
             self._requests.pop(out.request_id, None)
-            self._left(link.target, out.request_id, None if out.error else now - req.sent_at)
+            seconds = None if out.error else now - req.sent_at
+            self._left(link.target, out.request_id, seconds, len(req.generated), now)
 
     def on_lost(self, link: SchedulerLink, reason: str) -> None:
         if link.target not in self.replicas:

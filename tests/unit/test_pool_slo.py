@@ -82,10 +82,16 @@ def test_a_request_held_by_the_tpot_gate_goes_when_the_slow_replica_finishes_its
     assert link.sent == ["r1", "r2"]
 
 
-def test_a_request_held_by_the_tpot_gate_goes_when_the_replica_reports_a_faster_step():
+def test_a_request_held_by_the_tpot_gate_goes_when_the_replica_reports_faster_steps():
     pool, link = held()
-    load(pool, link, running=1, step_s=0.1)  # within the objective again
-    assert link.sent == ["r1", "r2"]
+    # Within the objective again. The gate trusts the recent reports' average, not one fast report (a
+    # queue always waiting would take every lucky dip), so it opens after several: from 5x slower, 9
+    # reports (4.5 s, the EWMA of step per sequence at weight 0.2 coming down to the objective).
+    reports = 0
+    while link.sent == ["r1"] and reports < 12:
+        load(pool, link, running=1, step_s=0.1)
+        reports += 1
+    assert link.sent == ["r1", "r2"] and reports > 1
 
 
 def test_a_request_the_router_ends_itself_opens_the_gate_too():

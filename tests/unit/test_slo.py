@@ -113,6 +113,35 @@ def test_a_replica_idle_at_its_report_is_projected_from_its_last_measured_step()
     assert est.takes_decode("b", load(running=0, step_s=0.0))  # nothing measured there: open
 
 
+def test_the_gate_learns_how_much_slower_than_the_step_its_requests_see_their_tokens():
+    est = SloEstimator(SloPolicy())  # margin 0.9: a 0.2 s objective closes past 0.18 s
+    est.sent("a", "held", Objectives(tpot_s=0.2))
+    busy = load(running=10, step_s=0.115, max_num_seqs=64)
+    assert est.takes_decode("a", busy)  # 0.115 * 19 / 18 = 0.121 s projected
+    # Requests decoded while the scheduler reported 0.1 s steps, and saw a token every 0.15 s (the
+    # scheduler's own work between steps and the stream are not in its step).
+    for i in range(10):
+        est.sent("a", f"r{i}", Objectives(tpot_s=0.2))
+        est.reported("a", load(running=10, step_s=0.1, max_num_seqs=64), now=10.0 * i)
+        est.first_token("a", 0.05, f"r{i}", now=10.0 * i + 1.0)
+        est.ended("a", f"r{i}", 2.6, tokens=11, now=10.0 * i + 2.5)  # 10 intervals in 1.5 s
+    assert est.tpot_bias == pytest.approx(1.5)
+    assert not est.takes_decode("a", busy)  # 0.121 s x 1.5 = 0.182 s: past 0.18 s now
+    assert est.takes_decode("a", load(running=10, step_s=0.1, max_num_seqs=64))  # 0.158 s
+
+
+def test_a_request_without_a_tpot_objective_or_that_failed_teaches_the_gate_nothing():
+    est = SloEstimator(SloPolicy())
+    est.sent("a", "free", NO_OBJECTIVES)
+    est.sent("a", "failed", Objectives(tpot_s=0.2))
+    est.reported("a", load(step_s=0.1), now=0.0)
+    for rid in ("free", "failed"):
+        est.first_token("a", 0.05, rid, now=1.0)
+    est.ended("a", "free", 5.0, tokens=11, now=5.0)
+    est.ended("a", "failed", None, tokens=11, now=5.0)
+    assert est.tpot_bias == 1.0
+
+
 @dataclass
 class Seq:
     name: str
