@@ -178,11 +178,17 @@ def test_32_concurrent_mixed_requests_complete(server):
 
 
 def test_outputs_equal_transformers_under_preemption(tiny_model, reference):
-    # 16 blocks hold 256 tokens; the ten prompts need far more at once, so sequences are preempted.
+    # 16 blocks hold 256 tokens. A long request holds 7 of them when the ten prompts are sent and grows
+    # to 14 while they run, so sequences are preempted whatever the arrivals' timing (the ten alone, sent
+    # from a busy test process, once reached the scheduler about two at a time: no preemption).
     flags = ("--dtype", "float64", "--num-kv-blocks", "16")
     with launch(tiny_model, *flags) as (target, _), grpc.insecure_channel(target) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
+        long = dict(token_ids=[5] * 100, max_new_tokens=120, ignore_eos=True, sampling=GREEDY)
+        holder = stub.Generate(pb.GenerateRequest(**long), timeout=120)
+        first = next(holder)  # it runs
         assert_matches_reference(stub, reference)
+        assert len(first.token_ids) + sum(len(r.token_ids) for r in holder) == 120
         stats = stub.GetStats(pb.StatsRequest())
         assert stats.num_preemptions_total > 0
         assert stats.kv_blocks_free == stats.kv_blocks_total == 16
