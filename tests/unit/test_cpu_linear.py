@@ -55,15 +55,6 @@ def _check(y: torch.Tensor, x, w, bias) -> None:
     assert excess.max().item() <= 0, f"off by {excess.max().item():.3g} beyond the bound"
 
 
-@pytest.fixture
-def one_thread():
-    """Several threads change no bit (below) and cost the most on a loaded machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32], ids=["bf16_w", "f32_w"])

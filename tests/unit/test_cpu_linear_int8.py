@@ -55,14 +55,6 @@ def _check(y: torch.Tensor, x, w: torch.Tensor, bias, rounds_x: bool) -> None:
     assert excess.max().item() <= 0, f"off by {excess.max().item():.3g} beyond the bound"
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32], ids=["bf16_x", "f32_x"])

@@ -41,16 +41,6 @@ needs_gemma3 = pytest.mark.skipif(
 )
 
 
-@pytest.fixture
-def one_thread():
-    """One intra-op thread (see tests/unit/test_smollm2.py: two on a shared 2-core machine wait on each
-    other)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @needs_gemma3
 def test_gemma3_is_the_270m_base_model():
     config = ModelConfig.from_pretrained(GEMMA3)

@@ -41,17 +41,6 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(SMOLLM2)
 
 
-@pytest.fixture
-def one_thread():
-    """Runs the test on one intra-op thread. With two on a 2-core machine that anything else is also using,
-    OpenMP's threads wait on each other: transformers' generate measured 10 to 20 times slower (20 s against
-    2 s for 32 tokens). Both sides of each comparison run under the same setting."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 @needs_smollm2
 def test_smollm2_is_the_135m_instruct_model_with_chatml(tokenizer):
     config = AutoConfig.from_pretrained(SMOLLM2)

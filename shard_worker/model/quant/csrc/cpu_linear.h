@@ -73,6 +73,40 @@ struct Traits {
 };
 
 #if defined(__AVX512BF16__)
+// The steps [p0, p1) of a tile whose weights K::pairs gives as bf16 pairs (16 rows x 2 k a step: a bf16
+// weight's own bits, or int8 widened exactly), summed into acc by _mm512_dpbf16_ps. Shared by the bf16 and
+// int8 kernels (and the grouped int8 one, a group at a time); inlined, so acc stays in registers.
+template <class K, int MB, int NB>
+__attribute__((always_inline)) inline void dpbf16_steps(const Tile& t, int64_t p0, int64_t p1,
+                                                        __m512 (&acc)[MB][NB]) {
+  const typename K::W* w = static_cast<const typename K::W*>(t.w);
+  const int32_t* x = static_cast<const int32_t*>(t.x);
+  for (int64_t p = p0; p < p1; ++p) {
+    __m512bh wv[NB];
+    for (int b = 0; b < NB; ++b) {
+      const typename K::W* wp = w + b * t.bstride + p * 32;
+      _mm_prefetch(reinterpret_cast<const char*>(wp) + PREFETCH * 64, _MM_HINT_T0);
+      wv[b] = K::pairs(wp);
+    }
+    for (int m = 0; m < MB; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(x[m * t.ldx + p]);
+      for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], xv, wv[b]);
+    }
+  }
+}
+
+// A whole tile of such a kernel: acc from t.acc (or zero), the steps, back to t.acc.
+template <class K, int MB, int NB>
+inline void dpbf16_tile(const Tile& t) {
+  __m512 acc[MB][NB];
+  for (int m = 0; m < MB; ++m)
+    for (int b = 0; b < NB; ++b)
+      acc[m][b] = t.accumulate ? _mm512_loadu_ps(t.acc + m * ACC_LD + b * 16) : _mm512_setzero_ps();
+  dpbf16_steps<K, MB, NB>(t, t.s0, t.s1, acc);
+  for (int m = 0; m < MB; ++m)
+    for (int b = 0; b < NB; ++b) _mm512_storeu_ps(t.acc + m * ACC_LD + b * 16, acc[m][b]);
+}
+
 struct Bf16Kernel : Traits {
   using W = uint16_t;
   using X = uint32_t;  // a pair of bf16
@@ -80,28 +114,10 @@ struct Bf16Kernel : Traits {
   static constexpr bool ROUND = true;
   static int nb_for(int64_t m) { return m == 7 || m == 8 ? 3 : 4; }
   static int64_t steps(int64_t k) { return (k + 1) / 2; }
+  static __m512bh pairs(const uint16_t* wp) { return (__m512bh)_mm512_loadu_si512(wp); }
   template <int MB, int NB>
   static void tile(const Tile& t) {
-    const uint16_t* w = static_cast<const uint16_t*>(t.w);
-    const int32_t* x = static_cast<const int32_t*>(t.x);
-    __m512 acc[MB][NB];
-    for (int m = 0; m < MB; ++m)
-      for (int b = 0; b < NB; ++b)
-        acc[m][b] = t.accumulate ? _mm512_loadu_ps(t.acc + m * ACC_LD + b * 16) : _mm512_setzero_ps();
-    for (int64_t p = t.s0; p < t.s1; ++p) {
-      __m512bh wv[NB];
-      for (int b = 0; b < NB; ++b) {
-        const uint16_t* wp = w + b * t.bstride + p * 32;
-        _mm_prefetch(reinterpret_cast<const char*>(wp + PREFETCH * 32), _MM_HINT_T0);
-        wv[b] = (__m512bh)_mm512_loadu_si512(wp);
-      }
-      for (int m = 0; m < MB; ++m) {
-        const __m512bh xv = (__m512bh)_mm512_set1_epi32(x[m * t.ldx + p]);
-        for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], xv, wv[b]);
-      }
-    }
-    for (int m = 0; m < MB; ++m)
-      for (int b = 0; b < NB; ++b) _mm512_storeu_ps(t.acc + m * ACC_LD + b * 16, acc[m][b]);
+    dpbf16_tile<Bf16Kernel, MB, NB>(t);
   }
 };
 #endif

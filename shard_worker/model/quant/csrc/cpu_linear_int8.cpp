@@ -33,31 +33,12 @@ struct Int8Kernel : Traits {
     return _mm512_castps_si512(
         _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wp)))));
   }
-  static __m512bh widen(const int8_t* wp) {
+  static __m512bh pairs(const int8_t* wp) {
     return (__m512bh)_mm512_or_si512(widen16(wp + 16), _mm512_srli_epi32(widen16(wp), 16));
   }
   template <int MB, int NB>
   static void tile(const Tile& t) {
-    const int8_t* w = static_cast<const int8_t*>(t.w);
-    const int32_t* x = static_cast<const int32_t*>(t.x);
-    __m512 acc[MB][NB];
-    for (int m = 0; m < MB; ++m)
-      for (int b = 0; b < NB; ++b)
-        acc[m][b] = t.accumulate ? _mm512_loadu_ps(t.acc + m * ACC_LD + b * 16) : _mm512_setzero_ps();
-    for (int64_t p = t.s0; p < t.s1; ++p) {
-      __m512bh wv[NB];
-      for (int b = 0; b < NB; ++b) {
-        const int8_t* wp = w + b * t.bstride + p * 32;
-        _mm_prefetch(reinterpret_cast<const char*>(wp + 2 * PREFETCH * 32), _MM_HINT_T0);
-        wv[b] = widen(wp);
-      }
-      for (int m = 0; m < MB; ++m) {
-        const __m512bh xv = (__m512bh)_mm512_set1_epi32(x[m * t.ldx + p]);
-        for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], xv, wv[b]);
-      }
-    }
-    for (int m = 0; m < MB; ++m)
-      for (int b = 0; b < NB; ++b) _mm512_storeu_ps(t.acc + m * ACC_LD + b * 16, acc[m][b]);
+    dpbf16_tile<Int8Kernel, MB, NB>(t);
   }
 };
 
@@ -67,8 +48,6 @@ struct Int8Kernel : Traits {
 struct Int8GroupKernel : Int8Kernel {
   template <int MB, int NB>
   static void tile(const Tile& t) {
-    const int8_t* w = static_cast<const int8_t*>(t.w);
-    const int32_t* x = static_cast<const int32_t*>(t.x);
     const int64_t gs = t.group / 2;  // steps per group
     if (!t.accumulate)
       for (int m = 0; m < MB; ++m)
@@ -77,18 +56,7 @@ struct Int8GroupKernel : Int8Kernel {
       __m512 part[MB][NB];
       for (int m = 0; m < MB; ++m)
         for (int b = 0; b < NB; ++b) part[m][b] = _mm512_setzero_ps();
-      for (int64_t p = p0; p < p0 + gs; ++p) {
-        __m512bh wv[NB];
-        for (int b = 0; b < NB; ++b) {
-          const int8_t* wp = w + b * t.bstride + p * 32;
-          _mm_prefetch(reinterpret_cast<const char*>(wp + 2 * PREFETCH * 32), _MM_HINT_T0);
-          wv[b] = widen(wp);
-        }
-        for (int m = 0; m < MB; ++m) {
-          const __m512bh xv = (__m512bh)_mm512_set1_epi32(x[m * t.ldx + p]);
-          for (int b = 0; b < NB; ++b) part[m][b] = _mm512_dpbf16_ps(part[m][b], xv, wv[b]);
-        }
-      }
+      dpbf16_steps<Int8Kernel, MB, NB>(t, p0, p0 + gs, part);
       for (int b = 0; b < NB; ++b) {
         const __m512 sv = _mm512_loadu_ps(t.gscale + b * t.gstride + p0 / gs * 16);
         for (int m = 0; m < MB; ++m) {
