@@ -317,9 +317,10 @@ class SchedulerPool:
             return
         # Requests sent since the scheduler computed the report are not in it yet.
         in_transit = max(0, link.credits.sent - msg.adds_received)
-        was_up = self.replicas.is_up(link.target, time.monotonic())
-        self.replicas.report(link.target, load, time.monotonic(), in_transit=in_transit)
-        self.slo.reported(link.target, load, time.monotonic())
+        now = time.monotonic()
+        was_up = self.replicas.is_up(link.target, now)
+        self.replicas.report(link.target, load, now, in_transit=in_transit)
+        self.slo.reported(link.target, load, now)
         if not was_up:
             self._update_health()
         if not was_up or len(self.admission):
