@@ -266,8 +266,9 @@ def compare_linear(a) -> None:
 
 
 def compare_quant(a) -> None:
-    """--quant: execute() at each batch for float32, bfloat16 and online int8 / fp8 linear weights
-    (alternating, in one run), then teacher-forced NLL per token of each on fixed slices of README.md."""
+    """--quant: execute() at each batch for float32, bfloat16 and online int8 / fp8 linear weights, and
+    the --quantized checkpoints (alternating, in one run), then teacher-forced NLL per token of each on
+    fixed slices of README.md."""
     from transformers import AutoTokenizer
 
     variants = {
@@ -277,8 +278,12 @@ def compare_quant(a) -> None:
         "int8": dict(quantization="int8", linear_dtype=torch.bfloat16),
         "fp8": dict(quantization="fp8", linear_dtype=torch.bfloat16),
     }
+    models = dict.fromkeys(variants, a.model)
+    for spec in a.quantized or []:  # NAME=DIR: that checkpoint (the same model quantized offline)
+        name, _, path = spec.partition("=")
+        variants[name], models[name] = dict(linear_dtype=torch.bfloat16), path
     runners = {
-        name: ModelRunner(a.model, torch.float32, torch.device("cpu"), TensorParallel(), **kw)
+        name: ModelRunner(models[name], torch.float32, torch.device("cpu"), TensorParallel(), **kw)
         for name, kw in variants.items()
     }
     per_seq = -(-a.context // BLOCK_SIZE)
@@ -376,6 +381,12 @@ def main() -> None:
     )
     p.add_argument(
         "--quant", action="store_true", help="float32, bf16, online int8 and fp8 linear weights: speed, NLL"
+    )
+    p.add_argument(
+        "--quantized",
+        nargs="+",
+        metavar="NAME=DIR",
+        help="--quant: also these checkpoints of the same model quantized offline (e.g. int4=an AWQ one)",
     )
     p.add_argument(
         "--prompts", type=int, default=16, help="--linear: greedy prompts compared (--quant: slices)"

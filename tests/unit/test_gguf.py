@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from common.gguf_model import model_dir
+from shard_worker.model.quant import cpu_linear
 from shard_worker.model.quant.gguf import INT8_GROUPS, check_type, unpack_int4, unpack_int8
 from shard_worker.model.quant.int8_groups import PackedInt8Groups
 from shard_worker.model.quant.kernels import PackedInt4
@@ -60,7 +61,8 @@ def test_int8_unpack_equals_gguf_dequantize_exactly(type_name):
     assert q.dtype == np.int8 and scale.shape == (n, k // g)
     packed = PackedInt8Groups.pack(torch.from_numpy(q), torch.from_numpy(scale), g)
     np.testing.assert_array_equal(packed.dequantize(torch.float32).numpy(), expected)
-    assert packed.kernel == ("compiled" if type_name == "Q6_K" else "weight_int4pack_mm_for_cpu, K doubled")
+    halves = "cpu_linear int4" if cpu_linear.available_int4() else "weight_int4pack_mm_for_cpu"
+    assert packed.kernel == ("compiled" if type_name == "Q6_K" else f"{halves}, K doubled")
 
 
 @pytest.mark.parametrize("group", [16, 32])

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shard_worker.model.quant import kernels
+from shard_worker.model.quant import cpu_linear, kernels
 from shard_worker.model.quant.kernels import PackedInt4, PackedInt8
 
 torch.set_flush_denormal(True)
@@ -76,10 +76,17 @@ def test_int8_matmul_matches_dequantized(n, k, dtype):
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int4_matmul_matches_dequantized(n, k, group, symmetric, dtype):
+@pytest.mark.parametrize("ours", [True, False], ids=["cpu_linear", "aten"])
+def test_int4_matmul_matches_dequantized(n, k, group, symmetric, dtype, ours, monkeypatch):
+    """Our CPU kernel where it runs (every shape here), else tinygemm (aten) or the fallback."""
+    if not ours:
+        monkeypatch.setattr(cpu_linear, "available_int4", lambda: False)
+    elif not cpu_linear.available_int4():
+        pytest.skip("this CPU runs int4 through tinygemm")
     q, scale, zero = random_int4(n, k, group, symmetric)
     packed = PackedInt4.pack(q, scale, zero, group)
-    assert packed.kernel == ("dequantize" if n % 16 or group == 16 else "weight_int4pack_mm_for_cpu")
+    aten = "dequantize" if n % 16 or group == 16 else "weight_int4pack_mm_for_cpu"
+    assert packed.kernel == ("cpu_linear int4" if ours else aten)
     weight = packed.dequantize(torch.float32)
     for shape in [(1, k), (7, k), (2, 3, k)]:
         x = torch.randn(*shape).to(dtype)
@@ -88,7 +95,10 @@ def test_int4_matmul_matches_dequantized(n, k, group, symmetric, dtype):
 
 @pytest.mark.parametrize("n,k,group", [(64, 576, 64), (40, 128, 32), (48, 512, 512), (16, 20, 4)])
 @pytest.mark.parametrize("symmetric", [False, True])
-def test_int4_round_trip_is_exact(n, k, group, symmetric):
+@pytest.mark.parametrize("ours", [True, False], ids=["cpu_linear", "aten"])
+def test_int4_round_trip_is_exact(n, k, group, symmetric, ours, monkeypatch):
+    if not ours:
+        monkeypatch.setattr(cpu_linear, "available_int4", lambda: False)
     q, scale, zero = random_int4(n, k, group, symmetric, seed=3)
     packed = PackedInt4.pack(q, scale, zero, group)
     assert torch.equal(packed.unpack(), q)
@@ -109,12 +119,15 @@ def test_int8_round_trip_is_exact():
     assert torch.equal(packed.dequantize(torch.float32), q.float() * scale[:, None])
 
 
-def test_int4_tinygemm_layout_is_not_plain():
+@pytest.mark.parametrize("ours", [True, False], ids=["cpu_linear", "aten"])
+def test_int4_kernel_layout_is_not_plain(ours, monkeypatch):
     # The round trip above is only meaningful if the kernel's layout differs from plain nibbles.
+    if not ours:
+        monkeypatch.setattr(cpu_linear, "available_int4", lambda: False)
     q, scale, zero = random_int4(64, 128, 32)
     packed = PackedInt4.pack(q, scale, zero, 32)
     plain = q[:, 0::2] | (q[:, 1::2] << 4)
-    assert packed.tinygemm and not torch.equal(packed.qweight, plain)
+    assert packed.kernel != "dequantize" and not torch.equal(packed.qweight.view(-1), plain.view(-1))
 
 
 def test_packed_weights_are_non_persistent_submodules():

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 from pathlib import Path
 
 import torch
@@ -64,13 +65,14 @@ EXT = cpu_ext.Extension(
     "cpu_linear",
     _CSRC / "cpu_linear.cpp",
     "tp_linear_abi",
-    4,
+    5,
     "the CPU linear kernel",
-    more=(_CSRC / "cpu_linear_int8.cpp", _CSRC / "cpu_linear.h"),
+    more=(_CSRC / "cpu_linear_int8.cpp", _CSRC / "cpu_linear_int4.cpp", _CSRC / "cpu_linear.h"),
 )
 CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 X_CODES = {torch.float32: 0, torch.bfloat16: 1}  # what x, y and a bias may be
 W8A8 = 3  # the code of an int8 weight whose products quantize x per row (PackedLinear.pack_w8a8)
+INT4 = 4  # a 4-bit weight with a scale and offset per group (PackedLinear.pack_int4)
 # The flag set (cpu_ext.VARIANTS) layers are packed for: "native" except to measure another CPU's path
 # here (bench: "avx2", as an AVX2-only machine would run).
 VARIANT = "native"
@@ -97,6 +99,19 @@ def available_w8a8() -> bool:
     return EXT.unavailable(VARIANT) is None and bool(library(VARIANT).tp_linear_native(W8A8))
 
 
+def available_int4() -> bool:
+    """Whether this CPU runs 4-bit products with vector instructions (AVX-512, or AVX2 + FMA)."""
+    return EXT.unavailable(VARIANT) is None and bool(library(VARIANT).tp_linear_native(INT4))
+
+
+def int4_group(group_size: int, in_features: int) -> int:
+    """The group the int4 kernel runs a weight with groups of group_size k in (or per channel: group_size
+    = in_features) at: the largest multiple of 4 dividing group_size and 2048 (its scales repeated over
+    the smaller groups, exactly); 0 where there is none or K is off it."""
+    g = math.gcd(group_size, 2048)
+    return g if g % 4 == 0 and in_features % g == 0 else 0
+
+
 def int8_rounds_x(variant: str | None = None) -> bool:
     """Whether an int8 weight's product rounds x to bfloat16 (AVX-512 BF16: _mm512_dpbf16_ps), else it
     multiplies x in float32."""
@@ -110,11 +125,14 @@ class PackedLinear:
     per row and group of g k). The layer's `weight` parameter holds `data` (so weight_bytes counts it
     once)."""
 
-    def __init__(self, data, out_features: int, in_features: int, variant: str, scale=None, group: int = 0):
+    def __init__(
+        self, data, out_features: int, in_features: int, variant: str, scale=None, group: int = 0, code=None
+    ):
         self.data, self.variant, self.scale, self.group = data, variant, scale, group
         self.out_features, self.in_features = out_features, in_features
         # What each call passes, looked up once (a decode step makes a few hundred calls).
-        self.fn, self.ptr, self.code = library(variant).tp_linear, data.data_ptr(), CODES[data.dtype]
+        self.code = CODES[data.dtype] if code is None else code
+        self.fn, self.ptr = library(variant).tp_linear, data.data_ptr()
         self.scale_ptr = None if scale is None else scale.data_ptr()
 
     @property
@@ -168,9 +186,44 @@ class PackedLinear:
         packed.code = W8A8
         return packed
 
+    @classmethod
+    def pack_int4(
+        cls, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, variant: str | None = None
+    ) -> PackedLinear:
+        """4-bit q (uint8 [N, K], values 0..15) with w = q * scale + offset per row and group of g k
+        (scale, offset float32 [N, K / g]; g a multiple of 4 dividing 2048: int4_group). `data` [N / 16,
+        K / 4, 32] uint8 (csrc/cpu_linear_int4.cpp's layout: bf16 pairs where products round x to bf16,
+        else planes), `scale` [N / 16, K / g, 2, 16]: the scales, then the offsets."""
+        variant = variant or VARIANT
+        n, k = q.shape
+        group = k // max(scale.shape[1], 1)
+        if tuple(scale.shape) != (n, k // group) or tuple(offset.shape) != tuple(scale.shape):
+            raise ValueError(f"int4 scales {tuple(scale.shape)} / {tuple(offset.shape)} for [{n}, {k}]")
+        if int4_group(group, k) != group:
+            raise ValueError(f"int4 groups of {group} k: a multiple of 4 dividing 2048 and K={k}")
+        blocks = -(-n // 16)
+        w = F.pad(q.detach().to(torch.uint8), (0, 0, 0, blocks * 16 - n))
+        w = w.reshape(
+            blocks, 16, k // 4, 2, 2
+        )  # [block, row, j, nibble, k parity]: k = 4j + 2 nibble + parity
+        order = (0, 2, 3, 1, 4) if int8_rounds_x(variant) else (0, 2, 3, 4, 1)  # pairs, else planes
+        w = w.permute(order).reshape(blocks, k // 4, 2, 32)
+        data = (w[:, :, 0] | (w[:, :, 1] << 4)).contiguous()
+        so = torch.stack([scale.detach().float(), offset.detach().float()])  # [2, N, G]
+        so = F.pad(so, (0, 0, 0, blocks * 16 - n)).reshape(2, blocks, 16, k // group)
+        return cls(data, n, k, variant, so.permute(1, 3, 0, 2).contiguous(), group, code=INT4)
+
     def unpack(self) -> torch.Tensor:
-        """The [N, K] weight back (int8: the values, without the scale)."""
-        if self.code == W8A8:
+        """The [N, K] weight back (int8: the values, without the scale; int4: q)."""
+        if self.code == INT4:
+            blocks, quads, _ = self.data.shape
+            w = torch.stack([self.data & 15, self.data >> 4], dim=2).reshape(blocks, quads, 2, 2, 16)
+            if int8_rounds_x(self.variant):  # pairs: [.., nibble, row, parity] from [.., nibble, 32]
+                w = w.reshape(blocks, quads, 2, 16, 2).permute(0, 3, 1, 2, 4)
+            else:  # planes: [.., nibble, parity, row]
+                w = w.permute(0, 4, 1, 2, 3)
+            w = w.reshape(blocks * 16, quads * 4)
+        elif self.code == W8A8:
             blocks, quads, rows, _ = self.data.shape
             w = self.data.permute(0, 2, 1, 3).reshape(blocks * rows, quads * 4)
         elif self.data.dim() == 3:
@@ -185,9 +238,13 @@ class PackedLinear:
         return w[: self.out_features, : self.in_features]
 
     def scales(self) -> torch.Tensor | None:
-        """An int8 weight's scale as given to pack ([N] or [N, K / g])."""
+        """An int8 weight's scale as given to pack ([N] or [N, K / g]); an int4 one's scale and offset,
+        stacked ([2, N, K / g])."""
         if self.code == W8A8:
             return self.scale[0]
+        if self.code == INT4:
+            blocks, groups, _, rows = self.scale.shape
+            return self.scale.permute(2, 0, 3, 1).reshape(2, blocks * rows, groups)[:, : self.out_features]
         if not self.group:
             return self.scale
         blocks, groups, rows = self.scale.shape
@@ -196,6 +253,9 @@ class PackedLinear:
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight the product multiplies by, [N, K] in dtype."""
         w, scale = self.unpack(), self.scales()
+        if self.code == INT4:
+            s, o = (t.repeat_interleave(self.group, dim=1) for t in scale)
+            return (w.float() * s + o).to(dtype)
         if scale is None:
             return w.to(dtype)
         if self.group:

@@ -77,7 +77,7 @@ class PackedInt8Groups(nn.Module):
     @property
     def kernel(self) -> str:
         if self.split:
-            return "weight_int4pack_mm_for_cpu, K doubled"  # [a | b] times [x | x]
+            return f"{self.halves.kernel}, K doubled"  # [a | b] times [x | x]
         return "compiled" if self.q.device.type == "cpu" else "dequantize"
 
     @property
@@ -88,8 +88,10 @@ class PackedInt8Groups(nn.Module):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> x W^T [..., N] in x.dtype."""
-        if x.dtype not in (torch.float32, torch.bfloat16) or (self.split and self._kernel is None):
+        if x.dtype not in (torch.float32, torch.bfloat16):
             return F.linear(x, self.dequantize(x.dtype))
+        if self.split and self._kernel is None:  # the halves in another kernel's layout (cpu_linear's)
+            return self.halves.matmul(torch.cat([x, x], -1))
         if self.split:
             qweight, group, scales = self._kernel
             rows = x.reshape(-1, x.shape[-1])

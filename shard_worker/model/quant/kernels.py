@@ -44,6 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shard_worker.model.quant import cpu_linear
+
 INT4_GROUPS = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu takes
 _ENGINES = set(torch.backends.quantized.supported_engines)
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -224,11 +226,21 @@ class PackedInt4(nn.Module):
     def _place(self, q: torch.Tensor) -> None:
         """Stores q in the layout of the kernel this device and shape allow."""
         n, k = self.shape
-        # The kernel's group: group_size itself, or a divisor of it the kernel takes (per-channel and
-        # group 512 weights repeat their scales over it, exactly).
+        cpu = q.device.type == "cpu"
+        # Our CPU kernel (cpu_linear.pack_int4) at its group, a divisor of group_size, or else tinygemm at
+        # its own: group_size itself or a divisor of it it takes (per-channel and group 512 weights
+        # repeat their scales over it, exactly).
+        group = cpu_linear.int4_group(self.group_size, k) if cpu and cpu_linear.available_int4() else 0
+        self.cpu_packed = None
         self.kernel_group = next((g for g in reversed(INT4_GROUPS) if self.group_size % g == 0), 0)
-        self.tinygemm = q.device.type == "cpu" and n % 16 == 0 and self.kernel_group > 0
-        if self.tinygemm:
+        self.tinygemm = not group and cpu and n % 16 == 0 and self.kernel_group > 0
+        if group:
+            repeat = self.group_size // group
+            scale = self.scale.repeat_interleave(repeat, dim=1)
+            zero = 8.0 if self.zero is None else self.zero.repeat_interleave(repeat, dim=1)
+            self.cpu_packed = cpu_linear.PackedLinear.pack_int4(q, scale, -zero * scale)
+            packed = self.cpu_packed.data
+        elif self.tinygemm:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
         else:
             padded = F.pad(q, (0, k % 2))
@@ -238,10 +250,14 @@ class PackedInt4(nn.Module):
 
     @property
     def kernel(self) -> str:
+        if self.cpu_packed is not None:
+            return "cpu_linear int4"
         return "weight_int4pack_mm_for_cpu" if self.tinygemm else "dequantize"
 
     @property
     def nbytes(self) -> int:
+        if self.cpu_packed is not None:  # its scales and offsets at the kernel's group
+            return self.qweight.numel() + 4 * self.cpu_packed.scale.numel()
         groups = 4 * self.scale.numel() * (1 if self.zero is None else 2)
         return self.qweight.numel() + groups
 
@@ -256,6 +272,8 @@ class PackedInt4(nn.Module):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] (float32 or bfloat16) -> x W^T [..., N] in x.dtype."""
+        if self.cpu_packed is not None and x.dtype in cpu_linear.X_CODES:
+            return cpu_linear.linear(x, self.cpu_packed)
         if not self.tinygemm or x.dtype not in _KERNEL_DTYPES:
             return F.linear(x, self.dequantize(x.dtype))
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -266,6 +284,8 @@ class PackedInt4(nn.Module):
     def unpack(self) -> torch.Tensor:
         """q as given to pack (uint8 [N, K])."""
         n, k = self.shape
+        if self.cpu_packed is not None:
+            return self.cpu_packed.unpack()
         if not self.tinygemm:
             plain = torch.stack([self.qweight & 15, self.qweight >> 4], dim=-1).reshape(n, -1)
             return plain[:, :k].contiguous()

@@ -1,5 +1,6 @@
 // The driver shared by the CPU linear kernels (cpu_linear.cpp: float32 and bfloat16 weights;
-// cpu_linear_int8.cpp: int8 weights with float32 scales per output row or group), compiled into one
+// cpu_linear_int8.cpp: int8 weights with float32 scales per output row or group; cpu_linear_int4.cpp: 4-bit
+// weights with a scale and offset per group), compiled into one
 // library by shard_worker/cpu_ext.py. A kernel is a struct with a tile<MB, NB>() over its layout and its
 // traits (Traits below); run<Kernel>() blocks the product around it.
 //
@@ -26,7 +27,7 @@
 
 namespace {
 
-enum Dtype { F32 = 0, BF16 = 1, INT8 = 2, W8A8 = 3 };  // W8A8: int8 weights, x quantized per row
+enum Dtype { F32 = 0, BF16 = 1, INT8 = 2, W8A8 = 3, INT4 = 4 };  // W8A8: int8 weights, x quantized per row
 
 constexpr int ACC_LD = 64;       // floats per accumulator row: up to 4 blocks of 16
 constexpr int64_t K_CHUNK = 1024;  // k steps per piece when rows come in several chunks
@@ -59,17 +60,22 @@ struct Tile {
   int64_t ldx;
   float* acc;
   bool accumulate;
-  // An int8 weight in groups along K: its scales [blocks][K / group][16] from the tile's first block.
+  // A weight in groups along K: its scales [blocks][K / group][GSCALES][16] from the tile's first block.
   const float* gscale = nullptr;
   int64_t gstride = 0, group = 0;
+  // XSUM: each of the chunk's rows' sums of x per group, ldxs (K / group) a row.
+  const float* xsum = nullptr;
+  int64_t ldxs = 0;
 };
 
 // What a kernel may override. STEP: weight elements per block per k step (a step: one k, or a pair of
 // them when x comes as bf16 pairs, X = uint32_t, or PAIRED); ROUND: a float32 output is the product
 // rounded to bf16 (a bf16 weight's product); QUADS: x quantized per row to int8 (quantized_input), four k
-// a step, int32 sums (stored as their bits in the float accumulators).
+// a step, int32 sums (stored as their bits in the float accumulators); GSCALES: float32 vectors of 16 per
+// block and group (int4: a scale and an offset); XSUM: the kernel wants x's sums per group (Tile.xsum).
 struct Traits {
-  static constexpr bool PAIRED = false, ROUND = false, QUADS = false;
+  static constexpr bool PAIRED = false, ROUND = false, QUADS = false, XSUM = false;
+  static constexpr int GSCALES = 1;
 };
 
 #if defined(__AVX512BF16__)
@@ -311,6 +317,25 @@ void run(const Call& c, int threads) {
     x = quantized_input(c, xbuf, ldx, xscale);
   else
     x = kernel_input<Kern>(c, xbuf, ldx);
+  std::vector<float> xsum;  // XSUM: [m][K / group], x as the kernel multiplies it
+  const int64_t ngroups = c.group ? c.k / c.group : 0;
+  if constexpr (Kern::XSUM) {  // 16 running sums a group (vectorized), then added up
+    xsum.resize(c.m * ngroups);
+    for (int64_t i = 0; i < c.m; ++i)
+      for (int64_t g = 0; g < ngroups; ++g) {
+        float lanes[16] = {};
+        for (int64_t j0 = g * c.group; j0 < (g + 1) * c.group; j0 += 16)
+          for (int l = 0; l < 16 && j0 + l < (g + 1) * c.group; ++l) {
+            if constexpr (std::is_same<X, uint32_t>::value)
+              lanes[l] += bf16_to_f32(reinterpret_cast<const uint16_t*>(x + i * ldx)[j0 + l]);
+            else
+              lanes[l] += x[i * ldx + j0 + l];
+          }
+        float sum = 0.0f;
+        for (int l = 0; l < 16; ++l) sum += lanes[l];
+        xsum[i * ngroups + g] = sum;
+      }
+  }
   std::vector<float> bias;
   if (c.bias_dtype == F32) {
     bias.assign(static_cast<const float*>(c.bias), static_cast<const float*>(c.bias) + c.n);
@@ -344,7 +369,8 @@ void run(const Call& c, int threads) {
     Tile t{static_cast<const W*>(c.w) + b0 * bstride, bstride, 0, 0, nullptr, ldx, nullptr, false};
     if (c.gscale) {
       t.group = c.group;
-      t.gstride = c.k / c.group * Kern::ROWS;
+      t.gstride = ngroups * Kern::ROWS * Kern::GSCALES;
+      t.ldxs = ngroups;
       t.gscale = c.gscale + b0 * t.gstride;
     }
     for (int64_t s0 = 0; s0 < steps; s0 += piece) {
@@ -354,6 +380,7 @@ void run(const Call& c, int threads) {
       for (int64_t i = 0, m0 = 0; i < chunks; ++i) {
         const int64_t mb = (rows - m0) / (chunks - i) + ((rows - m0) % (chunks - i) ? 1 : 0);
         t.x = x + (g0 + m0) * ldx;
+        if constexpr (Kern::XSUM) t.xsum = xsum.data() + (g0 + m0) * ngroups;
         t.acc = acc.data() + m0 * ACC_LD;
         by_mb<Kern>(static_cast<int>(mb), nb, t);
         m0 += mb;
