@@ -86,13 +86,16 @@ struct Int4Kernel : Int4Traits {
       for (int m = 0; m < MB; ++m)
         for (int b = 0; b < NB; ++b) part[m][b] = _mm512_setzero_ps();
       for (int64_t p = p0; p < p0 + gs; p += 2) {
+        __m512i bytes[NB];
+        for (int b = 0; b < NB; ++b) {
+          const uint8_t* wp = w + b * t.bstride + p * 16;
+          if ((p & 2) == 0) _mm_prefetch(reinterpret_cast<const char*>(wp) + 512, _MM_HINT_T0);
+          bytes[b] = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp)));
+        }
         for (int h = 0; h < 2; ++h) {  // the low nibbles are step p, the high ones step p + 1
           __m512bh wv[NB];
           for (int b = 0; b < NB; ++b) {
-            const uint8_t* wp = w + b * t.bstride + p * 16;
-            if (h == 0 && (p & 2) == 0) _mm_prefetch(reinterpret_cast<const char*>(wp) + 512, _MM_HINT_T0);
-            __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp)));
-            v = h ? _mm512_srli_epi16(v, 4) : _mm512_and_si512(v, low);
+            const __m512i v = h ? _mm512_srli_epi16(bytes[b], 4) : _mm512_and_si512(bytes[b], low);
             wv[b] = (__m512bh)_mm512_permutexvar_epi16(v, table);
           }
           for (int m = 0; m < MB; ++m) {
