@@ -233,11 +233,12 @@ class Fp8Method(LinearMethod):
             scale = scale.repeat_interleave(sizes)
         del layer.weight_scale
         layer.weight_scale = torch.nn.Parameter(scale.contiguous(), requires_grad=False)
+        products.pack_fp8(layer, "weight")
 
     def apply(self, layer, x, bias=None):
         if self.dynamic_act and not self.per_token:  # one activation scale for the whole step
             x_scale = x.abs().amax().float().clamp(min=1e-12) / products.FP8_MAX
             xq = (x.float() / x_scale).clamp(-products.FP8_MAX, products.FP8_MAX).to(products.FP8)
             x = (xq.float() * x_scale).to(x.dtype)
-            return products.fp8_linear(x, layer.weight, layer.weight_scale, bias, dynamic_act=False)
-        return products.fp8_linear(x, layer.weight, layer.weight_scale, bias, self.dynamic_act)
+            return products.fp8_product(layer, x, "weight", bias, dynamic_act=False)
+        return products.fp8_product(layer, x, "weight", bias, self.dynamic_act)

@@ -51,9 +51,10 @@ class OnlineFp8Method(_Staged):
         q, scale = products.quantize_fp8(w, per_channel=True)
         layer.weight_fp8 = torch.nn.Parameter(q, requires_grad=False)
         layer.weight_scale = torch.nn.Parameter(scale, requires_grad=False)
+        products.pack_fp8(layer, "weight_fp8")
 
     def apply(self, layer, x, bias=None):
-        return products.fp8_linear(x, layer.weight_fp8, layer.weight_scale, bias, dynamic_act=False)
+        return products.fp8_product(layer, x, "weight_fp8", bias, dynamic_act=False)
 
 
 class _OnlineConfig(QuantConfig):

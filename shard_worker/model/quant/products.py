@@ -94,12 +94,39 @@ def int8_product(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -
     return y if bias is None else y + bias
 
 
+def round_fp8_per_token(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to e4m3 per token (scale amax / 448 per row) and back to its dtype: a W8A8 fp8
+    checkpoint's activations, as its producer calibrated them."""
+    x2 = x.reshape(-1, x.shape[-1])
+    sx = _amax(x2, True) / FP8_MAX
+    return ((x2.float() / sx).clamp_(-FP8_MAX, FP8_MAX).to(FP8).float() * sx).to(x.dtype).reshape(x.shape)
+
+
 def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias, dynamic_act: bool):
-    """x W^T with W = q * scale (e4m3, scale per row or one), by dequantizing W to x's dtype (every
-    device: no fp8 matmul is used). dynamic_act: x is first rounded to e4m3 per token (a W8A8
-    checkpoint's activations, as its producer calibrated it)."""
+    """x W^T with W = q * scale (e4m3, scale per row or one), by dequantizing W to x's dtype (where no
+    kernel of ours takes it: fp8_product). dynamic_act: x is first rounded to e4m3 per token."""
     if dynamic_act:
-        x2 = x.reshape(-1, x.shape[-1])
-        sx = _amax(x2, True) / FP8_MAX
-        x = ((x2.float() / sx).clamp_(-FP8_MAX, FP8_MAX).to(FP8).float() * sx).to(x.dtype).reshape(x.shape)
+        x = round_fp8_per_token(x)
     return F.linear(x, dequantize(q, scale, x.dtype), bias)
+
+
+def pack_fp8(layer: nn.Module, name: str) -> None:
+    """On a CPU where our linear kernel takes e4m3 weights (cpu_linear.available), holds the layer's
+    e4m3 weight `name` ([N, K]) and its `weight_scale` (float32 [N]) in that kernel's layout (the int8
+    one, the bytes widened exactly to bf16 or float32 in registers): `layer.cpu_packed`, whose bytes the
+    parameter then holds. Elsewhere the weight stays as it is (fp8_linear)."""
+    q = getattr(layer, name)
+    if q.device.type != "cpu" or not cpu_linear.available(FP8):
+        return
+    layer.cpu_packed = cpu_linear.PackedLinear.pack(q.detach(), scale=layer.weight_scale.detach().reshape(-1))
+    layer.register_parameter(name, nn.Parameter(layer.cpu_packed.data, requires_grad=False))
+    layer.register_parameter("weight_scale", nn.Parameter(layer.cpu_packed.scale, requires_grad=False))
+
+
+def fp8_product(layer: nn.Module, x: torch.Tensor, name: str, bias, dynamic_act: bool) -> torch.Tensor:
+    """x W^T + b for an e4m3 layer (pack_fp8): our kernel where it holds the weight, else fp8_linear."""
+    packed = getattr(layer, "cpu_packed", None)
+    if packed is None or x.dtype not in cpu_linear.X_CODES:
+        q = getattr(layer, name) if packed is None else packed.unpack()
+        return fp8_linear(x, q, layer.weight_scale, bias, dynamic_act)
+    return cpu_linear.linear(round_fp8_per_token(x) if dynamic_act else x, packed, bias)

@@ -27,7 +27,7 @@
 
 namespace {
 
-enum Dtype { F32 = 0, BF16 = 1, INT8 = 2, W8A8 = 3, INT4 = 4 };  // W8A8: int8 weights, x quantized per row
+enum Dtype { F32 = 0, BF16 = 1, INT8 = 2, W8A8 = 3, INT4 = 4, FP8 = 5 };  // W8A8: int8 weights, x int8 per row
 
 constexpr int ACC_LD = 64;       // floats per accumulator row: up to 4 blocks of 16
 constexpr int64_t K_CHUNK = 1024;  // k steps per piece when rows come in several chunks
