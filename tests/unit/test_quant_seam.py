@@ -14,8 +14,8 @@ from compressed_tensors.compressors import pack_to_int32
 
 from shard_worker import config as worker_config
 from shard_worker.model import quant
-from shard_worker.model.quant import cpu_linear
 from shard_worker.model.layers.linear import QKVParallelLinear, RowParallelLinear
+from shard_worker.model.quant import cpu_linear
 from shard_worker.model.quant.compressed_tensors import CompressedTensorsConfig, Fp8Method, PackedIntMethod
 from shard_worker.model.quant.unquantized import UnquantizedLinearMethod
 from shard_worker.parallel import TensorParallel
