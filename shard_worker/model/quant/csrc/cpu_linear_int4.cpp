@@ -71,7 +71,7 @@ struct Int4Kernel : Int4Traits {
   // Registers: MB x NB group sums, MB x NB running sums where they fit (REGS), NB widened weights, the
   // table, the mask, a broadcast x.
   static constexpr int MB_MAX = 8, MB_BIG = 8, NB_MAX = 4;
-  static int nb_for(int64_t m) { return m <= 3 ? 4 : m <= 4 ? 3 : m <= 6 ? 2 : 1; }
+  static int nb_for(int64_t m) { return m <= 3 ? 4 : m <= 4 ? 3 : m <= 6 ? 2 : m <= 8 ? 1 : 3; }
   template <int MB, int NB>
   static void tile(const Tile& t) {
     const uint8_t* w = static_cast<const uint8_t*>(t.w);

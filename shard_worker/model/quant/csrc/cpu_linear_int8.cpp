@@ -69,15 +69,20 @@ struct Int8KernelT : Traits {
 using Int8Kernel = Int8KernelT<Int8Bytes>;
 
 // Groups along K (GGUF's Q8_0: 32): each group's products summed apart in float32 (in registers), then
-// times its scales into the running sums (kept in t.acc, in L1: the registers hold the partial sums, so the
-// tiles are as large as Int8Kernel's).
+// times its scales into the running sums: in registers too where both fit (REGS: narrower tiles from 4
+// rows up), else in t.acc (L1).
 struct Int8GroupKernel : Int8Kernel {
+  static int nb_for(int64_t m) { return m <= 3 ? 4 : m <= 4 ? 3 : m <= 6 ? 2 : m <= 8 ? 1 : 3; }
   template <int MB, int NB>
   static void tile(const Tile& t) {
     const int64_t gs = t.group / 2;  // steps per group
-    if (!t.accumulate)
-      for (int m = 0; m < MB; ++m)
-        for (int b = 0; b < NB; ++b) _mm512_storeu_ps(t.acc + m * ACC_LD + b * 16, _mm512_setzero_ps());
+    constexpr bool REGS = 2 * MB * NB + NB + 1 <= 32;
+    __m512 acc[MB][NB];
+    for (int m = 0; m < MB; ++m)
+      for (int b = 0; b < NB; ++b) {
+        acc[m][b] = t.accumulate ? _mm512_loadu_ps(t.acc + m * ACC_LD + b * 16) : _mm512_setzero_ps();
+        if (!REGS) _mm512_storeu_ps(t.acc + m * ACC_LD + b * 16, acc[m][b]);
+      }
     for (int64_t p0 = t.s0; p0 < t.s1; p0 += gs) {
       __m512 part[MB][NB];
       for (int m = 0; m < MB; ++m)
@@ -86,11 +91,18 @@ struct Int8GroupKernel : Int8Kernel {
       for (int b = 0; b < NB; ++b) {
         const __m512 sv = _mm512_loadu_ps(t.gscale + b * t.gstride + p0 / gs * 16);
         for (int m = 0; m < MB; ++m) {
-          float* a = t.acc + m * ACC_LD + b * 16;
-          _mm512_storeu_ps(a, _mm512_fmadd_ps(part[m][b], sv, _mm512_loadu_ps(a)));
+          if constexpr (REGS) {
+            acc[m][b] = _mm512_fmadd_ps(part[m][b], sv, acc[m][b]);
+          } else {
+            float* a = t.acc + m * ACC_LD + b * 16;
+            _mm512_storeu_ps(a, _mm512_fmadd_ps(part[m][b], sv, _mm512_loadu_ps(a)));
+          }
         }
       }
     }
+    if constexpr (REGS)
+      for (int m = 0; m < MB; ++m)
+        for (int b = 0; b < NB; ++b) _mm512_storeu_ps(t.acc + m * ACC_LD + b * 16, acc[m][b]);
   }
 };
 constexpr bool BF16_X = true;
