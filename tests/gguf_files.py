@@ -129,8 +129,10 @@ def write_tiny_gguf(
 
 # Types of every kept int8 form, with blocks of 256 (Q6_K's super-block) along K: q, k, v mixed (one
 # qkv_proj of group 16: the Q8_0 / Q5_0 parts' scales repeated), gate / up group 32, down Q6_K (its
-# row-parallel halves 256 wide at --tp 2), the LM head Q8_0.
+# row-parallel halves 256 wide at --tp 2), the LM head Q8_0, the embedding Q8_0 (kept int8: its rows
+# split between the ranks).
 INT8_TYPES = {
+    "embed_tokens": "Q8_0",
     "q_proj": "Q6_K",
     "k_proj": "Q8_0",
     "v_proj": "Q5_0",
@@ -142,15 +144,18 @@ INT8_TYPES = {
 }
 
 
-def write_wide_llama(tiny_dir: Path, out: Path, hidden: int = 256, intermediate: int = 512) -> Path:
+def write_wide_llama(
+    tiny_dir: Path, out: Path, hidden: int = 256, intermediate: int = 512, tie: bool = False
+) -> Path:
     """A random Llama with the tiny model's tokenizer and every K a multiple of 256 (which Q6_K and the
-    K-quants need), 2 layers: a directory write_tiny_gguf reads."""
+    K-quants need), 2 layers: a directory write_tiny_gguf reads. tie: the LM head is the embedding."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     config = json.loads((tiny_dir / "config.json").read_text())
     config.update(hidden_size=hidden, intermediate_size=intermediate, head_dim=hidden // 4)
     config.pop("transformers_version", None)
+    config["tie_word_embeddings"] = tie
     with torch.random.fork_rng():
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(LlamaConfig(**config), dtype=torch.float32)

@@ -76,8 +76,14 @@ def load_model(
         init_dummy_weights(model)
         process_weights(model)
     elif gguf is not None:
-        from shard_worker.model.quant.gguf import GGUFInt4Method, GGUFInt8Method, gguf_tensors
+        from shard_worker.model.quant.gguf import (
+            GGUFInt4Method,
+            GGUFInt8Method,
+            gguf_tensors,
+            keep_embeddings,
+        )
 
+        keep_embeddings(model, gguf)
         kept = {
             name: module.quant_method
             for prefix, module in _method_modules(model)

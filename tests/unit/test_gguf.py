@@ -157,3 +157,35 @@ def test_a_tensor_that_maps_to_no_parameter_is_an_error(tiny_model, tmp_path):
         partial = {k: v for k, v in mapping.items() if k != dropped}
         with pytest.raises(ValueError, match=f"tensor {dropped} maps to no parameter"):
             list(gguf_tensors(quant, partial, processor, torch.float32, {}))
+
+
+@pytest.mark.skipif(
+    not cpu_linear.available(torch.int8), reason="the embedding is dequantized without the kernel"
+)
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "own_head"])
+def test_a_q8_0_embedding_stays_int8_and_a_tied_head_multiplies_by_it(tiny_model, tmp_path, monkeypatch, tie):
+    """token_embd Q8_0 (SmolLM2's and Gemma 3's packaged files): held in our int8 kernel's layout, rows
+    read from it, and a tied LM head multiplies by it; the logits equal the file's weights dequantized
+    (gguf's own dequantization, saved as a float32 checkpoint) up to x's rounding to bf16 in the head."""
+    from shard_worker.model.loader import load_model
+    from shard_worker.model.quant.gguf import GGUFEmbeddingMethod, TiedInt8HeadMethod
+    from shard_worker.parallel import TensorParallel
+    from tests.gguf_files import write_tiny_gguf, write_wide_llama
+
+    monkeypatch.setenv("TPSERVE_CACHE", str(tmp_path / "cache"))
+    wide = write_wide_llama(tiny_model, tmp_path / "wide", tie=tie)
+    types = {"embed_tokens": "Q8_0", "lm_head": "F32"}
+    file = write_tiny_gguf(wide, tmp_path / "wide.gguf", types, reference_dir=tmp_path / "reference")
+    cpu, tp = torch.device("cpu"), TensorParallel()
+    _, model = load_model(model_dir(str(file)), torch.float32, cpu, tp)
+    _, reference = load_model(tmp_path / "reference", torch.float32, cpu, tp, prepack_linear=False)
+    embedding = model.model.embed_tokens
+    assert isinstance(embedding.quant_method, GGUFEmbeddingMethod) and embedding.cpu_packed.group == 32
+    assert embedding.weight.dtype == torch.int8  # the layout, not a float copy
+    assert isinstance(model.lm_head.quant_method, TiedInt8HeadMethod) == tie
+    ids = torch.tensor([0, 5, 17, 100, embedding.vocab_size - 1])
+    torch.testing.assert_close(embedding(ids), reference.model.embed_tokens(ids), rtol=0, atol=0)
+    hidden = torch.randn(3, 256)
+    want = reference.lm_head(hidden)
+    rounded = reference.lm_head(hidden.bfloat16().float()) if tie and cpu_linear.int8_rounds_x() else want
+    torch.testing.assert_close(model.lm_head(hidden), rounded, rtol=1e-5, atol=1e-5)

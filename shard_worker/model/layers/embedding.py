@@ -25,18 +25,28 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_end = min(self.vocab_start + self.rows_per_rank, vocab_size)
         self.weight = new_param(self.rows_per_rank, hidden_size)
         self.weight.weight_loader = self.weight_loader
+        self.dtype = self.weight.dtype
+        # A table kept int8 (quant/gguf.py's GGUFEmbeddingMethod, which sets it): its rows are read from
+        # the packed layout the tied LM head multiplies by (cpu_linear.PackedLinear.rows).
+        self.quant_method = None
 
     def weight_loader(self, param: nn.Parameter, source, part: int | None = None) -> None:
         rows = self.vocab_end - self.vocab_start
         param.data[rows:].zero_()
         copy_checked(param.data[:rows], source, slice(self.vocab_start, self.vocab_end), type(self).__name__)
 
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        packed = getattr(self, "cpu_packed", None)
+        if packed is None:
+            return F.embedding(ids, self.weight)
+        return packed.rows(ids.reshape(-1), self.dtype).view(*ids.shape, -1)
+
     def forward_partial(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
         local_ids = (input_ids - self.vocab_start).masked_fill_(outside, 0)
-        return F.embedding(local_ids, self.weight).masked_fill_(outside.unsqueeze(-1), 0.0)
+        return self._lookup(local_ids).masked_fill_(outside.unsqueeze(-1), 0.0)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.forward_partial(input_ids))

@@ -260,6 +260,18 @@ class PackedLinear:
         blocks, groups, rows = self.scale.shape
         return self.scale.permute(0, 2, 1).reshape(blocks * rows, groups)[: self.out_features]
 
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` (1-D) of an int8 weight dequantized, [len(ids), K] in dtype, read from the layout:
+        the lookup of an embedding table held for its tied LM head's product."""
+        if self.code != CODES[torch.int8] or self.scale is None:
+            raise ValueError(f"row lookup of a packed weight of code {self.code}")
+        block, row = ids // 16, ids % 16
+        q = self.data[block, :, :, row].reshape(len(ids), -1)[:, : self.in_features]  # [T, K2 / 2, 2]
+        if not self.group:
+            return (q.float() * self.scale[ids][:, None]).to(dtype)
+        scale = self.scale[block, :, row]  # [T, K / g]
+        return (q.float().view(len(ids), -1, self.group) * scale[..., None]).view(len(ids), -1).to(dtype)
+
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight the product multiplies by, [N, K] in dtype."""
         w, scale = self.unpack(), self.scales()

@@ -22,8 +22,9 @@ all exactly gguf's own dequantization (every product fits float32's 24 bits). A 
 Q6_K part takes group 16 throughout (the group-32 parts' scales repeated, exactly).
 
 Dequantized once at load to the model's dtype: Q5_1, Q5_K, Q2_K, Q3_K (asymmetric, no exact layout of
-ours), a merged layer mixing the two families above, and the embedding (a lookup, not a product; a tied
-LM head shares it). F32 / F16 / BF16 tensors (norms, embeddings) load as they are. Any other GGML type: a
+ours), a merged layer mixing the two families above, and an embedding of another type or where our CPU
+int8 kernel does not run (an int8-kept embedding stays int8: GGUFEmbeddingMethod; a tied LM head
+multiplies by it). F32 / F16 / BF16 tensors (norms, embeddings) load as they are. Any other GGML type: a
 ValueError of one line (exit 2). Every tensor of the file is read: one that maps to no parameter is an
 error, as in a safetensors checkpoint.
 """
@@ -238,6 +239,54 @@ class GGUFInt8Method(LinearMethod):
 
     def apply(self, layer, x, bias=None):
         return products.int8_product(layer, x, bias)
+
+
+class GGUFEmbeddingMethod(GGUFInt8Method):
+    """An embedding table of an int8-kept type (Q8_0, Q5_0, Q4_0, Q6_K) on a CPU where our int8 kernel
+    runs: q int8 [rows, H] and its group scales, each rank its vocab range (the embedding's loader), held
+    in that kernel's layout (products.pack_int8); looked up by reading rows from it, and multiplied by it
+    for a tied LM head (TiedInt8HeadMethod). Not expanded to --dtype: SmolLM2's 49152 x 576 table is 32 MB
+    held so, 113 MB in float32 (and a tied head's bf16 copy, 57 MB, is not made)."""
+
+    def create(self, embedding) -> None:
+        rows, hidden = embedding.weight.shape
+        del embedding.weight
+        for name, shape, dtype in (
+            ("qweight", (rows, hidden), torch.int8),
+            ("scales", (rows, hidden // self.group), torch.float32),
+        ):
+            add_param(embedding, name, shape, dtype).weight_loader = embedding.weight_loader
+
+
+class TiedInt8HeadMethod(LinearMethod):
+    """A tied LM head over an embedding GGUFEmbeddingMethod holds: our int8 kernel on its layout."""
+
+    def apply(self, layer, x, bias=None):
+        return products.int8_product(layer.tied_to, x, bias)
+
+
+def keep_embeddings(model, quant: GGUFConfig) -> None:
+    """Before loading: each embedding whose GGUF table is of an int8-kept type stays int8 where our CPU
+    kernel takes it (else it is dequantized to --dtype at load, as before), and a head tied to it
+    multiplies by it."""
+    from shard_worker.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+    from shard_worker.model.quant import cpu_linear
+
+    modules = list(model.named_modules())
+    for prefix, embedding in modules:
+        if not isinstance(embedding, VocabParallelEmbedding):
+            continue
+        group = INT8_GROUPS.get(quant.types.get(quant.names.get(f"{prefix}.weight", ""), ""))
+        hidden = embedding.weight.shape[1]
+        cpu = embedding.weight.device.type == "cpu" and cpu_linear.available(torch.int8)
+        if group is None or not cpu or hidden % group:
+            continue
+        embedding.quant_method = GGUFEmbeddingMethod(group)
+        embedding.quant_method.create(embedding)
+        for _, head in modules:
+            if isinstance(head, ParallelLMHead) and head.tied_to is embedding:
+                head.quant_method = TiedInt8HeadMethod()
+                del head.weight
 
 
 def hf_names(quant: GGUFConfig, hf_config) -> tuple[dict[str, str], object]:
