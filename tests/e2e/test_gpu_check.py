@@ -36,3 +36,14 @@ def test_the_gpu_check_runs_every_part_at_toy_sizes(tmp_path):
         assert part["device_memory_gib"]["shard-worker rank 0"] > 0
     assert bench["continuous_over_static"] > 0
     assert doc["tpot_p99_batch64"]["graphs"]["p99_ms"] == bench["decode"]["tpot_ms"]["p99"]
+    # The quantized products: the Triton kernels (interpreted) and fp8's _scaled_mm call (torch's CPU
+    # build) against the dequantized weight's product, timed; then --quantization int8 / fp8 served
+    # against transformers on the same model quantized and dequantized offline.
+    quant = doc["quant"]
+    assert quant["ok"], quant["errors"]
+    assert quant["kernels"]["int4"] == "triton int4" and quant["kernels"]["int8"] == "triton int8"
+    assert quant["kernels"]["fp8"].startswith("scaled_mm")
+    for batch in ("batch 1", "batch 8"):
+        assert all(quant["timing"][batch][fmt]["eager_ms"] > 0 for fmt in ("dense", "int4", "int8", "fp8"))
+    served = doc["quant_reference"]
+    assert served["int8"]["close"] == served["fp8"]["close"] == served["prompts"], served
