@@ -35,13 +35,16 @@ VARIANTS = [
     (8, False, None, torch.bfloat16, 64),
     (4, True, 128, torch.bfloat16, 512),
     (4, True, 32, torch.float32, 1),
+    (4, True, 128, torch.bfloat16, 32),
+    (4, True, 128, torch.float32, 512),
+    (8, False, None, torch.float32, 48),
     (8, False, None, torch.bfloat16, 1),
     (8, False, None, torch.bfloat16, 512),
 ]
 
 
 def compile_variant(bits, has_zero, group, dtype, m, sm=90) -> dict:
-    p = plan(m, 4096, 4096, group, 132)
+    p = plan(m, 4096, 4096, group, 132, dtype == torch.float32)
     constants = {
         "BITS": bits,
         "HAS_ZERO": has_zero,

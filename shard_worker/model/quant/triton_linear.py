@@ -14,12 +14,13 @@ tl.dot with float32 accumulation (x float16/bfloat16; float32 takes the ieee dot
 (exact in 16-bit floats) go to the dot as they are and the channel's scale multiplies the sum once.
 
 Tiles, by M (rows of x): decode (M <= 16) 16 x 64 output tiles stepping 64 along K; up to 64 rows 32/64 x
-64 stepping 128; prefill 64 x 128 stepping 64. A K step never crosses a group (BLOCK_K divides g; groups
-whose power-of-two part is under 16 are not served here). When the output tiles would not fill the GPU's
-SMs (decode: a 4096-wide product makes 64 tiles on 132 SMs) K is split among programs that write float32
-partials, summed after. The sizes follow what vLLM's and SGLang's Triton weight-only GEMMs use for small
-and large M; they are UNTUNED: no GPU was lent to this project when they were written, so they are proven
-correct (tests/unit/test_triton_linear.py, under TRITON_INTERPRET=1) but not timed.
+64 stepping 128; prefill 64 x 128 stepping 64 (float32 x: 64 wide, stepping 32). A K step never crosses a
+group (BLOCK_K divides g; groups whose power-of-two part is under 16 are not served here). When the output
+tiles would not fill the GPU's SMs (decode: a 4096-wide product makes 64 tiles on 132 SMs) K is split
+among programs that write float32 partials, summed after. The sizes follow what vLLM's and SGLang's Triton
+weight-only GEMMs use for small and large M; they are UNTUNED: no GPU was lent to this project when they
+were written, so they are proven correct (tests/unit/test_triton_linear.py, under TRITON_INTERPRET=1) but
+not timed.
 
 Importing this module imports triton. Under TRITON_INTERPRET=1 (set before the import) the kernel runs on
 CPU tensors, dotting in float32 (the interpreter's bfloat16 dot is wrong).
@@ -132,9 +133,10 @@ def block_k_limit(group_size: int | None) -> int:
     return part if part >= MIN_BLOCK_K else 0
 
 
-def plan(m: int, n: int, k: int, group_size: int | None, num_sms: int) -> Plan:
+def plan(m: int, n: int, k: int, group_size: int | None, num_sms: int, fp32: bool = False) -> Plan:
     """Tile sizes for an [m, k] x [k, n] product (untuned, see the module docstring), and the split of K
-    that lets the output tiles fill num_sms when there are too few of them (decode widths)."""
+    that lets the output tiles fill num_sms when there are too few of them (decode widths). fp32: x in
+    float32, whose ieee dot (no tensor cores) needs smaller tiles."""
     # Warps per tile: the fewest at which ptxas fits the tile without spilling on sm_90 (bfloat16, 4-bit
     # with zero points and int8; tests/unit/triton_linear_compile.py compiles each): 146-214 registers.
     if m <= 16:
@@ -143,6 +145,8 @@ def plan(m: int, n: int, k: int, group_size: int | None, num_sms: int) -> Plan:
         block_m, block_n, block_k, warps, stages = max(16, triton.next_power_of_2(m)), 64, 128, 8, 4
     else:
         block_m, block_n, block_k, warps, stages = 64, 128, 64, 8, 3
+    if fp32:  # 64 x 128 x 64 spilled 5.8 KB; these at most 8 bytes
+        block_n, block_k, stages = 64, 32, 2
     block_k = min(block_k, block_k_limit(group_size), max(MIN_BLOCK_K, triton.next_power_of_2(k)))
     steps = triton.cdiv(k, block_k)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
@@ -170,7 +174,7 @@ def _launch(x, w, scale, zero, n: int, bits: int, group_size: int | None, plan_:
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     m, k = rows.shape
-    p = plan_ or plan(m, n, k, group_size, _num_sms(x.device))
+    p = plan_ or plan(m, n, k, group_size, _num_sms(x.device), x.dtype == torch.float32)
     out_shape = (*x.shape[:-1], n)
     if m == 0 or n == 0:
         return torch.zeros(out_shape, dtype=x.dtype, device=x.device)
