@@ -162,6 +162,8 @@ def case_split_k() -> None:
     s8 = torch.rand(n) * 0.01
     x8 = rows(3, 100, torch.float32, seed=5)
     want8 = x8.double() @ (xq.double() * s8.double()[:, None]).t()
+    empty = triton_linear.int8_matmul(torch.zeros(2, 0, 100), xq, s8)  # a step with no rows
+    record("split_k", "no rows: [2, 0, N], nothing launched", empty.shape == (2, 0, n))
     p = triton_linear.Plan(16, 16, 32, 2, 64, 4, 2)  # 64 + 36: the second split's tail is masked
     check(
         "split_k",

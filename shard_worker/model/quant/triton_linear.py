@@ -174,10 +174,10 @@ def _launch(x, w, scale, zero, n: int, bits: int, group_size: int | None, plan_:
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     m, k = rows.shape
-    p = plan_ or plan(m, n, k, group_size, _num_sms(x.device), x.dtype == torch.float32)
     out_shape = (*x.shape[:-1], n)
-    if m == 0 or n == 0:
+    if m == 0 or n == 0:  # nothing to launch (and no tiles to plan)
         return torch.zeros(out_shape, dtype=x.dtype, device=x.device)
+    p = plan_ or plan(m, n, k, group_size, _num_sms(x.device), x.dtype == torch.float32)
     if p.split_k == 1:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     else:
