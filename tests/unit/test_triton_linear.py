@@ -17,15 +17,15 @@ triton = pytest.importorskip("triton", reason="triton is not installed")
 
 import torch  # noqa: E402
 
-from shard_worker.model.quant import kernels  # noqa: E402
+from shard_worker.model.quant import int8_groups, kernels  # noqa: E402
 from shard_worker.model.quant.triton_linear import block_k_limit, plan  # noqa: E402
 from tests.unit.test_triton_kernels import _run_helper  # noqa: E402
 
 # Two cases a process: each pays ~3 s importing torch and triton.
 CASES = [
     ("int4_shapes", "int4_catches_wrong_zero_and_group"),
-    ("int8_shapes", "split_k"),
-    ("packed_weights",),
+    ("int8_shapes", "int8_groups"),
+    ("split_k", "packed_weights"),
 ]
 
 
@@ -78,6 +78,8 @@ def test_only_the_listed_devices_take_the_triton_kernels(monkeypatch):
     assert kernels.TRITON_DEVICES == ("cuda",)  # a server: CUDA only; CPU keeps its own kernels
     q, scale, zero, group = _int4()
     cpu_kernels = {"cpu_linear int4", "weight_int4pack_mm_for_cpu", "dequantize"}
+    qg, sg = torch.randint(-128, 128, (32, 64), dtype=torch.int8), torch.rand(32, 4)
+    assert not int8_groups.PackedInt8Groups.pack(qg, sg, 16).kernel.startswith("triton")
     assert kernels.PackedInt4.pack(q, scale, zero, group).kernel in cpu_kernels
     q8, s8 = torch.randint(-127, 128, (32, 64), dtype=torch.int8), torch.rand(32)
     assert kernels.PackedInt8.pack(q8, s8).kernel == "weight_int8pack_mm"
@@ -89,6 +91,8 @@ def test_only_the_listed_devices_take_the_triton_kernels(monkeypatch):
     assert torch.equal(packed.scale_t, scale.t()) and torch.equal(packed.zero_t, zero.t())
     assert kernels.PackedInt4.pack(q, scale, None, group).zero_t is None
     assert kernels.PackedInt8.pack(q8, s8).kernel == "triton int8"
+    qg, sg = torch.randint(-128, 128, (32, 64), dtype=torch.int8), torch.rand(32, 4)
+    assert int8_groups.PackedInt8Groups.pack(qg, sg, 16).kernel == "triton int8 groups"
     # A group the kernel cannot step (power-of-two part 8) is left to the device's other paths.
     q24 = q[:, :240]
     assert kernels.PackedInt4.pack(q24, torch.rand(32, 10), None, 24).kernel != "triton int4"

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from shard_worker.model.quant import kernels, triton_linear  # noqa: E402
+from shard_worker.model.quant import int8_groups, kernels, triton_linear  # noqa: E402
 from tests.unit.interpreted import run_cases  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
@@ -144,6 +144,28 @@ def case_int8_shapes() -> None:
             check("int8_shapes", f"M={m} N={n} K={k}", got, x.double() @ want_w.t(), dtype)
 
 
+def int8_groups_weight(n: int, k: int, group: int, seed: int):
+    """q int8 [N, K] and scale float32 [N, K / g] (GGUF Q8_0 / Q6_K-like), and the float64 weight."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    scale = torch.rand(n, k // group, generator=gen) * 0.01 + 0.001
+    return q, scale, q.double() * scale.double().repeat_interleave(group, dim=1)
+
+
+def case_int8_groups() -> None:
+    """int8 with a scale per group of 16 or 32 along K (scales transposed to [K / g, N]); and the same
+    data against a reference with each group's scale taken from the next group: far off."""
+    for i, (m, n, k, group) in enumerate([(1, 40, 64, 16), (5, 33, 96, 32), (70, 20, 128, 32)]):
+        q, scale, want_w = int8_groups_weight(n, k, group, seed=30 + i)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = rows(m, k, dtype, seed=40 + i)
+            got = triton_linear.int8_matmul(x, q, scale.t().contiguous(), group)
+            check("int8_groups", f"M={m} N={n} K={k} g={group}", got, x.double() @ want_w.t(), dtype)
+        shifted = x.double() @ (q.double() * scale.roll(1, 1).double().repeat_interleave(group, 1)).t()
+        err = float((got.double() - shifted).abs().max() / shifted.abs().max())
+        record("int8_groups", f"group index off by one: {err:.3f} off", err > 10 * TOLERANCE[dtype], err)
+
+
 def case_split_k() -> None:
     """The same product with K unsplit and split 2 and 3 ways (the last split shorter): equal within the
     float32 sums' reordering. The planner's choice for a decode here splits (4 'SMs' when interpreted)."""
@@ -197,6 +219,11 @@ def case_packed_weights() -> None:
             )
     odd = kernels.PackedInt4.pack(q[:, :240], torch.rand(n, 10), None, 24)  # group 24: power-of-two part 8
     record("packed", f"group 24 kernel {odd.kernel!r}", odd.kernel != "triton int4")
+    qg, sg, wg = int8_groups_weight(n, 96, 32, seed=14)
+    groups = int8_groups.PackedInt8Groups.pack(qg, sg, 32)
+    record("packed", f"PackedInt8Groups kernel {groups.kernel!r}", groups.kernel == "triton int8 groups")
+    x = rows(2, 96, torch.float32, seed=15)
+    check("packed", "PackedInt8Groups", groups.matmul(x), x.double() @ wg.t(), torch.float32)
     q8 = torch.randint(-127, 128, (n, 72), dtype=torch.int8)
     s8 = torch.rand(n) * 0.01
     p8 = kernels.PackedInt8.pack(q8, s8)

@@ -38,6 +38,8 @@ VARIANTS = [
     (4, True, 128, torch.bfloat16, 32),
     (4, True, 128, torch.float32, 512),
     (8, False, None, torch.float32, 48),
+    (8, False, 16, torch.bfloat16, 1),  # GGUF's Q6_K groups
+    (8, False, 32, torch.bfloat16, 512),
     (8, False, None, torch.bfloat16, 1),
     (8, False, None, torch.bfloat16, 512),
 ]
@@ -48,7 +50,7 @@ def compile_variant(bits, has_zero, group, dtype, m, sm=90) -> dict:
     constants = {
         "BITS": bits,
         "HAS_ZERO": has_zero,
-        "GROUP": group or 1,
+        "GROUP": group or 0,  # int8 per channel: 0
         "BLOCK_M": p.block_m,
         "BLOCK_N": p.block_n,
         "BLOCK_K": p.block_k,

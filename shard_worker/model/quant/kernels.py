@@ -262,7 +262,7 @@ class PackedInt4(nn.Module):
     def _place(self, q: torch.Tensor) -> None:
         """Stores q in the layout of the kernel this device and shape allow."""
         n, k = self.shape
-        self.triton = triton_serves(q.device) and _triton().serves_int4(self.group_size, k)
+        self.triton = triton_serves(q.device) and _triton().serves_groups(self.group_size, k)
         cpu = q.device.type == "cpu" and not self.triton
         # Our CPU kernel (cpu_linear.pack_int4) at its group, a divisor of group_size, or else tinygemm at
         # its own: group_size itself or a divisor of it it takes (per-channel and group 512 weights

@@ -46,7 +46,7 @@ MAX_SPLIT_K = 16
 def _weight_only_kernel(
     x_ptr,  # [M, K] float16 / bfloat16 / float32, rows stride_xm apart
     w_ptr,  # BITS 4: uint8 [N, ceil(K / 2)]; BITS 8: int8 [N, K]; rows stride_wn apart
-    scale_ptr,  # BITS 4: float32 [K / GROUP, N]; BITS 8: float32 [N]
+    scale_ptr,  # float32 [K / GROUP, N]; BITS 8 with GROUP 0 (per channel): float32 [N]
     zero_ptr,  # BITS 4 with HAS_ZERO: float32 [K / GROUP, N]; else unused
     out_ptr,  # SPLIT_K 1: [M, N] in x's dtype; else float32 [SPLIT_K, M, N]
     M,
@@ -57,7 +57,7 @@ def _weight_only_kernel(
     k_per_split,  # a multiple of BLOCK_K
     BITS: tl.constexpr,
     HAS_ZERO: tl.constexpr,
-    GROUP: tl.constexpr,
+    GROUP: tl.constexpr,  # K per scale (BITS 8: 0, one scale per channel)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -102,12 +102,15 @@ def _weight_only_kernel(
                 mask=mask_n[:, None] & mask_k[None, :],
                 other=0,
             )
+            if GROUP > 0:  # int8 in groups (GGUF's Q8_0, Q6_K): each step within one group, as int4's
+                scale = tl.load(scale_ptr + (k0 // GROUP) * N + offs_n, mask=mask_n, other=0.0)
+                w = (w.to(tl.float32) * scale[:, None]).to(x_ptr.dtype.element_ty)
         w = tl.trans(w.to(DOT_DTYPE))
         if IEEE_DOT:
             acc = tl.dot(x.to(DOT_DTYPE), w, acc, input_precision="ieee")
         else:
             acc = tl.dot(x.to(DOT_DTYPE), w, acc)
-    if BITS == 8:
+    if BITS == 8 and GROUP == 0:
         acc = acc * tl.load(scale_ptr + offs_n, mask=mask_n, other=0.0)[None, :]
     out = out_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
@@ -186,7 +189,7 @@ def _launch(x, w, scale, zero, n: int, bits: int, group_size: int | None, plan_:
     grid = (triton.cdiv(m, p.block_m) * triton.cdiv(n, p.block_n), p.split_k)
     _weight_only_kernel[grid](
         rows, w, scale, scale if zero is None else zero, out, m, n, k, rows.stride(0), w.stride(0),
-        p.k_per_split, BITS=bits, HAS_ZERO=zero is not None, GROUP=group_size or 1, BLOCK_M=p.block_m,
+        p.k_per_split, BITS=bits, HAS_ZERO=zero is not None, GROUP=group_size or 0, BLOCK_M=p.block_m,
         BLOCK_N=p.block_n, BLOCK_K=p.block_k, DOT_DTYPE=dot_dtype, IEEE_DOT=x.dtype == torch.float32,
         num_warps=p.num_warps, num_stages=p.num_stages,
     )  # fmt: skip
@@ -209,7 +212,7 @@ def int4_matmul(
     """x [..., K] -> x W^T [..., N] in x's dtype. qweight uint8 [N, K / 2] (low nibble: the even k);
     scale_t / zero_t float32 [K / group_size, N] (zero_t None: 8). plan_: tiles (tests), else planned."""
     n, k = qweight.shape[0], x.shape[-1]
-    if not block_k_limit(group_size) or k % group_size or qweight.shape[1] * 2 != k:
+    if not serves_groups(group_size, k) or qweight.shape[1] * 2 != k:
         raise ValueError(f"int4: K={k} with group {group_size} and qweight {tuple(qweight.shape)} not served")
     if tuple(scale_t.shape) != (k // group_size, n) or (zero_t is not None and zero_t.shape != scale_t.shape):
         raise ValueError(f"int4: scales must be [{k // group_size}, {n}] float32")
@@ -217,16 +220,25 @@ def int4_matmul(
 
 
 def int8_matmul(
-    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, plan_: Plan | None = None
+    x: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    group_size: int | None = None,
+    plan_: Plan | None = None,
 ) -> torch.Tensor:
-    """x [..., K] -> x W^T [..., N] in x's dtype, W = q int8 [N, K] times scale float32 [N] per row."""
-    if q.dtype != torch.int8 or q.shape[1] != x.shape[-1] or tuple(scale.shape) != (q.shape[0],):
+    """x [..., K] -> x W^T [..., N] in x's dtype, W = q int8 [N, K] times scale float32 [N] per row, or
+    with group_size, scale float32 [K / group_size, N] (transposed): w[n, k] = q[n, k] * scale[k // g, n]."""
+    n, k = q.shape
+    want = (n,) if group_size is None else (k // group_size, n)
+    if q.dtype != torch.int8 or k != x.shape[-1] or tuple(scale.shape) != want:
         raise ValueError(
             f"int8: q {q.dtype} {tuple(q.shape)}, scale {tuple(scale.shape)}, x {tuple(x.shape)}"
         )
-    return _launch(x, q, scale, None, q.shape[0], 8, None, plan_)
+    if group_size is not None and not serves_groups(group_size, k):
+        raise ValueError(f"int8: K={k} in groups of {group_size} not served")
+    return _launch(x, q, scale, None, n, 8, group_size, plan_)
 
 
-def serves_int4(group_size: int, k: int) -> bool:
-    """Whether int4_matmul takes this weight (else the caller dequantizes)."""
+def serves_groups(group_size: int, k: int) -> bool:
+    """Whether int4_matmul (int8_matmul with groups) takes K in these groups (else the caller dequantizes)."""
     return bool(block_k_limit(group_size)) and k % group_size == 0 and k % 2 == 0
