@@ -15,12 +15,14 @@
 
 --quick (CPU, what tests/e2e/test_gpu_check.py runs): toy shapes, one layer, batch 1 and 8, timed once;
 the Triton kernel under TRITON_INTERPRET=1 (gpu_check sets it for the part's process) and fp8 through
-torch's CPU _scaled_mm; the served part on the tiny preset, with the CPU kernels.
+torch's CPU _scaled_mm; the served parts on the tiny preset and the toy config, one stack each (int8;
+int4), with the CPU kernels (tests/unit/test_gpu_quant.py loads every stack format's config).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import shutil
 import time
@@ -204,7 +206,7 @@ def served_check(a: argparse.Namespace, work: Path, result: dict, out: Path) -> 
     new_tokens = 8 if a.quick else 32
     prompts = [[(7 * i + 13 * j) % 900 + 3 for j in range(5 + 37 * i)] for i in range(2 if a.quick else 8)]
     part = result["quant_reference"] = {"prompts": len(prompts), "new_tokens": new_tokens, "dtype": a.dtype}
-    for rule in ("int8", "fp8"):
+    for rule in ("int8",) if a.quick else ("int8", "fp8"):  # quick: one stack (on CPU both are CPU paths)
         try:
             reference = dequantized_copy(
                 model_dir, work / f"dequantized-{rule}", rule, getattr(torch, a.dtype)
@@ -221,3 +223,82 @@ def served_check(a: argparse.Namespace, work: Path, result: dict, out: Path) -> 
             "first_divergence": [at for _, at in verdicts],
         }
         out.write_text(json.dumps(result, indent=2, default=str))
+
+
+def _compressed_tensors(weights: dict, fmt: str, activations: dict | None = None) -> dict:
+    """A compressed-tensors quantization_config: every Linear but the LM head in one scheme."""
+    group = {
+        "targets": ["Linear"],
+        "weights": {"symmetric": True, "dynamic": False, **weights},
+        "format": fmt,
+    }
+    if activations:
+        group["input_activations"] = activations
+    return {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+            "ignore": ["lm_head"], "config_groups": {"group_0": group}}  # fmt: skip
+
+
+def stack_formats(group: int) -> dict[str, dict | None]:
+    """The checkpoints' quantization_config per format (None: dense, in --dtype)."""
+    token_fp8 = {"type": "float", "num_bits": 8, "dynamic": True, "strategy": "token", "symmetric": True}
+    return {
+        "dense": None,
+        "int4": _compressed_tensors(
+            {"type": "int", "num_bits": 4, "strategy": "group", "group_size": group}, "pack-quantized"
+        ),
+        "int8": _compressed_tensors({"type": "int", "num_bits": 8, "strategy": "channel"}, "int-quantized"),
+        "fp8": _compressed_tensors(
+            {"type": "float", "num_bits": 8, "strategy": "channel"}, "float-quantized", token_fp8
+        ),
+    }
+
+
+def stack_check(a: argparse.Namespace, work: Path, result: dict, out: Path) -> None:
+    """Decode tokens/s through the stack at batch 1 and 64: a Llama-3-8B-shaped model of 8 layers with
+    dummy weights, dense and as compressed-tensors W4A16 (group 128), W8A16 and FP8 W8A8 checkpoints
+    (config.json alone: --load-format dummy fills each format's own tensors, random scales included, so
+    the text is noise but every product runs its kernel). --quick: the toy config, int4 only (one stack:
+    the same code; the dense toy stack is the benchmark part's)."""
+    from bench.client_run import bench_server
+    from bench.gpu_check import DECODE_64, DECODE_QUICK, LLAMA3_8B, TOY
+    from common.launcher import running_stack
+
+    config = dict(TOY) if a.quick else {**LLAMA3_8B, "num_hidden_layers": 8}
+    formats = stack_formats(TOY_GROUP if a.quick else GROUP)
+    names = ["int4"] if a.quick else list(formats)
+    runs = [("batch 1", DECODE_QUICK if a.quick else DECODE_64, 1), ("batch 64", DECODE_64, 64)]
+    if a.quick:
+        runs = [("batch 1", DECODE_QUICK, 1), ("batch 4", DECODE_QUICK, 4)]
+    part = result["quant_stack"] = {"model": "toy" if a.quick else "Llama-3-8B shapes, 8 layers, dummy"}
+    for name in names:
+        model_dir = work / f"stack-{name}"
+        model_dir.mkdir(parents=True, exist_ok=True)
+        quantization = formats[name]
+        (model_dir / "config.json").write_text(
+            json.dumps({**config, **({"quantization_config": quantization} if quantization else {})})
+        )
+        flags = ["--load-format", "dummy", "--device", a.device, "--dtype", a.dtype, "--max-num-seqs", "64"]
+        flags += ["--max-model-len", "1024", "--gpu-memory-utilization", "0.85"]
+        try:
+            row = part[name] = {}
+            with running_stack(model_dir, *flags, timeout_s=600) as (info, _):
+                for label, spec, num_requests in runs:
+                    run, extra, _ = asyncio.run(
+                        bench_server(
+                            info["target"], spec, num_requests, name=name, progress=False, timeout_s=300
+                        )
+                    )
+                    row[label] = {
+                        "ok": extra["completed"],
+                        "output_tokens_per_s": run["output_tokens_per_s"],
+                        "tpot_ms_p50": run["tpot_ms"]["p50"],
+                    }
+        except Exception as e:  # the other formats still run
+            part[name] = {"error": f"{type(e).__name__}: {e}"}
+        out.write_text(json.dumps(result, indent=2, default=str))
+    dense = part.get("dense", {})
+    for name in names:
+        for label, *_ in runs:
+            mine, base = part[name].get(label, {}), dense.get(label, {})
+            if mine.get("output_tokens_per_s") and base.get("output_tokens_per_s"):
+                mine["speed_vs_dense"] = round(mine["output_tokens_per_s"] / base["output_tokens_per_s"], 3)
