@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from common.sampling import SamplingConfig
 from shard_worker.model.quant import cpu_linear, products
 from shard_worker.model.quant.int8_groups import PackedInt8Groups
-from shard_worker.model.quant.kernels import PackedInt8
+from shard_worker.model.quant.kernels import PackedInt4, PackedInt8
 from shard_worker.step import SequenceInit, StepInputs
 
 PACKINGS = ("kernel", "onednn", "plain")
@@ -94,15 +94,32 @@ def prefill_ms(runner, tokens: int, block_size: int = 16, reps: int = 5) -> floa
     return statistics.median(times) * 1e3
 
 
-def model_shapes(model_dir: str) -> list[tuple[int, int]]:
+def model_shapes(model_dir: str, layers: int = 0) -> list[tuple[int, int]]:
     """[N, K] of each linear product of a decoder-only model (q, k, v, o, gate, up, down per layer, then
-    the LM head), as the worker's unfused checkpoint names them."""
-    c = json.loads((Path(model_dir) / "config.json").read_text())
-    h, i, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    the LM head), as the worker's unfused checkpoint names them. layers: only that many layers, no LM head.
+    model_dir "llama3-8b": Llama-3-8B's shapes (bench/gpu_check.py's config)."""
+    if model_dir == "llama3-8b":
+        from bench.gpu_check import LLAMA3_8B as c
+    else:
+        c = json.loads((Path(model_dir) / "config.json").read_text())
+    h, i = c["hidden_size"], c["intermediate_size"]
+    layers, head = layers or c["num_hidden_layers"], not layers
     heads, kv = c["num_attention_heads"], c.get("num_key_value_heads", c["num_attention_heads"])
     d = c.get("head_dim") or h // heads
     per_layer = [(heads * d, h), (kv * d, h), (kv * d, h), (h, heads * d), (i, h), (i, h), (h, i)]
-    return per_layer * layers + [(c["vocab_size"], h)]
+    return per_layer * layers + ([(c["vocab_size"], h)] if head else [])
+
+
+def int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit in groups of `group` k (AWQ's and GPTQ's form, min-max rounding): (q, scale,
+    zero) with w ~ (q - zero) * scale, as kernels.PackedInt4 takes them."""
+    n, k = w.shape
+    g = w.float().view(n, k // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp(min=1e-8)
+    zero = torch.round(-lo / scale).clamp(0, 15)
+    q = torch.round(g / scale[..., None] + zero[..., None]).clamp(0, 15).to(torch.uint8).view(n, k)
+    return q, scale, zero
 
 
 def q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,6 +128,21 @@ def q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     groups = w.float().view(n, k // 32, 32)
     scale = groups.abs().amax(-1).clamp(min=torch.finfo(torch.float32).tiny) / 127
     return torch.round(groups / scale[..., None]).clamp(-127, 127).to(torch.int8).view(n, k), scale
+
+
+def int4_product(x: torch.Tensor, w: PackedInt4) -> torch.Tensor:
+    return w.matmul(x)
+
+
+@contextlib.contextmanager
+def tinygemm():
+    """PackedInt4s packed inside hold aten's tinygemm layout, as on a CPU without our int4 kernel."""
+    saved = cpu_linear.available_int4
+    cpu_linear.available_int4 = lambda: False
+    try:
+        yield
+    finally:
+        cpu_linear.available_int4 = saved
 
 
 def main() -> None:
@@ -126,14 +158,20 @@ def main() -> None:
         help="the kernel's flag set (shard_worker/cpu_ext.py): avx2 measures an AVX2-only CPU's path here "
         "(with ONEDNN_MAX_CPU_ISA=AVX2 in the environment for oneDNN's)",
     )
-    p.add_argument("--int8", action="store_true", help="add int8 weight-only columns (and float32 weights)")
+    p.add_argument(
+        "--int8",
+        action="store_true",
+        help="add int8, W8A8, int4 and fp8 weight-only columns (and float32 weights)",
+    )
+    p.add_argument("--layers", type=int, default=0, help="only this many layers' products (no LM head)")
+    p.add_argument("--group", type=int, default=128, help="--int8: the int4 columns' group (of k)")
     a = p.parse_args()
     cpu_linear.VARIANT = a.variant
     torch.set_num_threads(a.threads)
     torch.set_flush_denormal(True)
     dtype = getattr(torch, a.dtype)
     gen = torch.Generator().manual_seed(0)
-    plain = [(torch.randn(n, k, generator=gen) * 0.02).to(dtype) for n, k in model_shapes(a.model)]
+    plain = [(torch.randn(n, k, generator=gen) * 0.02).to(dtype) for n, k in model_shapes(a.model, a.layers)]
     nbytes = sum(w.numel() * w.element_size() for w in plain)
     held = {"kernel": [cpu_linear.PackedLinear.pack(w) for w in plain], "plain": plain}
     if torch.backends.mkldnn.is_available():
@@ -192,7 +230,32 @@ def main() -> None:
                 dtype,
                 int8,
             ),
+            "fp8": (
+                [cpu_linear.PackedLinear.pack(q, scale=s) for q, s in map(products.quantize_fp8, plain)],
+                cpu_linear.linear,
+                dtype,
+                int8,
+            ),
         }
+        groups = [
+            a.group if w.shape[1] % a.group == 0 else cpu_linear.int4_group(w.shape[1], w.shape[1])
+            for w in plain
+        ]
+        fours = [int4(w, g) for w, g in zip(plain, groups, strict=True)]
+        extra["int4"] = (
+            [PackedInt4.pack(*f, g) for f, g in zip(fours, groups, strict=True)],
+            int4_product,
+            dtype,
+            int8 // 2,
+        )
+        with tinygemm():
+            extra["tinygemm"] = (
+                [PackedInt4.pack(*f, g) for f, g in zip(fours, groups, strict=True)],
+                int4_product,
+                dtype,
+                int8 // 2,
+            )
+        assert extra["int4"][0][0].kernel == "cpu_linear int4" and extra["tinygemm"][0][0].tinygemm
         for name, (ws, fn, x_dtype, size) in extra.items():
             held[name], fns[name], x_dtypes[name], sizes[name] = ws, fn, x_dtype, size
     native = bool(cpu_linear.library(a.variant).tp_linear_native(cpu_linear.CODES[dtype]))
@@ -223,6 +286,13 @@ def main() -> None:
                 f"{a.dtype} kernel, {best['q8groups'] / best['q8_0']:.2f}x PackedInt8Groups; w8a8: "
                 f"{best['kernel'] / best['w8a8']:.2f}x the {a.dtype} kernel, "
                 f"{best['fbgemm'] / best['w8a8']:.2f}x fbgemm",
+                flush=True,
+            )
+            print(
+                f"           int4 kernel: {best['int8'] / best['int4']:.2f}x the int8 kernel, "
+                f"{best['kernel'] / best['int4']:.2f}x the {a.dtype} kernel, "
+                f"{best['tinygemm'] / best['int4']:.2f}x tinygemm; "
+                f"fp8: {best['kernel'] / best['fp8']:.2f}x the {a.dtype} kernel",
                 flush=True,
             )
 

@@ -17,10 +17,11 @@ import pytest
 import torch
 
 from shard_worker.model.layers.linear import ColumnParallelLinear
-from shard_worker.model.quant import cpu_linear
+from shard_worker.model.quant import cpu_linear, products
 from shard_worker.model.quant.base import replace_param, weight_bytes
-from shard_worker.model.quant.compressed_tensors import Int8Method
+from shard_worker.model.quant.compressed_tensors import Fp8Method, Int8Method
 from shard_worker.model.quant.kernels import PackedInt8
+from shard_worker.model.quant.online import OnlineFp8Method
 from shard_worker.parallel import TensorParallel
 from tests.unit.test_cpu_linear import X86, _cpu_has
 
@@ -226,3 +227,65 @@ def test_without_the_kernel_the_method_keeps_weight_int8pack_mm(monkeypatch):
     assert layer.packed.kernel == "weight_int8pack_mm"
     x = torch.randn(2, 48, generator=gen)
     torch.testing.assert_close(layer(x), x @ (q.float() * scale[:, None]).T, rtol=2e-2, atol=2e-2)
+
+
+def _every_e4m3(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """[N, K] e4m3 drawn from every byte but NaN's (0x7f, 0xff): subnormals, zeros, signs, +-448."""
+    codes = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    return codes[torch.randint(0, len(codes), (n, k), generator=gen)].view(torch.float8_e4m3fn)
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_fp8_products_widen_every_e4m3_value_exactly(variant):
+    """e4m3 bytes in the int8 layout, widened in registers by bit moves (normal values) and a table
+    (subnormals): against x @ (float(q) * scale).T in float64, the bound of the int8 products."""
+    if cpu_linear.EXT.unavailable(variant) is not None:
+        pytest.skip(cpu_linear.EXT.unavailable(variant))
+    gen = torch.Generator().manual_seed(8)
+    for n, k in SHAPES:
+        q = _every_e4m3(n, k, gen)
+        scale = torch.rand(n, generator=gen) + 0.05
+        packed = cpu_linear.PackedLinear.pack(q, variant, scale)
+        assert packed.code == cpu_linear.FP8 and packed.unpack().dtype == torch.float8_e4m3fn
+        assert torch.equal(packed.unpack().view(torch.uint8), q.view(torch.uint8))
+        # One-hot rows of x read each weight alone: exact, so a wrong widening of any value shows.
+        columns = cpu_linear.linear(torch.eye(k), packed).T
+        assert torch.equal(columns, q.float() * scale[:, None])
+        for i, m in enumerate(ROWS):
+            x = torch.randn(m, k, generator=gen).to((torch.float32, torch.bfloat16)[i % 2])
+            bias = None if i % 3 == 0 else torch.randn(n, generator=gen)
+            y = cpu_linear.linear(x, packed, bias)
+            _check(y, x, q.double() * scale.double()[:, None], bias, cpu_linear.int8_rounds_x(variant))
+
+
+@pytest.mark.parametrize("method", ["online", "compressed-tensors W8A8"])
+def test_the_fp8_methods_hold_the_kernel_layout(method):
+    """--quantization fp8 and compressed-tensors float-quantized: the layer's weight holds the layout, and
+    its product equals fp8_linear's (the dequantized product) up to x's rounding to bf16."""
+    if not cpu_linear.available(torch.float8_e4m3fn):
+        pytest.skip("this CPU multiplies e4m3 weights by dequantizing them")
+    gen = torch.Generator().manual_seed(9)
+    w = torch.randn(40, 64, generator=gen) * 0.05
+    q, scale = products.quantize_fp8(w)
+    layer = ColumnParallelLinear(64, 40, TensorParallel(), bias=False)
+    if method == "online":
+        layer.quant_method, name, dynamic = OnlineFp8Method(), "weight_fp8", False
+        layer.quant_method.quantize(layer, w)
+    else:
+        layer.quant_method, name, dynamic = Fp8Method(False, True, True), "weight", True
+        del layer.weight
+        layer.quant_method.create_weights(layer, 64, [40], torch.float32)
+        layer.weight.data.copy_(q)
+        layer.weight_scale.data.copy_(scale[:, None])
+        layer.quant_method.process_weights_after_loading(layer)
+    assert getattr(layer, name).data_ptr() == layer.cpu_packed.data.data_ptr()
+    x = torch.randn(3, 64, generator=gen)
+    xk = x.bfloat16().float() if cpu_linear.int8_rounds_x() else x
+    if dynamic:  # the per-token rounding first, then the kernel's
+        xk = products.round_fp8_per_token(x)
+        xk = xk.bfloat16().float() if cpu_linear.int8_rounds_x() else xk
+    want = products.fp8_linear(xk, q, scale, None, dynamic_act=False)
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+    xd = x.double()  # another dtype: the dequantized product in torch
+    torch.testing.assert_close(layer(xd), products.fp8_linear(xd, q, scale, None, dynamic_act=dynamic))

@@ -12,7 +12,8 @@ Served (per layer: a group's scheme, or unquantized when ignored or targeted by 
     float-quantized  e4m3 weights, weight_scale per channel [N, 1] or per tensor [1], activations none
                      or dynamic e4m3 (per token or per tensor): torch._scaled_mm on CUDA with fp8
                      (products.fp8_linear: activations e4m3 per token there even when the checkpoint
-                     has none, as vLLM's online fp8), else dequantized for the product
+                     has none, as vLLM's online fp8); else our CPU kernel (products.pack_fp8) or
+                     dequantized for the product
 Refused in one line: any other format, bit width, strategy, asymmetric 8-bit, static activation scales,
 activation ordering with g_idx, KV-cache schemes, sparsity and transforms, and MoE experts.
 """
@@ -235,9 +236,10 @@ class Fp8Method(LinearMethod):
             scale = scale.repeat_interleave(sizes)
         del layer.weight_scale
         layer.weight_scale = torch.nn.Parameter(scale.contiguous(), requires_grad=False)
+        products.pack_fp8(layer, "weight")
 
     def apply(self, layer, x, bias=None):
         x_scale = None
         if self.dynamic_act and not self.per_token:  # one activation scale for the whole step
             x_scale = x.abs().amax().float().clamp(min=1e-12) / products.FP8_MAX
-        return products.fp8_linear(x, layer.weight, layer.weight_scale, bias, self.dynamic_act, x_scale)
+        return products.fp8_product(layer, x, "weight", bias, self.dynamic_act, x_scale)

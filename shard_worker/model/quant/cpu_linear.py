@@ -65,14 +65,15 @@ EXT = cpu_ext.Extension(
     "cpu_linear",
     _CSRC / "cpu_linear.cpp",
     "tp_linear_abi",
-    5,
+    6,
     "the CPU linear kernel",
     more=(_CSRC / "cpu_linear_int8.cpp", _CSRC / "cpu_linear_int4.cpp", _CSRC / "cpu_linear.h"),
 )
-CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 5}
 X_CODES = {torch.float32: 0, torch.bfloat16: 1}  # what x, y and a bias may be
 W8A8 = 3  # the code of an int8 weight whose products quantize x per row (PackedLinear.pack_w8a8)
 INT4 = 4  # a 4-bit weight with a scale and offset per group (PackedLinear.pack_int4)
+FP8 = 5  # e4m3 weights with a scale per row, in the int8 layout (PackedLinear.pack with an fp8 weight)
 # The flag set (cpu_ext.VARIANTS) layers are packed for: "native" except to measure another CPU's path
 # here (bench: "avx2", as an AVX2-only machine would run).
 VARIANT = "native"
@@ -142,9 +143,17 @@ class PackedLinear:
     @classmethod
     def pack(cls, weight: torch.Tensor, variant: str | None = None, scale=None) -> PackedLinear:
         """weight float32 or bfloat16 [N, K]; or int8 with its scale per row (float32 [N]) or per row and
-        group of g k ([N, K / g]: g even, dividing K and 2048)."""
+        group of g k ([N, K / g]: g even, dividing K and 2048); or e4m3 (float8_e4m3fn) with its scale per
+        row (held as int8 bytes in the int8 layout, `code` FP8)."""
         variant = variant or VARIANT
         n, k = weight.shape
+        fp8 = weight.dtype == torch.float8_e4m3fn
+        if fp8 and (scale is None or scale.dim() != 1):
+            raise ValueError("an e4m3 weight takes a scale per row")
+        if fp8:  # the int8 layout, the bytes as they are
+            packed = cls.pack(weight.view(torch.int8), variant, scale)
+            packed.code = FP8
+            return packed
         if (weight.dtype == torch.int8) != (scale is not None) or weight.dtype not in CODES:
             raise ValueError(f"a {weight.dtype} weight with{'' if scale is None else ' a'} scale")
         rows = library(variant).tp_linear_rows(CODES[weight.dtype])
@@ -235,7 +244,8 @@ class PackedLinear:
         else:
             blocks, pairs, rows, _ = self.data.shape
             w = self.data.permute(0, 2, 1, 3).reshape(blocks * rows, pairs * 2)
-        return w[: self.out_features, : self.in_features]
+        w = w[: self.out_features, : self.in_features]
+        return w.contiguous().view(torch.float8_e4m3fn) if self.code == FP8 else w
 
     def scales(self) -> torch.Tensor | None:
         """An int8 weight's scale as given to pack ([N] or [N, K / g]); an int4 one's scale and offset,

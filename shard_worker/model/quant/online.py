@@ -10,8 +10,8 @@ int8: weight-only, symmetric per output channel (products.quantize_int8), multip
 linear kernel's int8 product where it runs, else the int8 kernel of quant/kernels.py (products.pack_int8).
 fp8: e4m3 weights with a scale per output channel (products.quantize_fp8). On CUDA with fp8 tensor cores
 (compute capability 8.9+) multiplied by torch._scaled_mm with activations quantized to e4m3 per token
-(W8A8, as vLLM's --quantization fp8 does); elsewhere weight-only, dequantized to the activations' dtype
-per product (it saves memory, not time).
+(W8A8, as vLLM's --quantization fp8 does); elsewhere weight-only: our CPU linear kernel where it runs
+(products.pack_fp8), else dequantized to the activations' dtype per product.
 """
 
 from __future__ import annotations
@@ -52,9 +52,10 @@ class OnlineFp8Method(_Staged):
         q, scale = products.quantize_fp8(w, per_channel=True)
         layer.weight_fp8 = torch.nn.Parameter(q, requires_grad=False)
         layer.weight_scale = torch.nn.Parameter(scale, requires_grad=False)
+        products.pack_fp8(layer, "weight_fp8")
 
     def apply(self, layer, x, bias=None):
-        return products.fp8_linear(x, layer.weight_fp8, layer.weight_scale, bias, dynamic_act=False)
+        return products.fp8_product(layer, x, "weight_fp8", bias, dynamic_act=False)
 
 
 class _OnlineConfig(QuantConfig):

@@ -98,6 +98,19 @@ def int8_product(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -
     return y if bias is None else y + bias
 
 
+def round_fp8_per_token(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to e4m3 per token (scale amax / 448 per row) and back to its dtype: a W8A8 fp8
+    checkpoint's activations, as its producer calibrated them."""
+    x2 = x.reshape(-1, x.shape[-1])
+    sx = _amax(x2, True) / FP8_MAX
+    return ((x2.float() / sx).clamp_(-FP8_MAX, FP8_MAX).to(FP8).float() * sx).to(x.dtype).reshape(x.shape)
+
+
+def round_fp8_by(x: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
+    """x rounded to e4m3 by one scale for all rows (per-tensor activations) and back to its dtype."""
+    return ((x.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * x_scale).to(x.dtype)
+
+
 def scaled_mm_serves(device_type: str, capability: tuple[int, int] | None, n: int, k: int) -> bool:
     """Whether an e4m3 [N, K] weight is multiplied by torch._scaled_mm: on CUDA with fp8 tensor cores
     (compute capability 8.9: Ada, 9.0: Hopper, and later) when N and K are multiples of 16 (what
@@ -139,10 +152,36 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias, dyna
     if scaled_mm_serves(q.device.type, _capability(q.device), q.shape[0], q.shape[1]):
         return fp8_scaled_mm(x, q, scale, bias, x_scale)
     if x_scale is not None:
-        xq = (x.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-        x = (xq.float() * x_scale).to(x.dtype)
+        x = round_fp8_by(x, x_scale)
     elif dynamic_act:
-        x2 = x.reshape(-1, x.shape[-1])
-        sx = _amax(x2, True) / FP8_MAX
-        x = ((x2.float() / sx).clamp_(-FP8_MAX, FP8_MAX).to(FP8).float() * sx).to(x.dtype).reshape(x.shape)
+        x = round_fp8_per_token(x)
     return F.linear(x, dequantize(q, scale, x.dtype), bias)
+
+
+def pack_fp8(layer: nn.Module, name: str) -> None:
+    """On a CPU where our linear kernel takes e4m3 weights (cpu_linear.available), holds the layer's
+    e4m3 weight `name` ([N, K]) and its `weight_scale` (float32 [N]) in that kernel's layout (the int8
+    one, the bytes widened exactly to bf16 or float32 in registers): `layer.cpu_packed`, whose bytes the
+    parameter then holds. Elsewhere the weight stays as it is (fp8_linear)."""
+    q = getattr(layer, name)
+    if q.device.type != "cpu" or not cpu_linear.available(FP8):
+        return
+    layer.cpu_packed = cpu_linear.PackedLinear.pack(q.detach(), scale=layer.weight_scale.detach().reshape(-1))
+    layer.register_parameter(name, nn.Parameter(layer.cpu_packed.data, requires_grad=False))
+    layer.register_parameter("weight_scale", nn.Parameter(layer.cpu_packed.scale, requires_grad=False))
+
+
+def fp8_product(
+    layer: nn.Module, x: torch.Tensor, name: str, bias, dynamic_act: bool, x_scale=None
+) -> torch.Tensor:
+    """x W^T + b for an e4m3 layer (pack_fp8): our kernel where it holds the weight, else fp8_linear
+    (torch._scaled_mm on CUDA with fp8). x_scale: one activation scale for all rows (per tensor)."""
+    packed = getattr(layer, "cpu_packed", None)
+    if packed is None or x.dtype not in cpu_linear.X_CODES:
+        q = getattr(layer, name) if packed is None else packed.unpack()
+        return fp8_linear(x, q, layer.weight_scale, bias, dynamic_act, x_scale)
+    if x_scale is not None:
+        x = round_fp8_by(x, x_scale)
+    elif dynamic_act:
+        x = round_fp8_per_token(x)
+    return cpu_linear.linear(x, packed, bias)

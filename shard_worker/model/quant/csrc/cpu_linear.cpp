@@ -7,7 +7,7 @@
 //             16 rows x 2 consecutive k, what one _mm512_dpbf16_ps takes against a broadcast
 //             (x[m, k], x[m, k + 1]) pair.
 //   float32:  [N / R][K][R]             R = 16 with AVX-512F, 8 otherwise (AVX2 + FMA, or scalar).
-//   int8:     [N / 16][K2 / 2][2][16]   with a float32 scale per row: cpu_linear_int8.cpp.
+//   int8:     [N / 16][K2 / 2][2][16]   with a float32 scale per row: cpu_linear_int8.cpp (and e4m3 bytes).
 //   int4:     [N / 16][K / 4][32] bytes  with a scale and offset per group: cpu_linear_int4.cpp.
 // tp_linear_rows(dtype) tells the caller R. x [M, K] row-major, float32 or bfloat16: converted to the
 // weight's type first where it differs (float32 to bfloat16 rounds to nearest even, as torch does). y
@@ -102,12 +102,14 @@ int tp_linear_int8_native();
 void tp_linear_w8a8_run(int x_dtype, const void* x, void* y, const void* w, const float* scale, int bias_dtype,
                         const void* bias, int64_t m, int64_t n, int64_t k, int threads);
 int tp_linear_w8a8_native();
+void tp_linear_fp8_run(int x_dtype, const void* x, void* y, const void* w, const float* scale, int bias_dtype,
+                       const void* bias, int64_t m, int64_t n, int64_t k, int threads);
 // cpu_linear_int4.cpp's.
 void tp_linear_int4_run(int x_dtype, const void* x, void* y, const void* w, const float* scale, int64_t group,
                         int bias_dtype, const void* bias, int64_t m, int64_t n, int64_t k, int threads);
 int tp_linear_int4_native();
 
-int tp_linear_abi() { return 5; }
+int tp_linear_abi() { return 6; }
 
 // Rows per block of a weight of this dtype's layout.
 int tp_linear_rows(int w_dtype) { return w_dtype == F32 ? F32Kernel::ROWS : 16; }
@@ -116,16 +118,16 @@ int tp_linear_rows(int w_dtype) { return w_dtype == F32 ? F32Kernel::ROWS : 16; 
 int tp_linear_native(int w_dtype) {
   if (w_dtype == W8A8) return tp_linear_w8a8_native();
   if (w_dtype == INT4) return tp_linear_int4_native();
-  return w_dtype == BF16 ? BF16_NATIVE : w_dtype == F32 ? F32_NATIVE : tp_linear_int8_native();
+  return w_dtype == BF16 ? BF16_NATIVE : w_dtype == F32 ? F32_NATIVE : tp_linear_int8_native();  // int8, fp8
 }
 
 // 0 on success; 1: a dtype code out of range, an int8 weight without its scale, a group that is not
 // even or does not divide K and 2048, an int4 weight without groups of a multiple of 4. scale, group:
 // int8 (float32 [N] for group 0, else a scale per group of k; W8A8: [2, N]: cpu_linear_int8.cpp) and
-// int4 (a scale and an offset per group: cpu_linear_int4.cpp).
+// int4 (a scale and an offset per group: cpu_linear_int4.cpp); fp8 (e4m3, a scale per row).
 int tp_linear(int x_dtype, int w_dtype, const void* x, void* y, const void* w, const float* scale,
               int64_t group, int bias_dtype, const void* bias, int64_t m, int64_t n, int64_t k, int threads) {
-  if ((x_dtype != F32 && x_dtype != BF16) || w_dtype < F32 || w_dtype > INT4) return 1;
+  if ((x_dtype != F32 && x_dtype != BF16) || w_dtype < F32 || w_dtype > FP8) return 1;
   if ((bias && bias_dtype != F32 && bias_dtype != BF16) || (w_dtype >= INT8 && !scale)) return 1;
   if (group && (group < 0 || group % 2 || k % group || 2 * K_CHUNK % group)) return 1;
   if (w_dtype == INT4 && (!group || group % 4)) return 1;
@@ -136,6 +138,11 @@ int tp_linear(int x_dtype, int w_dtype, const void* x, void* y, const void* w, c
   }
   if (w_dtype == INT8) {
     tp_linear_int8_run(x_dtype, x, y, w, scale, group, bias ? bias_dtype : -1, bias, m, n, k, threads);
+    return 0;
+  }
+  if (w_dtype == FP8) {
+    if (group) return 1;
+    tp_linear_fp8_run(x_dtype, x, y, w, scale, bias ? bias_dtype : -1, bias, m, n, k, threads);
     return 0;
   }
   if (w_dtype == W8A8) {

@@ -27,7 +27,7 @@
 
 namespace {
 
-enum Dtype { F32 = 0, BF16 = 1, INT8 = 2, W8A8 = 3, INT4 = 4 };  // W8A8: int8 weights, x quantized per row
+enum Dtype { F32 = 0, BF16 = 1, INT8 = 2, W8A8 = 3, INT4 = 4, FP8 = 5 };  // W8A8: int8 weights, x int8 per row
 
 constexpr int ACC_LD = 64;       // floats per accumulator row: up to 4 blocks of 16
 constexpr int64_t K_CHUNK = 1024;  // k steps per piece when rows come in several chunks
@@ -321,20 +321,27 @@ void run(const Call& c, int threads) {
   const int64_t ngroups = c.group ? c.k / c.group : 0;
   if constexpr (Kern::XSUM) {  // 16 running sums a group (vectorized), then added up
     xsum.resize(c.m * ngroups);
-    for (int64_t i = 0; i < c.m; ++i)
+    std::vector<float> row(c.k);
+    for (int64_t i = 0; i < c.m; ++i) {
+      if constexpr (std::is_same<X, uint32_t>::value) {
+        const uint16_t* xi = reinterpret_cast<const uint16_t*>(x + i * ldx);
+#pragma omp simd
+        for (int64_t j = 0; j < c.k; ++j) row[j] = bf16_to_f32(xi[j]);
+      } else {
+        std::memcpy(row.data(), x + i * ldx, 4 * c.k);
+      }
       for (int64_t g = 0; g < ngroups; ++g) {
-        float lanes[16] = {};
-        for (int64_t j0 = g * c.group; j0 < (g + 1) * c.group; j0 += 16)
-          for (int l = 0; l < 16 && j0 + l < (g + 1) * c.group; ++l) {
-            if constexpr (std::is_same<X, uint32_t>::value)
-              lanes[l] += bf16_to_f32(reinterpret_cast<const uint16_t*>(x + i * ldx)[j0 + l]);
-            else
-              lanes[l] += x[i * ldx + j0 + l];
-          }
-        float sum = 0.0f;
+        const float* r = row.data() + g * c.group;
+        float lanes[16] = {}, sum = 0.0f;
+        int64_t j = 0;
+        for (; j + 16 <= c.group; j += 16)
+#pragma omp simd
+          for (int l = 0; l < 16; ++l) lanes[l] += r[j + l];
+        for (; j < c.group; ++j) sum += r[j];
         for (int l = 0; l < 16; ++l) sum += lanes[l];
         xsum[i * ngroups + g] = sum;
       }
+    }
   }
   std::vector<float> bias;
   if (c.bias_dtype == F32) {

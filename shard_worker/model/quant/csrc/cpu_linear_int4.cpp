@@ -68,9 +68,10 @@ inline void zero_acc(const Tile& t, int mb, int cols) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 struct Int4Kernel : Int4Traits {
   using X = uint32_t;  // a pair of bf16
-  // Registers: MB x NB group sums, NB widened weights, the table, the mask, a broadcast x.
+  // Registers: MB x NB group sums, MB x NB running sums where they fit (REGS), NB widened weights, the
+  // table, the mask, a broadcast x.
   static constexpr int MB_MAX = 8, MB_BIG = 8, NB_MAX = 4;
-  static int nb_for(int64_t m) { return m <= 4 ? 4 : 3; }
+  static int nb_for(int64_t m) { return m <= 3 ? 4 : m <= 4 ? 3 : m <= 6 ? 2 : m <= 8 ? 1 : 3; }
   template <int MB, int NB>
   static void tile(const Tile& t) {
     const uint8_t* w = static_cast<const uint8_t*>(t.w);
@@ -80,19 +81,27 @@ struct Int4Kernel : Int4Traits {
     for (int i = 1; i < 16; ++i) values[i] = f32_to_bf16(static_cast<float>(i));
     const __m512i table = _mm512_load_si512(values), low = _mm512_set1_epi16(0x0f);
     const int64_t gs = t.group / 2;  // steps per group (even)
+    constexpr bool REGS = 2 * MB * NB + NB + 3 <= 32;
+    __m512 acc[MB][NB];
     zero_acc(t, MB, NB * 16);
+    if constexpr (REGS)
+      for (int m = 0; m < MB; ++m)
+        for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_loadu_ps(t.acc + m * ACC_LD + b * 16);
     for (int64_t p0 = t.s0; p0 < t.s1; p0 += gs) {
       __m512 part[MB][NB];
       for (int m = 0; m < MB; ++m)
         for (int b = 0; b < NB; ++b) part[m][b] = _mm512_setzero_ps();
       for (int64_t p = p0; p < p0 + gs; p += 2) {
+        __m512i bytes[NB];
+        for (int b = 0; b < NB; ++b) {
+          const uint8_t* wp = w + b * t.bstride + p * 16;
+          if ((p & 2) == 0) _mm_prefetch(reinterpret_cast<const char*>(wp) + 512, _MM_HINT_T0);
+          bytes[b] = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp)));
+        }
         for (int h = 0; h < 2; ++h) {  // the low nibbles are step p, the high ones step p + 1
           __m512bh wv[NB];
           for (int b = 0; b < NB; ++b) {
-            const uint8_t* wp = w + b * t.bstride + p * 16;
-            if (h == 0 && (p & 2) == 0) _mm_prefetch(reinterpret_cast<const char*>(wp) + 512, _MM_HINT_T0);
-            __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp)));
-            v = h ? _mm512_srli_epi16(v, 4) : _mm512_and_si512(v, low);
+            const __m512i v = h ? _mm512_srli_epi16(bytes[b], 4) : _mm512_and_si512(bytes[b], low);
             wv[b] = (__m512bh)_mm512_permutexvar_epi16(v, table);
           }
           for (int m = 0; m < MB; ++m) {
@@ -101,8 +110,18 @@ struct Int4Kernel : Int4Traits {
           }
         }
       }
-      fold<MB, NB>(t, p0 / gs, part);
+      if constexpr (REGS) {
+        for (int b = 0; b < NB; ++b) {
+          const __m512 sv = _mm512_loadu_ps(t.gscale + b * t.gstride + p0 / gs * 32);
+          for (int m = 0; m < MB; ++m) acc[m][b] = _mm512_fmadd_ps(part[m][b], sv, acc[m][b]);
+        }
+      } else {
+        fold<MB, NB>(t, p0 / gs, part);
+      }
     }
+    if constexpr (REGS)
+      for (int m = 0; m < MB; ++m)
+        for (int b = 0; b < NB; ++b) _mm512_storeu_ps(t.acc + m * ACC_LD + b * 16, acc[m][b]);
     offsets<MB, NB>(t);
   }
 };
