@@ -24,6 +24,14 @@ a part that would start past --budget-s is skipped and says so. In order:
    batching; TTFT/TPOT percentiles, throughput, the ratio, the peak device memory the worker reports;
    and 64 requests decoding side by side (prompts of 128, 128 new tokens): TPOT p99 at batch 64 against
    the 20 ms target (tpot_p99_batch64).
+4. quant, quant_reference, quant_stack (bench/gpu_quant.py): int4 and int8 through the Triton
+   weight-only kernel and fp8 through torch._scaled_mm at a Llama-3-8B layer's shapes, each product's
+   error against the dequantized weight's and the layer's time at batch 1 and 64 against bf16 (CUDA
+   graphs); the `small` model served with --quantization int8 and fp8 against transformers on the same
+   model quantized and dequantized offline; decode tokens/s through the stack at batch 1 and 64 for an
+   8-layer Llama-3-8B-shaped model, dense and as int4 / int8 / fp8 compressed-tensors checkpoints with
+   dummy weights. Each is skipped when less than MIN_SECONDS is left of --budget-s (`--parts
+   quant,quant_reference,quant_stack` runs only them, in a lease of their own).
 
 `--device cpu --quick` runs the same code at toy sizes (the tiny preset, a tiny dummy config, a few
 requests; the Triton parts under TRITON_INTERPRET=1, set for their processes): tests/e2e/test_gpu_check.py
@@ -46,6 +54,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from bench.gpu_quant import served_check, stack_check
 from bench.workload import WorkloadSpec
 
 LLAMA3_8B = {
@@ -78,7 +87,9 @@ DECODE_QUICK = WorkloadSpec("decode-8", 16, 16, output_mean=8, output_max=8, out
 TPOT_TARGET_MS = 20.0
 # Graphs are the default on CUDA; --enforce-eager is the comparison.
 VARIANTS = {"graphs": (), "eager": ("--enforce-eager",)}
-IN_PROCESS_PARTS = ("attention", "graphs", "decode_timing")
+IN_PROCESS_PARTS = ("attention", "graphs", "decode_timing", "quant")
+# Seconds a part needs at full size (on a GPU): it is skipped, and says so, when fewer are left.
+MIN_SECONDS = {"quant": 60, "quant_reference": 150, "quant_stack": 300}
 
 
 def check_logprobs_close(ours: list[tuple[int, dict[int, float]]], ref: list[tuple[int, dict[int, float]]]):
@@ -269,6 +280,15 @@ def in_process_part(name: str, a: argparse.Namespace, work: Path, result: dict, 
     result[name] = json.loads(part_out.read_text())
 
 
+def skip_reason(name: str, device: str, left_s: float) -> str | None:
+    """Why part `name` does not start with left_s seconds of the budget left (None: it starts). The
+    MIN_SECONDS of the quantized parts are what they need on a GPU; at toy sizes on CPU only <= 0 skips."""
+    needed = MIN_SECONDS.get(name, 0) if device == "cuda" else 0
+    if left_s <= needed:
+        return f"{max(0, round(left_s))} s of --budget-s left, {name} needs {needed}"
+    return None
+
+
 def remaining(a: argparse.Namespace) -> float:
     return a.budget_s - (time.monotonic() - a.started)
 
@@ -302,6 +322,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="toy sizes (what make test runs on CPU)")
     p.add_argument("--out", default="gpu-check.json")
     p.add_argument("--budget-s", type=float, default=540.0, help="start no part past this many seconds")
+    p.add_argument("--parts", default="", help="comma-separated parts to run (default: all, in order)")
     a = p.parse_args()
     if a.wheels:
         print(" ".join(carried_wheels()))
@@ -309,13 +330,20 @@ def main() -> None:
     a.started = time.monotonic()
     out = Path(a.out)
     result: dict = {"device": a.device, "dtype": a.dtype, "quick": a.quick, "seconds": {}}
-    parts = [(name, functools.partial(in_process_part, name)) for name in IN_PROCESS_PARTS]
+    parts = [(name, functools.partial(in_process_part, name)) for name in IN_PROCESS_PARTS[:3]]
     parts += [("reference", reference_check), ("benchmark", benchmark)]
+    parts += [("quant", functools.partial(in_process_part, "quant")), ("quant_reference", served_check)]
+    parts += [("quant_stack", stack_check)]
+    chosen = [name for name in a.parts.split(",") if name] or [name for name, _ in parts]
+    if unknown := set(chosen) - {name for name, _ in parts}:
+        p.error(f"--parts: no part named {', '.join(sorted(unknown))}")
     with tempfile.TemporaryDirectory(prefix="tpserve-gpu-check-") as tmp:
         for name, part in parts:
             t0 = time.monotonic()
-            if remaining(a) <= 0:
-                result[name] = {"skipped": f"past --budget-s {a.budget_s}"}
+            if name not in chosen:
+                continue
+            if reason := skip_reason(name, a.device, remaining(a)):
+                result[name] = {"skipped": reason}
                 continue
             try:
                 part(a, Path(tmp), result, out)

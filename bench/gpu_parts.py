@@ -9,7 +9,8 @@ fault in one, an illegal address on the GPU or a segfault in Triton's interprete
   padded as much as the bucket allows, against the same step run eagerly (logits and greedy tokens),
   with the step times of both, the capture time and the device memory the graphs took;
 - decode_timing: one layer's decode attention at Llama-3-8B's attention shape (32 query heads, 8 KV
-  heads, head_dim 128): Triton against the per-sequence reference and flex (each where it runs).
+  heads, head_dim 128): Triton against the per-sequence reference and flex (each where it runs);
+- quant: the quantized products at a Llama-3-8B layer's shapes (bench/gpu_quant.py).
 
     python -m bench.gpu_parts PART --device cuda --dtype bfloat16 --out part.json [--quick]
 
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from bench import gpu_quant
 from bench.attention import BLOCK_SIZE, make_batch, time_step
 from shard_worker.attention import Attention, select_backend
 from shard_worker.attention.reference import ReferenceBackend
@@ -202,6 +204,7 @@ def decode_timing(a: argparse.Namespace) -> dict:
 
 
 PARTS = {"attention": attention_check, "graphs": graph_check, "decode_timing": decode_timing}
+PARTS["quant"] = gpu_quant.kernel_check  # its docstring says what it measures
 
 
 def main() -> None:

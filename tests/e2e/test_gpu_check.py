@@ -36,3 +36,17 @@ def test_the_gpu_check_runs_every_part_at_toy_sizes(tmp_path):
         assert part["device_memory_gib"]["shard-worker rank 0"] > 0
     assert bench["continuous_over_static"] > 0
     assert doc["tpot_p99_batch64"]["graphs"]["p99_ms"] == bench["decode"]["tpot_ms"]["p99"]
+    # The quantized products: the Triton kernels (interpreted) and fp8's _scaled_mm call (torch's CPU
+    # build) against the dequantized weight's product, timed; then --quantization int8 served against
+    # transformers on the same model quantized and dequantized offline; then a quantized stack's decode.
+    quant = doc["quant"]
+    assert quant["ok"], quant["errors"]
+    assert quant["kernels"]["int4"] == "triton int4" and quant["kernels"]["int8"] == "triton int8"
+    assert quant["kernels"]["fp8"].startswith("scaled_mm")
+    for batch in ("batch 1", "batch 8"):
+        assert all(quant["timing"][batch][fmt]["eager_ms"] > 0 for fmt in ("dense", "int4", "int8", "fp8"))
+    served = doc["quant_reference"]
+    assert served["int8"]["close"] == served["prompts"] and "fp8" not in served, served  # quick: one stack
+    stack = doc["quant_stack"]["int4"]  # quick: the int4 stack only (every format's config: unit-tested)
+    assert stack["batch 1"]["ok"] == 1 and stack["batch 4"]["ok"] == 4, stack
+    assert stack["batch 4"]["output_tokens_per_s"] > 0

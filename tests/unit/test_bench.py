@@ -250,3 +250,13 @@ def test_goodput_takes_vllm_bench_serve_form():
     for bad in (["e2el:100"], ["ttft:0"], ["ttft"]):
         with pytest.raises(ValueError, match="--goodput"):
             bench_cli.apply_goodput(p.parse_args(["--goodput", *bad]))
+
+
+def test_gpu_check_skips_the_quantized_parts_when_the_budget_is_short():
+    from bench.gpu_check import skip_reason
+
+    assert skip_reason("quant", "cuda", 200) is None and skip_reason("quant_reference", "cuda", 200) is None
+    assert "quant needs 60" in skip_reason("quant", "cuda", 59)
+    assert "quant_reference needs 150" in skip_reason("quant_reference", "cuda", 100)
+    assert skip_reason("quant", "cpu", 10) is None  # toy sizes take seconds
+    assert skip_reason("benchmark", "cuda", 1) is None and skip_reason("benchmark", "cuda", 0) is not None

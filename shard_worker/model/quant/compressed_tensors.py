@@ -10,7 +10,10 @@ Served (per layer: a group's scheme, or unquantized when ignored or targeted by 
                      symmetric 8-bit per channel, eight / four values per int32 (weight_packed), and
                      weight_shape: kernels.PackedInt4 / products.pack_int8
     float-quantized  e4m3 weights, weight_scale per channel [N, 1] or per tensor [1], activations none
-                     or dynamic e4m3 (per token or per tensor); dequantized for the product
+                     or dynamic e4m3 (per token or per tensor): torch._scaled_mm on CUDA with fp8
+                     (products.fp8_linear: activations e4m3 per token there even when the checkpoint
+                     has none, as vLLM's online fp8); else our CPU kernel (products.pack_fp8) or
+                     dequantized for the product
 Refused in one line: any other format, bit width, strategy, asymmetric 8-bit, static activation scales,
 activation ordering with g_idx, KV-cache schemes, sparsity and transforms, and MoE experts.
 """
@@ -236,9 +239,7 @@ class Fp8Method(LinearMethod):
         products.pack_fp8(layer, "weight")
 
     def apply(self, layer, x, bias=None):
+        x_scale = None
         if self.dynamic_act and not self.per_token:  # one activation scale for the whole step
             x_scale = x.abs().amax().float().clamp(min=1e-12) / products.FP8_MAX
-            xq = (x.float() / x_scale).clamp(-products.FP8_MAX, products.FP8_MAX).to(products.FP8)
-            x = (xq.float() * x_scale).to(x.dtype)
-            return products.fp8_product(layer, x, "weight", bias, dynamic_act=False)
-        return products.fp8_product(layer, x, "weight", bias, self.dynamic_act)
+        return products.fp8_product(layer, x, "weight", bias, self.dynamic_act, x_scale)

@@ -21,6 +21,8 @@ The product, chosen by bench/gguf_kernels.py (its header holds the figures):
       compile cache): one row, a fused dequantize-multiply-sum in float32 (0.68-1.41x bf16); more rows,
       a compiled dequantize to bf16 then the bf16 product (0.13-0.53x bf16: eager dequantization was
       0.04-0.37x). Another device or dtype: dequantized per product, then F.linear.
+  on CUDA (kernels.TRITON_DEVICES): q as it is and its scales transposed to [K / g, N], through the Triton
+      weight-only kernel (quant/triton_linear.py), each K step within one group (g 16 and 32 both served).
 Either holds fewer bytes than bf16's 2 a weight: 1.75 as [a | b] (packed nibbles, their float32 scales
 and zeros, the kernel's bf16 copies), 1.25 as int8 with per-16 scales. At one row: group 32 1.14-1.52x
 bf16's speed, group 16 0.68-1.41x; from 8 rows both lose (0.13-0.95x).
@@ -34,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shard_worker.model.quant import kernels
 from shard_worker.model.quant.kernels import INT4_GROUPS, PackedInt4
 
 
@@ -57,7 +60,11 @@ class PackedInt8Groups(nn.Module):
 
     def _place(self, q: torch.Tensor, scale: torch.Tensor) -> None:
         n, k = self.shape
-        self.split = q.device.type == "cpu" and n % 16 == 0 and self.group_size in INT4_GROUPS
+        # On CUDA (kernels.TRITON_DEVICES): q as it is through the Triton kernel, scales transposed.
+        self.triton = kernels.triton_serves(q.device) and kernels._triton().serves_groups(self.group_size, k)
+        self.split = (
+            not self.triton and q.device.type == "cpu" and n % 16 == 0 and self.group_size in INT4_GROUPS
+        )
         if self.split:  # [a | b] along K, one product of [x | x]: the kernel sums both halves in float32
             u = q.to(torch.int16) + 128
             nibbles = torch.cat([u >> 4, u & 15], dim=1).to(torch.uint8)
@@ -73,9 +80,12 @@ class PackedInt8Groups(nn.Module):
             self.halves = self._kernel = None
             self.register_buffer("q", q, persistent=False)
             self.register_buffer("scale", scale, persistent=False)
+        self.register_buffer("scale_t", scale.t().contiguous() if self.triton else None, persistent=False)
 
     @property
     def kernel(self) -> str:
+        if self.triton:
+            return "triton int8 groups"
         if self.split:
             return f"{self.halves.kernel}, K doubled"  # [a | b] times [x | x]
         return "compiled" if self.q.device.type == "cpu" else "dequantize"
@@ -84,10 +94,12 @@ class PackedInt8Groups(nn.Module):
     def nbytes(self) -> int:
         if self.split:
             return self.halves.nbytes + sum(t.numel() * 2 for t in self.halves._kernel_scales.values())
-        return self.q.numel() + 4 * self.scale.numel()
+        return self.q.numel() + 4 * self.scale.numel() * (2 if self.triton else 1)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> x W^T [..., N] in x.dtype."""
+        if self.triton and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            return kernels._triton().int8_matmul(x, self.q, self.scale_t, self.group_size)
         if x.dtype not in (torch.float32, torch.bfloat16):
             return F.linear(x, self.dequantize(x.dtype))
         if self.split and self._kernel is None:  # the halves in another kernel's layout (cpu_linear's)
@@ -127,7 +139,7 @@ class PackedInt8Groups(nn.Module):
         # The split form is CPU-only (tinygemm's layout): a device move re-places from q and scale.
         q, scale = self.unpack()
         q, scale = fn(q), fn(scale)
-        for name in ("halves", "q", "scale"):
+        for name in ("halves", "q", "scale", "scale_t"):
             delattr(self, name)
         self._place(q, scale)
         return self

@@ -28,6 +28,11 @@ does for the unquantized layers). Anything a kernel cannot take (another device,
 falls back to dequantize() + F.linear per call: correct, and as slow as it sounds; `kernel` names which
 one a packed weight uses.
 
+On CUDA (kernels.TRITON_DEVICES) both run quant/triton_linear.py's Triton weight-only GEMM (x in float16,
+bfloat16 or float32; float32 accumulation): int8 as held, int4 as the plain nibbles below with its scales
+(and zeros) transposed once to [K / g, N]; an int4 group whose power-of-two part is under 16 is dequantized.
+Its tiles are untuned (no GPU lent when written); bench/gpu_check.py's quant part times it.
+
 Both are nn.Modules whose tensors are non-persistent buffers: a layer holds one as an attribute (a
 submodule), `.to(device)` moves it with the model, and they stay out of state_dict and named_parameters
 (the loader fills parameters, and the packed form is derived from them after loading). Moving an int4
@@ -47,6 +52,9 @@ from torch import nn
 from shard_worker.model.quant import cpu_linear
 
 INT4_GROUPS = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu takes
+# Devices whose weights the Triton kernels (quant/triton_linear.py) multiply. Only CUDA in a server; the
+# interpreted tests (tests/unit/triton_linear_cases.py) add "cpu" to run the same wiring on CPU tensors.
+TRITON_DEVICES = ("cuda",)
 _ENGINES = set(torch.backends.quantized.supported_engines)
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -85,6 +93,26 @@ def cpu_kind() -> str:
     return f"{capability}, native bf16 {'yes' if bf16 else 'no'}"
 
 
+@functools.cache
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def triton_serves(device: torch.device) -> bool:
+    """Whether weights on this device go to the Triton kernels."""
+    return device.type in TRITON_DEVICES and _triton_importable()
+
+
+def _triton():
+    from shard_worker.model.quant import triton_linear  # imports triton: only where it runs
+
+    return triton_linear
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x as the kernels take it: 2-D, contiguous, bfloat16 (their float32 paths measured 6-100x slower
     than their bfloat16 ones, bench/quant_kernels.py)."""
@@ -113,16 +141,21 @@ class PackedInt8(nn.Module):
 
     @property
     def kernel(self) -> str:
-        return "weight_int8pack_mm" if self._fits() else "dequantize"
+        self._fits()
+        return self._kernel_name
 
     def _fits(self) -> bool:
+        """Whether _weight_int8pack_mm takes this weight here (the Triton kernel: _kernel_name says)."""
         # Its AVX-512 path reads K in blocks of 16 and returns garbage or crashes otherwise (measured).
         # Cached per device (read per product; a property costs ~4 us a call here).
         if self._fits_on is not self.q.device:
-            self._fits_on, self._fits_q = (
-                self.q.device,
-                self.q.device.type == "cpu" and self.q.shape[1] % 16 == 0,
-            )
+            device = self.q.device
+            self._fits_on = device
+            self._fits_q = not triton_serves(device) and device.type == "cpu" and self.q.shape[1] % 16 == 0
+            self._triton = triton_serves(device)
+            self._kernel_name = "triton int8" if self._triton else (
+                "weight_int8pack_mm" if self._fits_q else "dequantize"
+            )  # fmt: skip
         return self._fits_q
 
     @property
@@ -134,7 +167,10 @@ class PackedInt8(nn.Module):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] (float32 or bfloat16) -> x W^T [..., N] in x.dtype."""
-        if not self._fits() or x.dtype not in _KERNEL_DTYPES:
+        fits = self._fits()
+        if self._triton and x.dtype in _KERNEL_DTYPES:
+            return _triton().int8_matmul(x, self.q, self.scale)
+        if not fits or x.dtype not in _KERNEL_DTYPES:
             return F.linear(x, self.dequantize(x.dtype))
         y = torch.ops.aten._weight_int8pack_mm(_rows(x), self.q, self.scale_bf16)
         return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
@@ -226,7 +262,8 @@ class PackedInt4(nn.Module):
     def _place(self, q: torch.Tensor) -> None:
         """Stores q in the layout of the kernel this device and shape allow."""
         n, k = self.shape
-        cpu = q.device.type == "cpu"
+        self.triton = triton_serves(q.device) and _triton().serves_groups(self.group_size, k)
+        cpu = q.device.type == "cpu" and not self.triton
         # Our CPU kernel (cpu_linear.pack_int4) at its group, a divisor of group_size, or else tinygemm at
         # its own: group_size itself or a divisor of it it takes (per-channel and group 512 weights
         # repeat their scales over it, exactly).
@@ -247,9 +284,17 @@ class PackedInt4(nn.Module):
             packed = (padded[:, 0::2] | (padded[:, 1::2] << 4)).contiguous()
         self.register_buffer("qweight", packed, persistent=False)
         self._kernel_scales = {}  # dtype -> [K // g, N, 2] (scale, offset), built on first use
+        # The Triton kernel reads a K step's scales (and zeros) for BLOCK_N channels as one row.
+        transposed = self.triton and self.zero is not None
+        self.register_buffer(
+            "scale_t", self.scale.t().contiguous() if self.triton else None, persistent=False
+        )
+        self.register_buffer("zero_t", self.zero.t().contiguous() if transposed else None, persistent=False)
 
     @property
     def kernel(self) -> str:
+        if self.triton:
+            return "triton int4"
         if self.cpu_packed is not None:
             return "cpu_linear int4"
         return "weight_int4pack_mm_for_cpu" if self.tinygemm else "dequantize"
@@ -259,7 +304,7 @@ class PackedInt4(nn.Module):
         if self.cpu_packed is not None:  # its scales and offsets at the kernel's group
             return self.qweight.numel() + 4 * self.cpu_packed.scale.numel()
         groups = 4 * self.scale.numel() * (1 if self.zero is None else 2)
-        return self.qweight.numel() + groups
+        return self.qweight.numel() + groups * (2 if self.triton else 1)  # the transposed copies
 
     def _scales_and_offsets(self, dtype: torch.dtype) -> torch.Tensor:
         if dtype not in self._kernel_scales:
@@ -272,6 +317,8 @@ class PackedInt4(nn.Module):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] (float32 or bfloat16) -> x W^T [..., N] in x.dtype."""
+        if self.triton and x.dtype in _KERNEL_DTYPES:
+            return _triton().int4_matmul(x, self.qweight, self.scale_t, self.zero_t, self.group_size)
         if self.cpu_packed is not None and x.dtype in cpu_linear.X_CODES:
             return cpu_linear.linear(x, self.cpu_packed)
         if not self.tinygemm or x.dtype not in _KERNEL_DTYPES:

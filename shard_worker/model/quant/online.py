@@ -8,9 +8,10 @@ experts are refused (no quantized expert method yet).
 
 int8: weight-only, symmetric per output channel (products.quantize_int8), multiplied by our CPU
 linear kernel's int8 product where it runs, else the int8 kernel of quant/kernels.py (products.pack_int8).
-fp8: e4m3 weights with a scale per output channel
-(products.quantize_fp8), weight-only: multiplied by dequantizing to the activations' dtype on every
-device (no fp8 matmul is used), so it saves memory, not time.
+fp8: e4m3 weights with a scale per output channel (products.quantize_fp8). On CUDA with fp8 tensor cores
+(compute capability 8.9+) multiplied by torch._scaled_mm with activations quantized to e4m3 per token
+(W8A8, as vLLM's --quantization fp8 does); elsewhere weight-only: our CPU linear kernel where it runs
+(products.pack_fp8), else dequantized to the activations' dtype per product.
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ Dynamic activations (W8A8): per token, scale = amax(|x_row|) / 127 (int8) or / 4
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -49,7 +51,9 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
 
 def weight_only(packed, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """A PackedInt8 / PackedInt4 product; other float dtypes through the dequantized weight."""
-    y = packed.matmul(x) if x.dtype in KERNEL_DTYPES else F.linear(x, packed.dequantize(x.dtype))
+    # On CUDA every dtype goes to matmul, which knows what its Triton kernel takes (float16 too).
+    kernel = x.dtype in KERNEL_DTYPES or x.device.type == "cuda"
+    y = packed.matmul(x) if kernel else F.linear(x, packed.dequantize(x.dtype))
     return y if bias is None else y + bias
 
 
@@ -102,10 +106,54 @@ def round_fp8_per_token(x: torch.Tensor) -> torch.Tensor:
     return ((x2.float() / sx).clamp_(-FP8_MAX, FP8_MAX).to(FP8).float() * sx).to(x.dtype).reshape(x.shape)
 
 
-def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias, dynamic_act: bool):
-    """x W^T with W = q * scale (e4m3, scale per row or one), by dequantizing W to x's dtype (where no
-    kernel of ours takes it: fp8_product). dynamic_act: x is first rounded to e4m3 per token."""
-    if dynamic_act:
+def round_fp8_by(x: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
+    """x rounded to e4m3 by one scale for all rows (per-tensor activations) and back to its dtype."""
+    return ((x.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * x_scale).to(x.dtype)
+
+
+def scaled_mm_serves(device_type: str, capability: tuple[int, int] | None, n: int, k: int) -> bool:
+    """Whether an e4m3 [N, K] weight is multiplied by torch._scaled_mm: on CUDA with fp8 tensor cores
+    (compute capability 8.9: Ada, 9.0: Hopper, and later) when N and K are multiples of 16 (what
+    cuBLASLt's fp8 GEMM requires); else it is dequantized per product (fp8_linear)."""
+    return device_type == "cuda" and capability is not None and capability >= (8, 9) and n % 16 == 0 == k % 16
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+
+
+def fp8_scaled_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias, x_scale=None) -> torch.Tensor:
+    """W8A8 through torch._scaled_mm: each row of x quantized to e4m3 by its own absmax / 448 (or by
+    x_scale, one scalar for all rows: a per-tensor checkpoint's activations), then the fp8 product with
+    float32 sums, scaled by the row's scale and the weight's per-row scale [N]. Both scales go in rowwise
+    ([M, 1] and [1, N] float32, contiguous: besides one scalar each, the only pairing _scaled_mm takes),
+    and the output is bfloat16 (the one type every torch version's rowwise path writes), cast to x's.
+    q e4m3 [N, K] row-major, so q.t() is the column-major operand cuBLASLt wants. Runs on CPU too
+    (torch's reference fp8 GEMM, checks the same shapes): what tests/unit/test_fp8_scaled_mm.py runs."""
+    rows = x.reshape(-1, x.shape[-1]).float()
+    if x_scale is None:
+        x_scale = rows.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    else:
+        x_scale = x_scale.float().reshape(1, 1).expand(rows.shape[0], 1).contiguous()
+    xq = (rows / x_scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    w_scale = scale.float().reshape(1, -1).contiguous()
+    y = torch._scaled_mm(xq, q.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=torch.bfloat16)
+    y = y.to(x.dtype).reshape(*x.shape[:-1], q.shape[0])
+    return y if bias is None else y + bias
+
+
+def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias, dynamic_act: bool, x_scale=None):
+    """x W^T with W = q * scale (e4m3, scale per row [N]). Where scaled_mm_serves (CUDA with fp8 tensor
+    cores): fp8_scaled_mm, activations quantized per token (or by x_scale) whatever dynamic_act says,
+    as vLLM's online fp8 does: a weight-only checkpoint runs W8A8 there. Elsewhere by dequantizing W to
+    x's dtype. dynamic_act: x is first rounded to e4m3 per token (a W8A8 checkpoint's activations, as
+    its producer calibrated it); x_scale: by one scale for all rows (per-tensor activations)."""
+    if scaled_mm_serves(q.device.type, _capability(q.device), q.shape[0], q.shape[1]):
+        return fp8_scaled_mm(x, q, scale, bias, x_scale)
+    if x_scale is not None:
+        x = round_fp8_by(x, x_scale)
+    elif dynamic_act:
         x = round_fp8_per_token(x)
     return F.linear(x, dequantize(q, scale, x.dtype), bias)
 
@@ -123,10 +171,17 @@ def pack_fp8(layer: nn.Module, name: str) -> None:
     layer.register_parameter("weight_scale", nn.Parameter(layer.cpu_packed.scale, requires_grad=False))
 
 
-def fp8_product(layer: nn.Module, x: torch.Tensor, name: str, bias, dynamic_act: bool) -> torch.Tensor:
-    """x W^T + b for an e4m3 layer (pack_fp8): our kernel where it holds the weight, else fp8_linear."""
+def fp8_product(
+    layer: nn.Module, x: torch.Tensor, name: str, bias, dynamic_act: bool, x_scale=None
+) -> torch.Tensor:
+    """x W^T + b for an e4m3 layer (pack_fp8): our kernel where it holds the weight, else fp8_linear
+    (torch._scaled_mm on CUDA with fp8). x_scale: one activation scale for all rows (per tensor)."""
     packed = getattr(layer, "cpu_packed", None)
     if packed is None or x.dtype not in cpu_linear.X_CODES:
         q = getattr(layer, name) if packed is None else packed.unpack()
-        return fp8_linear(x, q, layer.weight_scale, bias, dynamic_act)
-    return cpu_linear.linear(round_fp8_per_token(x) if dynamic_act else x, packed, bias)
+        return fp8_linear(x, q, layer.weight_scale, bias, dynamic_act, x_scale)
+    if x_scale is not None:
+        x = round_fp8_by(x, x_scale)
+    elif dynamic_act:
+        x = round_fp8_per_token(x)
+    return cpu_linear.linear(x, packed, bias)
