@@ -281,7 +281,7 @@ def compare_quant(a) -> None:
     models = dict.fromkeys(variants, a.model)
     for spec in a.quantized or []:  # NAME=DIR: that checkpoint (the same model quantized offline)
         name, _, path = spec.partition("=")
-        variants[name], models[name] = dict(linear_dtype=torch.bfloat16), path
+        variants[name], models[name] = dict(linear_dtype=torch.bfloat16), gguf_model.model_dir(path)
     runners = {
         name: ModelRunner(models[name], torch.float32, torch.device("cpu"), TensorParallel(), **kw)
         for name, kw in variants.items()
