@@ -6,7 +6,8 @@ one directory per format, named SRC-FORMAT, each with the source's tokenizer fil
          input activations int8 per token, dynamic; written by compressed-tensors' own scheme and
          ModelCompressor as llmcompressor's W8A8 preset writes it (tests/quant_checkpoints.py compress)
   awq    AWQ `version: gemm`, 4 bits with zero points, group G (quant/awq.py pack_awq)
-  gptq   GPTQ v1, 4 bits asymmetric, group G, desc_act false (quant/gptq.py pack_gptq)
+  gptq   GPTQ v1, 4 bits symmetric (`sym`, AutoGPTQ's default; vLLM's CPU build refuses sym false),
+         group G, desc_act false (quant/gptq.py pack_gptq)
   w4a16  compressed-tensors `pack-quantized` W4A16, symmetric, group G
 
 The LM head (tied to the embedding in SmolLM2), the embedding and the norms keep the source's dtype
@@ -38,7 +39,7 @@ def build(src: Path, fmt: str, out: Path, group: int) -> Path:
     """Writes src's `fmt` copy to out (replacing it) and returns out."""
     shutil.rmtree(out, ignore_errors=True)
     if fmt in ("awq", "gptq"):
-        write_int4(src, out, fmt, group)
+        write_int4(src, out, fmt, group, symmetric=fmt == "gptq")
     else:
         compress(src, fmt, out, dtype="auto", group_size=group)
     return out

@@ -247,9 +247,10 @@ SAME_INPUT = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "o_
               "gate_proj": "mlp_in", "up_proj": "mlp_in", "down_proj": "down_in"}  # fmt: skip
 
 
-def minmax_int4(w: torch.Tensor, g_idx: torch.Tensor, groups: int):
+def minmax_int4(w: torch.Tensor, g_idx: torch.Tensor, groups: int, symmetric: bool = False):
     """Asymmetric 4-bit min-max per (row, group): q [N, K], scale and zero [N, G] (zero 1..15, which
-    GPTQ v1 can store; scale rounded to fp16 as both formats store it)."""
+    GPTQ v1 can store; scale rounded to fp16 as both formats store it). symmetric: GPTQ's `sym`, the
+    range +-absmax over 15 steps around a zero of 8."""
     n = w.shape[0]
     scale, zero = torch.empty(n, groups), torch.empty(n, groups)
     q = torch.empty(w.shape, dtype=torch.uint8)
@@ -257,8 +258,11 @@ def minmax_int4(w: torch.Tensor, g_idx: torch.Tensor, groups: int):
         cols = (g_idx == j).nonzero().flatten()
         block = w[:, cols]
         lo, hi = block.amin(1).clamp(max=0), block.amax(1).clamp(min=0)
+        if symmetric:
+            hi = torch.maximum(-lo, hi)
+            lo = -hi
         s = ((hi - lo) / 15).clamp(min=1e-6).half().float()
-        z = torch.round(-lo / s).clamp(1, 15)
+        z = torch.full_like(s, 8) if symmetric else torch.round(-lo / s).clamp(1, 15)
         scale[:, j], zero[:, j] = s, z
         q[:, cols] = torch.round(block / s[:, None] + z[:, None]).clamp(0, 15).to(torch.uint8)
     return q, scale, zero
@@ -266,12 +270,13 @@ def minmax_int4(w: torch.Tensor, g_idx: torch.Tensor, groups: int):
 
 def write_int4(
     src: Path, quantized_dir: Path, fmt: str, group: int, reference_dir: Path | None = None,
-    desc_act: bool = False,
+    desc_act: bool = False, symmetric: bool = False,
 ):  # fmt: skip
     """src's linear layers rounded to 4 bits (minmax_int4) and written as an AWQ (`version: gemm`) or
     GPTQ (v1) checkpoint in each format's documented packing (quant/awq.py pack_awq, quant/gptq.py
     pack_gptq); with reference_dir, also the float checkpoint of its dequantized weights. desc_act: a
-    random act-order g_idx per layer input, shared by the layers that read it, as GPTQ writes it."""
+    random act-order g_idx per layer input, shared by the layers that read it, as GPTQ writes it;
+    symmetric: GPTQ's `sym` (zero points all 8)."""
     from safetensors.torch import load_file, save_file
 
     from shard_worker.model.quant.awq import pack_awq
@@ -295,14 +300,16 @@ def write_int4(
             order = orders.setdefault(layer_input, torch.randperm(k, generator=gen))
             g_idx = torch.empty(k, dtype=torch.int64)
             g_idx[order] = torch.arange(k) // group
-        q, scale, zero = minmax_int4(w.double(), g_idx, k // group)
-        reference[name] = ((q.double() - zero[:, g_idx]) * scale[:, g_idx]).to(w.dtype)
+        q, scale, zero = minmax_int4(w.double(), g_idx, k // group, symmetric)
+        # float32 holds every (q - zero) * scale exactly (a bfloat16 source's dtype would round it).
+        reference[name] = ((q.double() - zero[:, g_idx]) * scale[:, g_idx]).float()
         packed = pack_awq(q, scale, zero, group) if fmt == "awq" else pack_gptq(q, scale, zero, group, g_idx)
         quantized.update({f"{prefix}.{key}": value for key, value in packed.items()})
     if fmt == "awq":
+        assert not symmetric, "AWQ gemm always has zero points"
         qc = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
     else:
-        qc = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": desc_act, "sym": False,
+        qc = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": desc_act, "sym": symmetric,
               "checkpoint_format": "gptq"}  # fmt: skip
     outs = [(quantized_dir, quantized, {"quantization_config": qc})]
     if reference_dir is not None:
