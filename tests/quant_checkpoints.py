@@ -30,6 +30,7 @@ SHAPE = dict(
     bos_token_id=0,
     eos_token_id=1,
 )
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 LOGIT_STD = 4.0  # peaked next-token distributions: greedy decoding is not decided by near-ties
 
 # name -> (weights args, input activation args or None, format). The schemes llmcompressor's presets
@@ -83,6 +84,13 @@ def build_unquantized(out: Path, seed: int = 0, dtype=torch.float32) -> Path:
 def build_compressed(scheme: str, out: Path, seed: int = 0) -> Path:
     """The SHAPE Llama quantized with `scheme` (lm_head ignored, as llmcompressor's recipes do) and
     saved compressed; config.json gets compressed-tensors' quantization_config."""
+    return compress(build_unquantized(out, seed), scheme, out)
+
+
+def compress(src: Path, scheme: str, out: Path, dtype=torch.float32, group_size: int | None = None) -> Path:
+    """The transformers Llama in `src`, loaded in `dtype` ("auto": its config's), quantized with
+    `scheme` (group_size replaces a group scheme's) and saved compressed in `out` (which may be
+    `src`) with src's tokenizer files."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationArgs,
@@ -93,8 +101,9 @@ def build_compressed(scheme: str, out: Path, seed: int = 0) -> Path:
     from transformers import LlamaForCausalLM
 
     weights, activations, fmt = SCHEMES[scheme]
-    build_unquantized(out, seed)
-    model = LlamaForCausalLM.from_pretrained(out, dtype=torch.float32)
+    if group_size is not None and weights["strategy"] == "group":
+        weights = {**weights, "group_size": group_size}
+    model = LlamaForCausalLM.from_pretrained(src, dtype=dtype)
     group = QuantizationScheme(
         targets=["Linear"],
         weights=QuantizationArgs(**weights),
@@ -109,7 +118,14 @@ def build_compressed(scheme: str, out: Path, seed: int = 0) -> Path:
     compressor.compress_model(model)
     model.save_pretrained(out, safe_serialization=True)
     compressor.update_config(str(out))
+    _copy_tokenizer(src, out)
     return out
+
+
+def _copy_tokenizer(src: Path, out: Path) -> None:
+    for name in TOKENIZER_FILES:
+        if (src / name).exists() and src.resolve() != out.resolve():
+            shutil.copy(src / name, out / name)
 
 
 @torch.no_grad()
@@ -223,3 +239,84 @@ def offline_quantized(model_dir: Path, out: Path, rule: str) -> Path:
     shutil.copytree(model_dir, out)
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     return out
+
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Layers reading the same input share GPTQ's act order (it comes from that input's statistics).
+SAME_INPUT = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "o_proj": "o_in",
+              "gate_proj": "mlp_in", "up_proj": "mlp_in", "down_proj": "down_in"}  # fmt: skip
+
+
+def minmax_int4(w: torch.Tensor, g_idx: torch.Tensor, groups: int, symmetric: bool = False):
+    """Asymmetric 4-bit min-max per (row, group): q [N, K], scale and zero [N, G] (zero 1..15, which
+    GPTQ v1 can store; scale rounded to fp16 as both formats store it). symmetric: GPTQ's `sym`, the
+    range +-absmax over 15 steps around a zero of 8."""
+    n = w.shape[0]
+    scale, zero = torch.empty(n, groups), torch.empty(n, groups)
+    q = torch.empty(w.shape, dtype=torch.uint8)
+    for j in range(groups):
+        cols = (g_idx == j).nonzero().flatten()
+        block = w[:, cols]
+        lo, hi = block.amin(1).clamp(max=0), block.amax(1).clamp(min=0)
+        if symmetric:
+            hi = torch.maximum(-lo, hi)
+            lo = -hi
+        s = ((hi - lo) / 15).clamp(min=1e-6).half().float()
+        z = torch.full_like(s, 8) if symmetric else torch.round(-lo / s).clamp(1, 15)
+        scale[:, j], zero[:, j] = s, z
+        q[:, cols] = torch.round(block / s[:, None] + z[:, None]).clamp(0, 15).to(torch.uint8)
+    return q, scale, zero
+
+
+def write_int4(
+    src: Path, quantized_dir: Path, fmt: str, group: int, reference_dir: Path | None = None,
+    desc_act: bool = False, symmetric: bool = False,
+):  # fmt: skip
+    """src's linear layers rounded to 4 bits (minmax_int4) and written as an AWQ (`version: gemm`) or
+    GPTQ (v1) checkpoint in each format's documented packing (quant/awq.py pack_awq, quant/gptq.py
+    pack_gptq); with reference_dir, also the float checkpoint of its dequantized weights. desc_act: a
+    random act-order g_idx per layer input, shared by the layers that read it, as GPTQ writes it;
+    symmetric: GPTQ's `sym` (zero points all 8)."""
+    from safetensors.torch import load_file, save_file
+
+    from shard_worker.model.quant.awq import pack_awq
+    from shard_worker.model.quant.gptq import pack_gptq
+
+    tensors = load_file(src / "model.safetensors")
+    config = json.loads((src / "config.json").read_text())
+    quantized, reference = {}, dict(tensors)
+    gen = torch.Generator().manual_seed(7)
+    orders = {}
+    for name, w in tensors.items():
+        module = name.rsplit(".", 2)
+        if len(module) < 3 or module[1] not in LINEARS or module[2] != "weight":
+            quantized[name] = w
+            continue
+        prefix, proj = name[: -len(".weight")], module[1]
+        k = w.shape[1]
+        g_idx = torch.arange(k) // group
+        if desc_act:
+            layer_input = name.split(".self_attn")[0].split(".mlp")[0] + SAME_INPUT[proj]
+            order = orders.setdefault(layer_input, torch.randperm(k, generator=gen))
+            g_idx = torch.empty(k, dtype=torch.int64)
+            g_idx[order] = torch.arange(k) // group
+        q, scale, zero = minmax_int4(w.double(), g_idx, k // group, symmetric)
+        # float32 holds every (q - zero) * scale exactly (a bfloat16 source's dtype would round it).
+        reference[name] = ((q.double() - zero[:, g_idx]) * scale[:, g_idx]).float()
+        packed = pack_awq(q, scale, zero, group) if fmt == "awq" else pack_gptq(q, scale, zero, group, g_idx)
+        quantized.update({f"{prefix}.{key}": value for key, value in packed.items()})
+    if fmt == "awq":
+        assert not symmetric, "AWQ gemm always has zero points"
+        qc = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
+    else:
+        qc = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": desc_act, "sym": symmetric,
+              "checkpoint_format": "gptq"}  # fmt: skip
+    outs = [(quantized_dir, quantized, {"quantization_config": qc})]
+    if reference_dir is not None:
+        outs.append((reference_dir, reference, {}))
+    for out, weights, extra in outs:
+        out.mkdir(parents=True)
+        save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+        (out / "config.json").write_text(json.dumps({**config, **extra}))
+        _copy_tokenizer(src, out)
+    return quantized_dir, reference_dir
