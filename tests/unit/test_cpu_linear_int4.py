@@ -1,13 +1,14 @@
 """The CPU linear kernel's 4-bit product (csrc/cpu_linear_int4.cpp through cpu_linear.py) against x times
 the dequantized weight, w = q * scale + offset per row and group of k, in float64: on every path this
 machine can run (native: AVX-512 BF16 here, x rounded to bf16; `avx512`, `avx2`, `scalar`: x in float32),
-1..64 rows (one pass, chunks of 8), N off the 16-row blocks, K in pieces of 2048, groups of 4 to 2048, both
+1..64 rows (one pass, chunks of 8), N off the 16-row blocks, K in pieces of 2048, groups of 8 to 2048, both
 x dtypes, bias; a row's bits alone, in a batch and on two threads; tensor-parallel shards; and its seat
 under kernels.PackedInt4 (what AWQ, GPTQ, compressed-tensors W4A16 and GGUF's 4-bit types load into).
 
 Tolerance: the kernel sums x q per group in float32 (exact products: q is exact in bf16 and float32) and
-x per group, then folds s * sum(x q) + o * sum(x): each float32 sum of K terms in any order is within
-K * 2^-24 of its terms' absolute sum, so the result is within 4 K 2^-24 (|x| @ (|q s| + |o|)^T) of the
+x per group, then folds s * sum(x q) + o * sum(x) (on the bf16 path s * sum(x (128 + q)) + (o - 128 s)
+sum(x): its widening is one bit operation): each float32 sum of K terms in any order is within K * 2^-24
+of its terms' absolute sum, so the result is within 4 K 2^-24 (|x| @ (|(q + 128) s| + |o|)^T) of the
 exact one, plus 2^-23 of the value (the folds, the bias) and a bf16 output's 2^-8. A wrong nibble, group
 or offset is off by orders of magnitude more."""
 
@@ -20,7 +21,7 @@ from shard_worker.model.quant import cpu_linear
 from shard_worker.model.quant.kernels import PackedInt4
 from tests.unit.test_cpu_linear_int8 import VARIANTS
 
-CASES = [(17, 64, 32), (48, 128, 64), (100, 96, 4), (40, 4160, 32), (33, 2048, 2048), (64, 576, 64)]
+CASES = [(17, 64, 32), (48, 128, 64), (100, 96, 8), (40, 4160, 32), (33, 2048, 2048), (64, 576, 64)]
 ROWS = [1, 3, 8, 9, 17, 64]
 
 
@@ -39,7 +40,9 @@ def _check(y, x, q, scale, offset, bias, rounds_x: bool) -> None:
     xr = (x.bfloat16() if rounds_x else x).double()
     w = _dequantized(q, scale, offset)
     g = q.shape[1] // scale.shape[1]
-    magnitude = q.double() * scale.double().repeat_interleave(g, 1) + offset.double().abs().repeat_interleave(
+    # Where x is rounded to bf16 the kernel sums x (128 + q) and takes 128 s sum(x) back off.
+    biased = q.double() + (128 if rounds_x else 0)
+    magnitude = biased * scale.double().repeat_interleave(g, 1) + offset.double().abs().repeat_interleave(
         g, 1
     )
     want = xr @ w.T + (0 if bias is None else bias.double())

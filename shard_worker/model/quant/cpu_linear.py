@@ -65,7 +65,7 @@ EXT = cpu_ext.Extension(
     "cpu_linear",
     _CSRC / "cpu_linear.cpp",
     "tp_linear_abi",
-    6,
+    7,
     "the CPU linear kernel",
     more=(_CSRC / "cpu_linear_int8.cpp", _CSRC / "cpu_linear_int4.cpp", _CSRC / "cpu_linear.h"),
 )
@@ -107,10 +107,10 @@ def available_int4() -> bool:
 
 def int4_group(group_size: int, in_features: int) -> int:
     """The group the int4 kernel runs a weight with groups of group_size k in (or per channel: group_size
-    = in_features) at: the largest multiple of 4 dividing group_size and 2048 (its scales repeated over
+    = in_features) at: the largest multiple of 8 dividing group_size and 2048 (its scales repeated over
     the smaller groups, exactly); 0 where there is none or K is off it."""
     g = math.gcd(group_size, 2048)
-    return g if g % 4 == 0 and in_features % g == 0 else 0
+    return g if g % 8 == 0 and in_features % g == 0 else 0
 
 
 def int8_rounds_x(variant: str | None = None) -> bool:
@@ -200,24 +200,24 @@ class PackedLinear:
         cls, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, variant: str | None = None
     ) -> PackedLinear:
         """4-bit q (uint8 [N, K], values 0..15) with w = q * scale + offset per row and group of g k
-        (scale, offset float32 [N, K / g]; g a multiple of 4 dividing 2048: int4_group). `data` [N / 16,
-        K / 4, 32] uint8 (csrc/cpu_linear_int4.cpp's layout: bf16 pairs where products round x to bf16,
-        else planes), `scale` [N / 16, K / g, 2, 16]: the scales, then the offsets."""
+        (scale, offset float32 [N, K / g]; g a multiple of 8 dividing 2048: int4_group). `data` [N / 16,
+        8 K] uint8 (a block's 16 rows of K / 2 bytes) in csrc/cpu_linear_int4.cpp's order (lanes where products round x to bf16, else
+        planes), `scale` [N / 16, K / g, 2, 16]: the scales, then the offsets."""
         variant = variant or VARIANT
         n, k = q.shape
         group = k // max(scale.shape[1], 1)
         if tuple(scale.shape) != (n, k // group) or tuple(offset.shape) != tuple(scale.shape):
             raise ValueError(f"int4 scales {tuple(scale.shape)} / {tuple(offset.shape)} for [{n}, {k}]")
         if int4_group(group, k) != group:
-            raise ValueError(f"int4 groups of {group} k: a multiple of 4 dividing 2048 and K={k}")
+            raise ValueError(f"int4 groups of {group} k: a multiple of 8 dividing 2048 and K={k}")
         blocks = -(-n // 16)
         w = F.pad(q.detach().to(torch.uint8), (0, 0, 0, blocks * 16 - n))
-        w = w.reshape(
-            blocks, 16, k // 4, 2, 2
-        )  # [block, row, j, nibble, k parity]: k = 4j + 2 nibble + parity
-        order = (0, 2, 3, 1, 4) if int8_rounds_x(variant) else (0, 2, 3, 4, 1)  # pairs, else planes
-        w = w.permute(order).reshape(blocks, k // 4, 2, 32)
-        data = (w[:, :, 0] | (w[:, :, 1] << 4)).contiguous()
+        if int8_rounds_x(variant):  # lanes: [block, j, row, parity, nibble t], k = 8j + 2t + parity
+            w = w.reshape(blocks, 16, k // 8, 4, 2).permute(0, 2, 1, 4, 3).reshape(blocks, k // 8, 64, 2)
+        else:  # planes: [block, j, half, parity, row], k = 4j + 2 half + parity
+            w = w.reshape(blocks, 16, k // 4, 2, 2).permute(0, 2, 3, 4, 1).reshape(blocks, k // 4, 2, 32)
+            w = w.transpose(2, 3)
+        data = (w[..., 0] | (w[..., 1] << 4)).reshape(blocks, 8 * k).contiguous()
         so = torch.stack([scale.detach().float(), offset.detach().float()])  # [2, N, G]
         so = F.pad(so, (0, 0, 0, blocks * 16 - n)).reshape(2, blocks, 16, k // group)
         return cls(data, n, k, variant, so.permute(1, 3, 0, 2).contiguous(), group, code=INT4)
@@ -225,13 +225,13 @@ class PackedLinear:
     def unpack(self) -> torch.Tensor:
         """The [N, K] weight back (int8: the values, without the scale; int4: q)."""
         if self.code == INT4:
-            blocks, quads, _ = self.data.shape
-            w = torch.stack([self.data & 15, self.data >> 4], dim=2).reshape(blocks, quads, 2, 2, 16)
-            if int8_rounds_x(self.variant):  # pairs: [.., nibble, row, parity] from [.., nibble, 32]
-                w = w.reshape(blocks, quads, 2, 16, 2).permute(0, 3, 1, 2, 4)
-            else:  # planes: [.., nibble, parity, row]
-                w = w.permute(0, 4, 1, 2, 3)
-            w = w.reshape(blocks * 16, quads * 4)
+            blocks, k = self.data.shape[0], self.data.shape[1] // 8
+            w = torch.stack([self.data & 15, self.data >> 4], dim=-1)  # each byte's nibbles, low first
+            if int8_rounds_x(self.variant):  # [block, j, row, parity, t] -> [block, row, j, t, parity]
+                w = w.reshape(blocks, k // 8, 16, 2, 4).permute(0, 2, 1, 4, 3)
+            else:  # [block, j, parity, row, half] -> [block, row, j, half, parity]
+                w = w.reshape(blocks, k // 4, 2, 16, 2).permute(0, 3, 1, 4, 2)
+            w = w.reshape(blocks * 16, k)
         elif self.code == W8A8:
             blocks, quads, rows, _ = self.data.shape
             w = self.data.permute(0, 2, 1, 3).reshape(blocks * rows, quads * 4)

@@ -109,7 +109,7 @@ void tp_linear_int4_run(int x_dtype, const void* x, void* y, const void* w, cons
                         int bias_dtype, const void* bias, int64_t m, int64_t n, int64_t k, int threads);
 int tp_linear_int4_native();
 
-int tp_linear_abi() { return 6; }
+int tp_linear_abi() { return 7; }
 
 // Rows per block of a weight of this dtype's layout.
 int tp_linear_rows(int w_dtype) { return w_dtype == F32 ? F32Kernel::ROWS : 16; }
@@ -122,7 +122,7 @@ int tp_linear_native(int w_dtype) {
 }
 
 // 0 on success; 1: a dtype code out of range, an int8 weight without its scale, a group that is not
-// even or does not divide K and 2048, an int4 weight without groups of a multiple of 4. scale, group:
+// even or does not divide K and 2048, an int4 weight without groups of a multiple of 8. scale, group:
 // int8 (float32 [N] for group 0, else a scale per group of k; W8A8: [2, N]: cpu_linear_int8.cpp) and
 // int4 (a scale and an offset per group: cpu_linear_int4.cpp); fp8 (e4m3, a scale per row).
 int tp_linear(int x_dtype, int w_dtype, const void* x, void* y, const void* w, const float* scale,
@@ -130,7 +130,7 @@ int tp_linear(int x_dtype, int w_dtype, const void* x, void* y, const void* w, c
   if ((x_dtype != F32 && x_dtype != BF16) || w_dtype < F32 || w_dtype > FP8) return 1;
   if ((bias && bias_dtype != F32 && bias_dtype != BF16) || (w_dtype >= INT8 && !scale)) return 1;
   if (group && (group < 0 || group % 2 || k % group || 2 * K_CHUNK % group)) return 1;
-  if (w_dtype == INT4 && (!group || group % 4)) return 1;
+  if (w_dtype == INT4 && (!group || group % 8)) return 1;
   if (m <= 0 || n <= 0) return 0;
   if (w_dtype == INT4) {
     tp_linear_int4_run(x_dtype, x, y, w, scale, group, bias ? bias_dtype : -1, bias, m, n, k, threads);

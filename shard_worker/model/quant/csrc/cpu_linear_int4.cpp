@@ -7,16 +7,20 @@
 // offset fold both into the running sums. So q is never dequantized: it is widened from its nibble to an
 // exact bf16 or float32 in registers.
 //
-// Layout: [N / 16][K / 4][32] bytes, N padded with zero rows; K a multiple of 4. The 32 bytes of a block
-// hold k = 4j..4j+3 of its 16 rows: the low nibbles k 4j and 4j + 1, the high nibbles k 4j + 2 and 4j + 3
-// (the driver's steps are pairs of k, so a byte holds step 2j in its low nibble and 2j + 1 in its high).
-// Within a nibble half, the 32 values are
-//   AVX-512 BF16 ("pairs"): row r's (k, k + 1) at bytes 2r, 2r + 1, so that zero-extending the 32 bytes to
-//     16-bit lanes and looking each nibble up in a table of bf16(0..15) (vpermw) gives the 16 (k, k + 1)
-//     bf16 pairs _mm512_dpbf16_ps takes; x rounded to bf16 as the int8 kernel rounds it.
-//   otherwise ("planes"): the 16 rows at k, then at k + 1; widened to float32 and multiplied in float32.
-// tp_linear_int8_bf16_x() says which (the same condition). Scales and offsets: [N / 16][K / g][2][16]
-// float32 (a block's 16 scales of a group, then its 16 offsets), g a multiple of 4 dividing K and 2048.
+// Layout: 16-row blocks, N padded with zero rows, K / 2 bytes a row, in one of two orders (K a multiple
+// of 8; tp_linear_int8_bf16_x() says which: the same condition):
+//   AVX-512 BF16 ("lanes"): [N / 16][K / 8][32] 16-bit lanes, lane 2r + i holding row r's k = 8j + 2t + i
+//     in its nibble t (bits 4t..4t + 3), t = 0..3: a 64-byte line is 4 steps of (k, k + 1) pairs, and a
+//     step's 32 values are one shift and one bit operation away from the bf16 pairs _mm512_dpbf16_ps takes
+//     (no shuffle: nibble | 0x4300 is bf16(128 + q), exactly). So the kernel sums x (128 + q) and the fold
+//     takes 128 s xsum back off (its offsets o - 128 s); x rounded to bf16 as the int8 kernel rounds it.
+//     (A bf16(0..15) table through vpermw measured 1.14x int8 at one row on 8192 x 8192, out of cache;
+//     its shuffles, not memory, bounded it.)
+//   otherwise ("planes"): [N / 16][K / 4][32] bytes, the 32 bytes of a block holding k = 4j..4j+3 of its 16
+//     rows: bytes 0-15 the rows at even k, 16-31 at odd k, the low nibbles k 4j and 4j + 1, the high ones
+//     4j + 2 and 4j + 3; widened to float32 and multiplied in float32.
+// Scales and offsets: [N / 16][K / g][2][16] float32 (a block's 16 scales of a group, then its 16
+// offsets), g a multiple of 8 dividing K and 2048.
 
 #include "cpu_linear.h"
 
@@ -43,16 +47,19 @@ inline void fold(const Tile& t, int64_t g, __m512 (&part)[MB][NB]) {
   }
 }
 
-// Then the offsets' share of the steps [s0, s1): acc += o * xsum over their groups, a block at a time in
-// registers (cheaper than with each group's fold, through memory: 1.3x at 8 rows in groups of 32).
-template <int MB, int NB>
+// Then the offsets' share of the steps [s0, s1): acc += (o - bias s) * xsum over their groups, a block at
+// a time in registers (cheaper than with each group's fold, through memory: 1.3x at 8 rows in groups of
+// 32). bias: what the kernel added to each q (lanes: 128).
+template <int MB, int NB, int BIAS = 0>
 inline void offsets(const Tile& t) {
   const int64_t gs = t.group / 2;
   for (int b = 0; b < NB; ++b) {
     __m512 acc[MB];
     for (int m = 0; m < MB; ++m) acc[m] = _mm512_loadu_ps(t.acc + m * ACC_LD + b * 16);
     for (int64_t g = t.s0 / gs; g < t.s1 / gs; ++g) {
-      const __m512 ov = _mm512_loadu_ps(t.gscale + b * t.gstride + g * 32 + 16);
+      const float* so = t.gscale + b * t.gstride + g * 32;
+      __m512 ov = _mm512_loadu_ps(so + 16);
+      if constexpr (BIAS != 0) ov = _mm512_fnmadd_ps(_mm512_loadu_ps(so), _mm512_set1_ps(BIAS), ov);
       for (int m = 0; m < MB; ++m) acc[m] = _mm512_fmadd_ps(ov, _mm512_set1_ps(t.xsum[m * t.ldxs + g]), acc[m]);
     }
     for (int m = 0; m < MB; ++m) _mm512_storeu_ps(t.acc + m * ACC_LD + b * 16, acc[m]);
@@ -68,20 +75,17 @@ inline void zero_acc(const Tile& t, int mb, int cols) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 struct Int4Kernel : Int4Traits {
   using X = uint32_t;  // a pair of bf16
-  // Registers: MB x NB group sums, MB x NB running sums where they fit (REGS), NB widened weights, the
-  // table, the mask, a broadcast x.
+  // Registers: MB x NB group sums, MB x NB running sums where they fit (REGS), NB lines and NB widened
+  // weights, two constants, a broadcast x. Above 8 rows, wide tiles folding through L1.
   static constexpr int MB_MAX = 8, MB_BIG = 8, NB_MAX = 4;
-  static int nb_for(int64_t m) { return m <= 3 ? 4 : m <= 4 ? 3 : m <= 6 ? 2 : m <= 8 ? 1 : 3; }
+  static int nb_for(int64_t m) { return m <= 2 ? 4 : m <= 3 ? 3 : m <= 6 ? 2 : m <= 8 ? 1 : 3; }
   template <int MB, int NB>
   static void tile(const Tile& t) {
     const uint8_t* w = static_cast<const uint8_t*>(t.w);
     const int32_t* x = static_cast<const int32_t*>(t.x);
-    // bf16(i) for i = 0..15 (1.0 is 0x3f80; i = 2^e * (1 + f / 8): exponent 127 + e, f in the top bits).
-    alignas(64) uint16_t values[32] = {};
-    for (int i = 1; i < 16; ++i) values[i] = f32_to_bf16(static_cast<float>(i));
-    const __m512i table = _mm512_load_si512(values), low = _mm512_set1_epi16(0x0f);
-    const int64_t gs = t.group / 2;  // steps per group (even)
-    constexpr bool REGS = 2 * MB * NB + NB + 3 <= 32;
+    const __m512i low = _mm512_set1_epi16(0x0f), bf16_128 = _mm512_set1_epi16(0x4300);
+    const int64_t gs = t.group / 2;  // steps per group (a multiple of 4)
+    constexpr bool REGS = 2 * MB * NB + 2 * NB + 3 <= 32;
     __m512 acc[MB][NB];
     zero_acc(t, MB, NB * 16);
     if constexpr (REGS)
@@ -91,21 +95,19 @@ struct Int4Kernel : Int4Traits {
       __m512 part[MB][NB];
       for (int m = 0; m < MB; ++m)
         for (int b = 0; b < NB; ++b) part[m][b] = _mm512_setzero_ps();
-      for (int64_t p = p0; p < p0 + gs; p += 2) {
-        __m512i bytes[NB];
+      for (int64_t p = p0; p < p0 + gs; p += 4) {
+        __m512i line[NB];
         for (int b = 0; b < NB; ++b) {
           const uint8_t* wp = w + b * t.bstride + p * 16;
-          if ((p & 2) == 0) _mm_prefetch(reinterpret_cast<const char*>(wp) + 512, _MM_HINT_T0);
-          bytes[b] = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp)));
+          _mm_prefetch(reinterpret_cast<const char*>(wp) + PREFETCH * 64, _MM_HINT_T0);
+          line[b] = _mm512_loadu_si512(wp);
         }
-        for (int h = 0; h < 2; ++h) {  // the low nibbles are step p, the high ones step p + 1
+        for (int i = 0; i < 4; ++i) {  // step p + i: nibble i of each lane; (nibble & 0xf) | 0x4300
           __m512bh wv[NB];
-          for (int b = 0; b < NB; ++b) {
-            const __m512i v = h ? _mm512_srli_epi16(bytes[b], 4) : _mm512_and_si512(bytes[b], low);
-            wv[b] = (__m512bh)_mm512_permutexvar_epi16(v, table);
-          }
+          for (int b = 0; b < NB; ++b)
+            wv[b] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(line[b], 4 * i), low, bf16_128, 0xea);
           for (int m = 0; m < MB; ++m) {
-            const __m512bh xv = (__m512bh)_mm512_set1_epi32(x[m * t.ldx + p + h]);
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32(x[m * t.ldx + p + i]);
             for (int b = 0; b < NB; ++b) part[m][b] = _mm512_dpbf16_ps(part[m][b], xv, wv[b]);
           }
         }
@@ -122,7 +124,7 @@ struct Int4Kernel : Int4Traits {
     if constexpr (REGS)
       for (int m = 0; m < MB; ++m)
         for (int b = 0; b < NB; ++b) _mm512_storeu_ps(t.acc + m * ACC_LD + b * 16, acc[m][b]);
-    offsets<MB, NB>(t);
+    offsets<MB, NB, 128>(t);
   }
 };
 
@@ -250,7 +252,7 @@ struct Int4Kernel : Int4Traits {  // any CPU: plain loops over the planes layout
 
 extern "C" {
 
-// scale: [N / 16][K / group][2][16] float32 (scales, then offsets); group a multiple of 4 dividing K and
+// scale: [N / 16][K / group][2][16] float32 (scales, then offsets); group a multiple of 8 dividing K and
 // 2048 (the caller checks).
 void tp_linear_int4_run(int x_dtype, const void* x, void* y, const void* w, const float* scale, int64_t group,
                         int bias_dtype, const void* bias, int64_t m, int64_t n, int64_t k, int threads) {
