@@ -201,8 +201,9 @@ class PackedLinear:
     ) -> PackedLinear:
         """4-bit q (uint8 [N, K], values 0..15) with w = q * scale + offset per row and group of g k
         (scale, offset float32 [N, K / g]; g a multiple of 8 dividing 2048: int4_group). `data` [N / 16,
-        8 K] uint8 (a block's 16 rows of K / 2 bytes) in csrc/cpu_linear_int4.cpp's order (lanes where products round x to bf16, else
-        planes), `scale` [N / 16, K / g, 2, 16]: the scales, then the offsets."""
+        8 K] uint8 (a block's 16 rows of K / 2 bytes) in csrc/cpu_linear_int4.cpp's order (lanes where
+        products round x to bf16, else planes), `scale` [N / 16, K / g, 2, 16]: the scales, then the
+        offsets."""
         variant = variant or VARIANT
         n, k = q.shape
         group = k // max(scale.shape[1], 1)
