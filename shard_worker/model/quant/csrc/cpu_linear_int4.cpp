@@ -78,7 +78,7 @@ struct Int4Kernel : Int4Traits {
   // Registers: MB x NB group sums, MB x NB running sums where they fit (REGS), NB lines and NB widened
   // weights, two constants, a broadcast x. Above 8 rows, wide tiles folding through L1.
   static constexpr int MB_MAX = 8, MB_BIG = 8, NB_MAX = 4;
-  static int nb_for(int64_t m) { return m <= 2 ? 4 : m <= 3 ? 3 : m <= 6 ? 2 : m <= 8 ? 1 : 3; }
+  static int nb_for(int64_t m) { return m <= 2 ? 4 : m <= 3 ? 3 : m <= 6 ? 2 : 3; }
   template <int MB, int NB>
   static void tile(const Tile& t) {
     const uint8_t* w = static_cast<const uint8_t*>(t.w);
