@@ -38,9 +38,14 @@ stream from memory. One thread, AMD EPYC Zen 4 (AVX-512 BF16, no AMX), shared ma
       SmolLM2 written as a Q8_0 GGUF (bfloat16:cpu against bfloat16:cpu:onednn, which also holds the
       other layers for oneDNN): 18.0 / 23.7 ms at batch 1, 34.6 / 63.0 at 8, 86.4 / 243.4 at 32.
 
-`PackedLinear.pack(weight)` holds the layout (weight dtype float32 or bfloat16: bfloat16 16-row blocks
-with k in pairs, float32 16-row blocks with AVX-512F, 8-row ones with AVX2; int8 with `scale=`: 16-row
-blocks, a step the 16 rows at k then at k + 1); `linear(x, packed, bias)` multiplies x [..., K] in float32
+  4-bit weights (--int8's int4 column, group 64 on SmolLM2, 128 on Llama-3-8B's layer; quiet machine):
+      1.13x / 0.85x / 0.83x the int8 kernel at 1 / 8 / 32 rows on SmolLM2 (per-call costs weigh on its
+      small layers), 1.60x / 0.83x / 0.85x on a Llama-3-8B layer, 1.2-2.1x tinygemm; fp8 1.16x / 0.96x
+      / 0.73x our bf16 kernel. README.md's quantization section has the whole table.
+
+`PackedLinear.pack(weight)` holds the layout (e4m3 as int8 bytes; pack_int4 the 4-bit one; weight dtype
+float32 or bfloat16: bfloat16 16-row blocks with k in pairs, float32 16-row blocks with AVX-512F, 8-row
+ones with AVX2; int8 with `scale=`: 16-row blocks, a step the 16 rows at k then at k + 1); `linear(x, packed, bias)` multiplies x [..., K] in float32
 or bfloat16 (x is rounded to bfloat16 for a bfloat16 weight, as unquantized.linear rounds it, and for an
 int8 one where the CPU has AVX-512 BF16: `int8_rounds_x()`) and returns y in x's dtype.
 `available(dtype)`: whether this machine builds the kernel with vector instructions for that weight dtype

@@ -13,7 +13,11 @@ Chosen by bench/quant_kernels.py (its header holds the table), on CPU, the same 
         slower; per-channel scale in the kernel); it needs K % 16 == 0. At batch 1: 3.3-4.0x float32
         and 1.6-2.6x bf16 on Llama-3-8B's shapes, 1.0-1.7x float32 and 0.86-1.0x bf16 on SmolLM2's
         (bf16 there: oneDNN's product, before our kernel).
-  int4: aten._weight_int4pack_mm_for_cpu (the "tinygemm" layout, repacked once here by
+  int4: on a CPU where our own kernel runs (cpu_linear.available_int4: AVX-512 or AVX2 + FMA), through
+        it (cpu_linear.PackedLinear.pack_int4, csrc/cpu_linear_int4.cpp, at the group int4_group
+        gives; cpu_linear.py's table: 1.13x the int8 kernel at 1 row on SmolLM2's products, 1.60x on a
+        Llama-3-8B layer, 1.2-2.1x tinygemm at 1-32 rows). Else
+        aten._weight_int4pack_mm_for_cpu (the "tinygemm" layout, repacked once here by
         _convert_weight_to_int4pack_for_cpu; its form of the affine rule is w = (q - 8) * s + m, so
         m = (8 - zero) * s). It needs N % 16 == 0 and a group of 32, 64, 128 or 256 (a larger group
         that one of them divides, per-channel included, is served by repeating its scales). At batch 1
