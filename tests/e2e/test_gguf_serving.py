@@ -6,9 +6,9 @@ each tensor saved as an HF checkpoint (transformers' GGUF loading keeps the weig
 in float32, 30 s for the prompts here on a shared CPU; its logits on one prompt are checked to equal
 that checkpoint's). A text prompt is tokenized with the file's own tokenizer, as transformers reads it.
 
-The same for the int8-kept types (a wider random Llama, K a multiple of Q6_K's 256): Q8_0, Q5_0 and
-Q6_K kept int8 (our kernel's group layout, else PackedInt8Groups), qkv_proj mixing all three (group 16),
-down_proj Q6_K split by rows of groups at --tp 2, an LM head Q8_0, and a Q8_0 embedding kept int8 (each rank its rows).
+The same for the int8-kept types (a wider random Llama, K a multiple of Q6_K's 256): Q8_0, Q5_0 and Q6_K kept
+int8 (our kernel's group layout, else PackedInt8Groups), qkv_proj mixing all three (group 16), down_proj Q6_K
+split by rows of groups at --tp 2, an LM head Q8_0, and a Q8_0 embedding kept int8 (each rank its rows).
 """
 
 from __future__ import annotations

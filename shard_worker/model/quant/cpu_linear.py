@@ -44,14 +44,13 @@ stream from memory. One thread, AMD EPYC Zen 4 (AVX-512 BF16, no AMX), shared ma
       / 0.73x our bf16 kernel. README.md's quantization section has the whole table.
 
 `PackedLinear.pack(weight)` holds the layout (e4m3 as int8 bytes; pack_int4 the 4-bit one; weight dtype
-float32 or bfloat16: bfloat16 16-row blocks with k in pairs, float32 16-row blocks with AVX-512F, 8-row
-ones with AVX2; int8 with `scale=`: 16-row blocks, a step the 16 rows at k then at k + 1); `linear(x, packed, bias)` multiplies x [..., K] in float32
-or bfloat16 (x is rounded to bfloat16 for a bfloat16 weight, as unquantized.linear rounds it, and for an
-int8 one where the CPU has AVX-512 BF16: `int8_rounds_x()`) and returns y in x's dtype.
-`available(dtype)`: whether this machine builds the kernel with vector instructions for that weight dtype
-(else the caller keeps oneDNN, or _weight_int8pack_mm for int8; the library's plain-loop paths then serve
-only tests).
-"""
+float32 or bfloat16: bfloat16 16-row blocks with k in pairs, float32 16-row blocks with AVX-512F, 8-row ones
+with AVX2; int8 with `scale=`: 16-row blocks, a step the 16 rows at k then at k + 1); `linear(x, packed,
+bias)` multiplies x [..., K] in float32 or bfloat16 (x is rounded to bfloat16 for a bfloat16 weight, as
+unquantized.linear rounds it, and for an int8 one where the CPU has AVX-512 BF16: `int8_rounds_x()`) and
+returns y in x's dtype. `available(dtype)`: whether this machine builds the kernel with vector instructions
+for that weight dtype (else the caller keeps oneDNN, or _weight_int8pack_mm for int8; the library's plain-loop
+paths then serve only tests)."""
 
 from __future__ import annotations
 
