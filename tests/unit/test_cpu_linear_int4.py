@@ -19,7 +19,7 @@ import torch
 
 from shard_worker.model.quant import cpu_linear
 from shard_worker.model.quant.kernels import PackedInt4
-from tests.unit.test_cpu_linear_int8 import VARIANTS
+from tests.unit.test_cpu_linear_int8 import VARIANTS, assert_same_bits_alone_batched_and_threaded
 
 CASES = [(17, 64, 32), (48, 128, 64), (100, 96, 8), (40, 4160, 32), (33, 2048, 2048), (64, 576, 64)]
 ROWS = [1, 3, 8, 9, 17, 64]
@@ -82,18 +82,7 @@ def test_a_row_gets_the_same_bits_alone_in_a_batch_and_on_any_thread_count():
     gen = torch.Generator().manual_seed(1)
     q, scale, offset = _int4(300, 1152, 128, gen)
     packed = cpu_linear.PackedLinear.pack_int4(q, scale, offset)
-    x = torch.randn(40, 1152, generator=gen)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = cpu_linear.linear(x, packed)
-        alone = torch.cat([cpu_linear.linear(x[i : i + 1], packed) for i in (0, 17, 39)])
-        torch.set_num_threads(2)
-        two = cpu_linear.linear(x, packed)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(one, two)
-    assert torch.equal(one[[0, 17, 39]], alone)
+    assert_same_bits_alone_batched_and_threaded(packed, torch.randn(40, 1152, generator=gen))
 
 
 def test_row_parallel_shards_sum_to_the_whole_product():
