@@ -40,7 +40,7 @@ MESSAGE_FIELDS = (
     "output_config",
 )
 COUNT_FIELDS = ("model", "messages", "system", "tools", "tool_choice", "thinking")
-ACCEPTED = ("metadata", "service_tier")
+ACCEPTED = ("metadata", "service_tier", "cache_control")  # cache_control: prefix caching needs no hint
 # Anthropic's names for the chat fields they map to, for error messages (OpenAI's name -> Anthropic's).
 RENAMES = (
     (re.compile(r"\btools\[(\d+)\]\.function\.parameters\b"), r"tools[\1].input_schema"),

@@ -14,6 +14,7 @@ no vision model is served.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from router.openai import protocol
@@ -44,7 +45,11 @@ REFUSED_UNLESS = {
     "top_logprobs": (0,),
     "stream_options": ({},),
 }
-RENAMES = {"max_completion_tokens": "max_output_tokens", "response_format": "text.format"}
+RENAMES = {
+    r"\bmax_completion_tokens\b": "max_output_tokens",
+    r"\bresponse_format\b": "text.format",
+    r"\b(tools\[\d+\])\.function\.": r"\1.",
+}
 
 
 @dataclass(frozen=True)
@@ -55,9 +60,10 @@ class ResponsesRequest:
 
 
 def renamed(e: ApiError) -> ApiError:
+    """An error raised in chat terms, in the names this request used."""
     for old, new in RENAMES.items():
-        e.message = e.message.replace(old, new)
-        e.param = e.param.replace(old, new) if e.param else e.param
+        e.message = re.sub(old, new, e.message)
+        e.param = re.sub(old, new, e.param) if e.param else e.param
     return e
 
 
