@@ -48,7 +48,7 @@ REFUSED_UNLESS = {
 RENAMES = {
     r"\bmax_completion_tokens\b": "max_output_tokens",
     r"\bresponse_format\b": "text.format",
-    r"\b(tools\[\d+\])\.function\.": r"\1.",
+    r"\b(tools\[\d+\])\.function\b": r"\1",
 }
 
 

@@ -43,6 +43,24 @@ ONE_SHOT = [
     {"role": "user", "content": "What is the weather in Paris?"},
 ]
 ONE_SHOT_SYSTEM = "You answer weather questions with a tool call."
+# The call fed back with its result, as the chat endpoint reads it (the same turns for both APIs).
+CALL_ID = "call_w1"
+LOOP = [
+    {"role": "system", "content": ONE_SHOT_SYSTEM},
+    *ONE_SHOT,
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": CALL_ID,
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": CALL_ID, "content": "18C", "name": "get_weather"},
+]
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +75,18 @@ def claude(info) -> anthropic.Anthropic:
     )
 
 
+_CHATS: dict[str, openai.types.chat.ChatCompletion] = {}
+
+
 def chat(info, messages, **kw) -> openai.types.chat.ChatCompletion:
-    return client(info).chat.completions.create(model="smollm2", messages=messages, temperature=0, **kw)
+    """The greedy chat completion of a conversation, asked once for the module (both APIs compare with the
+    same conversations)."""
+    key = json.dumps([messages, kw], sort_keys=True)
+    if key not in _CHATS:
+        _CHATS[key] = client(info).chat.completions.create(
+            model="smollm2", messages=messages, temperature=0, **kw
+        )
+    return _CHATS[key]
 
 
 def post(info, path: str, body: dict) -> tuple[int, dict]:
@@ -153,25 +181,17 @@ def test_messages_tool_use_forced_auto_and_the_result_fed_back(stack):
     assert auto.stop_reason == "tool_use"
 
     # The loop: the call and its result fed back; the answer is the chat completion's of the same turns.
+    assert use.input == {"city": "Paris"}
     turns = [
         *ONE_SHOT,
         {
             "role": "assistant",
-            "content": [{"type": "tool_use", "id": use.id, "name": use.name, "input": use.input}],
+            "content": [{"type": "tool_use", "id": CALL_ID, "name": use.name, "input": use.input}],
         },
-        {
-            "role": "user",
-            "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "18C and sunny"}],
-        },
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": CALL_ID, "content": "18C"}]},
     ]
     after = c.messages.create(system=ONE_SHOT_SYSTEM, messages=turns, **(kw | {"max_tokens": 16}))
-    chat_turns = [
-        {"role": "system", "content": ONE_SHOT_SYSTEM},
-        *ONE_SHOT,
-        {"role": "assistant", "content": None, "tool_calls": [chat_call.model_dump()]},
-        {"role": "tool", "tool_call_id": chat_call.id, "content": "18C and sunny", "name": "get_weather"},
-    ]
-    expected = chat(stack, chat_turns, tools=[CHAT_TOOL], max_completion_tokens=16)
+    expected = chat(stack, LOOP, tools=[CHAT_TOOL], max_completion_tokens=16)
     said = "".join(b.text for b in after.content if b.type == "text")
     assert said == (expected.choices[0].message.content or "")
 
@@ -308,27 +328,11 @@ def test_responses_function_calls_forced_auto_and_outputs_fed_back(stack):
     # The loop: the call and its output fed back as items; the answer is the chat completion's.
     items = [
         *ONE_SHOT,
-        use.model_dump(exclude_none=True),
-        {"type": "function_call_output", "call_id": use.call_id, "output": "18C"},
+        {"type": "function_call", "call_id": CALL_ID, "name": use.name, "arguments": use.arguments},
+        {"type": "function_call_output", "call_id": CALL_ID, "output": "18C"},
     ]
     after = o.responses.create(instructions=ONE_SHOT_SYSTEM, input=items, **(kw | {"max_output_tokens": 16}))
-    chat_turns = [
-        {"role": "system", "content": ONE_SHOT_SYSTEM},
-        *ONE_SHOT,
-        {
-            "role": "assistant",
-            "content": None,
-            "tool_calls": [
-                {
-                    "id": use.call_id,
-                    "type": "function",
-                    "function": {"name": use.name, "arguments": use.arguments},
-                }
-            ],
-        },
-        {"role": "tool", "tool_call_id": use.call_id, "content": "18C", "name": "get_weather"},
-    ]
-    expected = chat(stack, chat_turns, tools=[CHAT_TOOL], max_completion_tokens=16)
+    expected = chat(stack, LOOP, tools=[CHAT_TOOL], max_completion_tokens=16)
     assert after.output_text == (expected.choices[0].message.content or "")
 
 
