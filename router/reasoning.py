@@ -24,8 +24,12 @@ reasoning items) share it.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from common.reasoning import ReasoningSpec, ThinkTracker
+from router.validation_error import ValidationError
 
 THINK_START, THINK_END = "<think>", "</think>"
 BEFORE, REASONING, CONTENT = "before", "reasoning", "content"
@@ -134,32 +138,76 @@ def split(fmt: ReasoningFormat | str, text: str, in_reasoning: bool) -> Split:
     return out
 
 
-def starts_in_reasoning(prompt_ids: Sequence[int], start_id: int | None, end_id: int | None) -> bool:
+def _last(ids: Sequence[int], tag: Sequence[int]) -> int:
+    """Where tag last occurs in ids (-1: nowhere); scanned from the end, where templates put it."""
+    n = len(tag)
+    if not n:
+        return -1
+    for i in range(len(ids) - n, -1, -1):
+        if ids[i] == tag[0] and tuple(ids[i : i + n]) == tuple(tag):
+            return i
+    return -1
+
+
+def starts_in_reasoning(prompt_ids: Sequence[int], start_ids: Sequence[int], end_ids: Sequence[int]) -> bool:
     """Whether the prompt ends inside an open think block: its last start tag comes after its last end tag
     (a template that turned thinking off writes an empty block, `<think>\\n\\n</think>`, which is closed)."""
-    last_start = last_end = -1
-    for i, t in enumerate(prompt_ids):
-        if t == start_id:
-            last_start = i
-        elif t == end_id:
-            last_end = i
-    return last_start > last_end
+    return _last(prompt_ids, start_ids) > _last(prompt_ids, end_ids)
 
 
-def reasoning_token_count(
-    fmt: ReasoningFormat | str,
-    output_ids: Sequence[int],
-    in_reasoning: bool,
-    start_id: int | None,
-    end_id: int | None,
-) -> int:
-    """How many output tokens belong to the think block, its tags included (usage's reasoning_tokens): up to
-    the first end tag; all of them when the block never closed; none when the output never opened one."""
-    fmt = FORMATS[fmt] if isinstance(fmt, str) else fmt
-    inside = in_reasoning or fmt.always_starts_inside or (bool(output_ids) and output_ids[0] == start_id)
-    if not inside:
-        return 0
-    for i, t in enumerate(output_ids):
-        if t == end_id:
-            return i + 1
-    return len(output_ids)
+def reasoning_spec(
+    name: str,
+    prompt_ids: Sequence[int],
+    start_ids: Sequence[int],
+    end_ids: Sequence[int],
+    budget: int | None = None,
+) -> ReasoningSpec:
+    """What rank 0 is told of a chat request's think block under parser name."""
+    inside = FORMATS[name].always_starts_inside or starts_in_reasoning(prompt_ids, start_ids, end_ids)
+    return ReasoningSpec(tuple(start_ids), tuple(end_ids), inside, budget)
+
+
+class ChoiceReasoning:
+    """One choice's output split as it streams: each message's text and token ids in, its reasoning and
+    content out, and the reasoning tokens counted as rank 0 counts them (common/reasoning.py).
+    include false: the reasoning is dropped (vLLM's include_reasoning), the content is the same."""
+
+    def __init__(self, name: str, spec: ReasoningSpec, include: bool = True):
+        self.parser = ReasoningParser(name, spec.starts_inside)
+        self.tokens = ThinkTracker(spec)
+        self.include = include
+
+    @property
+    def reasoning_tokens(self) -> int:
+        return self.tokens.reasoning_tokens
+
+    def step(self, text: str, token_ids: Sequence[int], final: bool) -> tuple[str, str]:
+        """(reasoning, content) new with this message."""
+        for t in token_ids:
+            self.tokens.accept(t)
+        out = self.parser.feed(text)
+        if final:
+            out += self.parser.finish()
+        return (out.reasoning if self.include else ""), out.content
+
+
+def for_request(name: str | None, tokenizer, request, req):
+    """A validated request (router/validation.py) with its think block set as rank 0 needs it, and what
+    makes each choice's ChoiceReasoning (None without a parser). name: --reasoning-parser; tokenizer:
+    router/tokenizer.py's; request: the GenerateRequest. A chat prompt only, as vLLM parses chat answers
+    only. A client's own sampling.reasoning is always replaced."""
+    budget = request.thinking_token_budget if request.HasField("thinking_token_budget") else None
+    spec = None
+    if name is not None and len(request.messages):
+        fmt = FORMATS[name]
+        start_ids, end_ids = tokenizer.encode_words(fmt.start), tokenizer.encode_words(fmt.end)
+        spec = reasoning_spec(name, req.prompt_token_ids, start_ids, end_ids, budget)
+    elif budget is not None:
+        why = "the server's --reasoning-parser" if name is None else "a chat prompt (messages)"
+        raise ValidationError("thinking_token_budget", f"thinking_token_budget needs {why}")
+    if spec is not None or req.sampling.reasoning is not None:
+        req = dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, reasoning=spec))
+    if spec is None:
+        return req, lambda: None
+    include = request.include_reasoning if request.HasField("include_reasoning") else True
+    return req, lambda: ChoiceReasoning(name, spec, include)

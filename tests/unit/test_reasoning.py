@@ -5,13 +5,8 @@ import random
 
 import pytest
 
-from router.reasoning import (
-    ReasoningParser,
-    Split,
-    reasoning_token_count,
-    split,
-    starts_in_reasoning,
-)
+from common.reasoning import AFTER, INSIDE, ReasoningSpec, ThinkTracker
+from router.reasoning import ChoiceReasoning, ReasoningParser, Split, split, starts_in_reasoning
 
 # (parser, the prompt left the block open, output text, reasoning, content)
 CASES = [
@@ -78,19 +73,56 @@ def test_nothing_held_back_that_cannot_be_a_tag():
 
 
 def test_prompt_state_from_token_ids():
-    start, end = 7, 8
-    assert starts_in_reasoning([1, 2, start], start, end)
-    assert starts_in_reasoning([1, start, 5, 6], start, end)
-    assert not starts_in_reasoning([1, start, 5, end, 6], start, end)  # enable_thinking false: empty block
+    start, end = (7,), (8,)
+    assert starts_in_reasoning([1, 2, 7], start, end)
+    assert starts_in_reasoning([1, 7, 5, 6], start, end)
+    assert not starts_in_reasoning([1, 7, 5, 8, 6], start, end)  # enable_thinking false: an empty block
     assert not starts_in_reasoning([1, 2, 3], start, end)
-    assert not starts_in_reasoning([1, 2, 3], None, None)
+    # Tags of several tokens.
+    assert starts_in_reasoning([9, 7, 7, 1, 8, 7, 7, 2], (7, 7), (8,))
+    assert not starts_in_reasoning([9, 7, 7, 1, 8, 7, 2], (7, 7), (8,))
 
 
-def test_reasoning_token_count():
-    start, end = 7, 8
-    assert reasoning_token_count("qwen3", [1, 2, end, 3], True, start, end) == 3
-    assert reasoning_token_count("qwen3", [start, 2, end, 3, 4], False, start, end) == 3
-    assert reasoning_token_count("qwen3", [1, 2, 3], False, start, end) == 0
-    assert reasoning_token_count("qwen3", [1, 2, 3], True, start, end) == 3
-    assert reasoning_token_count("deepseek_r1", [1, end, 3], False, start, end) == 2
-    assert reasoning_token_count("deepseek_r1", [], False, start, end) == 0
+def _spec(inside: bool, budget=None, start=(7,), end=(8,)) -> ReasoningSpec:
+    return ReasoningSpec(start, end, inside, budget)
+
+
+def test_think_tracker_counts_reasoning_tokens_without_tags():
+    assert ThinkTracker(_spec(True), [1, 2, 8, 3]).reasoning_tokens == 2
+    t = ThinkTracker(_spec(False), [7, 2, 8, 3, 4])
+    assert (t.reasoning_tokens, t.phase, t.content_start) == (1, AFTER, 3)
+    t = ThinkTracker(_spec(False), [1, 2, 3])
+    assert (t.reasoning_tokens, t.phase, t.content_start) == (0, AFTER, 0)
+    t = ThinkTracker(_spec(True), [1, 2, 3])
+    assert (t.reasoning_tokens, t.phase, t.content_start) == (3, INSIDE, None)
+    t = ThinkTracker(_spec(False, start=(7, 7), end=(8, 8)), [7, 7, 1, 8, 1, 8, 8, 5])
+    assert (t.reasoning_tokens, t.phase, t.content_start) == (3, AFTER, 7)
+
+
+def test_budget_forces_the_end_tag_after_n_reasoning_tokens():
+    for budget in (0, 1, 3):
+        t = ThinkTracker(_spec(True, budget, end=(8, 9)))
+        out = []
+        while t.phase == INSIDE:
+            token = t.forced if t.forced is not None else 5
+            t.accept(token)
+            out.append(token)
+        assert out == [5] * budget + [8, 9]
+        assert t.reasoning_tokens == budget
+    # Opened by the model itself: the start tag is not counted.
+    t = ThinkTracker(_spec(False, 2), [7, 5])
+    assert t.forced is None
+    t.accept(5)
+    assert t.forced == 8
+    # No block, or closed: nothing forced.
+    assert ThinkTracker(_spec(False, 0), [5]).forced is None
+    assert ThinkTracker(_spec(True, 5), [8]).forced is None
+
+
+def test_choice_reasoning_splits_text_and_counts_tokens():
+    choice = ChoiceReasoning("qwen3", _spec(True))
+    assert choice.step("thought", [1], False) == ("thought", "")
+    assert choice.step("</think>answer", [8, 2], True) == ("", "answer")
+    assert choice.reasoning_tokens == 1
+    hidden = ChoiceReasoning("qwen3", _spec(True), include=False)
+    assert hidden.step("thought</think>answer", [1, 8, 2], True) == ("", "answer")
