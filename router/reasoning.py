@@ -25,6 +25,7 @@ reasoning items) share it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -191,6 +192,12 @@ class ChoiceReasoning:
         return (out.reasoning if self.include else ""), out.content
 
 
+@functools.lru_cache(maxsize=16)
+def _tag_ids(tokenizer, tag: str) -> tuple[int, ...]:
+    """A tag's token ids (one added token, for the models these parsers serve): tokenized once."""
+    return tuple(tokenizer.encode_words(tag))
+
+
 def for_request(name: str | None, tokenizer, request, req):
     """A validated request (router/validation.py) with its think block set as rank 0 needs it, and what
     makes each choice's ChoiceReasoning (None without a parser). name: --reasoning-parser; tokenizer:
@@ -200,7 +207,7 @@ def for_request(name: str | None, tokenizer, request, req):
     spec = None
     if name is not None and len(request.messages):
         fmt = FORMATS[name]
-        start_ids, end_ids = tokenizer.encode_words(fmt.start), tokenizer.encode_words(fmt.end)
+        start_ids, end_ids = _tag_ids(tokenizer, fmt.start), _tag_ids(tokenizer, fmt.end)
         spec = reasoning_spec(name, req.prompt_token_ids, start_ids, end_ids, budget)
     elif budget is not None:
         why = "the server's --reasoning-parser" if name is None else "a chat prompt (messages)"

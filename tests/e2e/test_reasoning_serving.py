@@ -163,6 +163,10 @@ def test_the_budget_closes_the_block_and_the_split_is_the_raw_output(stack):
         content,
     )
     assert answer["usage"]["completion_tokens_details"] == {"reasoning_tokens": BUDGET}
+    # n choices: each split alike, their reasoning tokens summed.
+    two = _chat(http, **body, n=2)
+    assert [c["message"]["reasoning"] for c in two["choices"]] == [reasoning] * 2
+    assert two["usage"]["completion_tokens_details"] == {"reasoning_tokens": 2 * BUDGET}
     streamed_reasoning, streamed_content, chunks = _stream(
         http, **body, stream_options={"include_usage": True}
     )
