@@ -107,6 +107,7 @@ class Tokenizer:
                 add_generation_prompt=prompt.add_generation_prompt,
                 continue_final_message=prompt.continue_final_message,
                 tokenize=False,
+                **(prompt.template_kwargs or {}),
             )
         except (jinja2.TemplateError, ValueError, TypeError, KeyError) as e:
             reason = " ".join(str(e).split())

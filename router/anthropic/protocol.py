@@ -286,19 +286,17 @@ def _output_config(config, chat: dict) -> None:
 
 
 def _thinking(thinking, chat: dict) -> None:
-    """Extended thinking, as the chat fields a reasoning model's request uses: enabled turns the template's
-    thinking on (Qwen3's enable_thinking) with budget_tokens as the thinking budget; disabled (or absent)
-    asks nothing, leaving the template's default."""
+    """Extended thinking, as the chat fields of a reasoning model's request (--reasoning-parser): enabled
+    turns the template's thinking on (Qwen3's enable_thinking) with budget_tokens as the thinking budget (the
+    think block closed after that many tokens); adaptive the same without a budget; disabled turns it off.
+    Absent: the template's default."""
     if thinking is None:
         return
     if not isinstance(thinking, dict) or thinking.get("type") not in ("enabled", "disabled", "adaptive"):
         raise bad_request(
             "thinking", 'thinking must be {"type": "enabled", "budget_tokens": N} or {"type": "disabled"}'
         )
-    if thinking["type"] == "disabled":
-        return
-    chat["chat_template_kwargs"] = {"enable_thinking": True}
-    chat["include_reasoning"] = True
+    chat["chat_template_kwargs"] = {"enable_thinking": thinking["type"] != "disabled"}
     if thinking["type"] == "enabled":
         budget = thinking.get("budget_tokens")
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:

@@ -83,11 +83,13 @@ async def started(
     model: str,
     tool_call_parser: str | None,
     parent=None,
+    reasoning: bool = False,
 ) -> AsyncIterator[Answer]:
     """req started on the Frontend, as `model` (the name answers carry); leaving aborts what is still
-    running. parent: the caller's trace context."""
+    running. parent: the caller's trace context; reasoning: the server's reasoning parser splits answers."""
+    parser = _tool_parser(req, tool_call_parser)
     echo_texts = await _echo_texts(frontend, req)
-    encoder = Encoder(req, model, tool_parser=_tool_parser(req, tool_call_parser), echo_texts=echo_texts)
+    encoder = Encoder(req, model, tool_parser=parser, echo_texts=echo_texts, reasoning=reasoning)
     async with contextlib.aclosing(_responses(frontend, req, parent)) as responses:
         try:
             first = await anext(responses)

@@ -106,6 +106,7 @@ class OpenAIServer:
         self.strict_schemas = strict_schemas
         # Any path naming the served directory is the served model (resolved once: it does not move).
         self._model_path = os.path.realpath(frontend.config.model)
+        self._served_names = frontend.config.served_model_name  # --served-model-name: all accepted
         # Token-id prompts of long contexts are megabytes: the same bound as gRPC messages.
         app = web.Application(middlewares=[self._errors, self._auth], client_max_size=MAX_MESSAGE_BYTES)
         app.add_routes(
@@ -279,7 +280,7 @@ class OpenAIServer:
         """The served model, or 404 for another name. Its name (as /v1/models lists it) and any path to the
         directory the router was given (--model) are the served model."""
         info = self._model_info()
-        if name is None or name in (info.model_name, self.frontend.config.model):
+        if name is None or name in (info.model_name, self.frontend.config.model, *self._served_names):
             return info
         if os.sep in name and os.path.realpath(name) == self._model_path:
             return info
@@ -312,7 +313,8 @@ class OpenAIServer:
         """req started through the Frontend (answer.py), for any of the APIs to render."""
         name = self.served_name(req)
         parent = tracing.context_from_metadata((k.lower(), v) for k, v in request.headers.items())
-        async with started(self.frontend, req, name, self.tool_call_parser, parent) as a:
+        reasoning = self.frontend.config.reasoning_parser is not None
+        async with started(self.frontend, req, name, self.tool_call_parser, parent, reasoning) as a:
             yield a
 
     @staticmethod
