@@ -40,6 +40,11 @@ MESSAGE_FIELDS = (
     "output_config",
 )
 COUNT_FIELDS = ("model", "messages", "system", "tools", "tool_choice", "thinking")
+# Roles outside Anthropic's spec that Claude Code (2.1.154 and later) sends for context turns: user turns.
+CLAUDE_CODE_ROLES = {"ctx": "user", "msg": "user"}
+# Claude Code's first system block: a per-request attribution hash, which would make every prompt's prefix
+# differ (no prefix cache hit); it says nothing to the model.
+BILLING_HEADER = "x-anthropic-billing-header"
 ACCEPTED = ("metadata", "service_tier", "cache_control")  # cache_control: prefix caching needs no hint
 # Anthropic's names for the chat fields they map to, for error messages (OpenAI's name -> Anthropic's).
 RENAMES = (
@@ -116,7 +121,8 @@ def _system(system) -> list[dict]:
     if isinstance(system, str):
         return [{"role": "system", "content": system}]
     if isinstance(system, list):
-        return [{"role": "system", "content": _text_parts(system, "system")}]
+        parts = [p for p in _text_parts(system, "system") if not p["text"].startswith(BILLING_HEADER)]
+        return [{"role": "system", "content": parts}] if parts else []
     raise bad_request("system", f"system must be a string or an array of text blocks, got {kind(system)}")
 
 
@@ -150,13 +156,17 @@ def _messages(messages) -> list[dict]:
     names: dict[str, str] = {}  # tool_use id -> the tool's name, for the tool turns that answer it
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
-        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+        role = m.get("role") if isinstance(m, dict) else None
+        role = CLAUDE_CODE_ROLES.get(role, role)
+        if role not in ("user", "assistant", "system"):
             raise bad_request(f"{where}.role", f'{where}.role must be "user" or "assistant"')
         content = m.get("content")
-        if isinstance(content, str):
-            out.append({"role": m["role"], "content": content})
+        if role == "system":
+            out += _system(content)
+        elif isinstance(content, str):
+            out.append({"role": role, "content": content})
         elif isinstance(content, list):
-            convert = _assistant if m["role"] == "assistant" else _user
+            convert = _assistant if role == "assistant" else _user
             out += convert(content, f"{where}.content", names)
         else:
             raise bad_request(f"{where}.content", f"{where}.content must be a string or an array of blocks")
@@ -255,6 +265,8 @@ def _tool(tool, where: str) -> dict:
     schema = tool.get("input_schema")
     if not isinstance(schema, dict):
         raise bad_request(f"{where}.input_schema", f"{where}.input_schema: a JSON Schema object is required")
+    if "type" not in schema:  # as vLLM: a schema of properties alone is an object's
+        schema = {"type": "object"} | schema
     if schema.get("type") != "object":
         raise bad_request(f"{where}.input_schema.type", f'{where}.input_schema.type must be "object"')
     function = {"name": tool["name"], "parameters": schema}

@@ -123,6 +123,22 @@ def test_tool_choice_forms_and_prefill():
     # A last assistant message is continued (Anthropic's prefill).
     chat = to_chat({"max_tokens": 5, "messages": [*hi, {"role": "assistant", "content": "Sure:"}]})
     assert chat["continue_final_message"] and chat["add_generation_prompt"] is False
+    # What Claude Code sends beyond the spec: its billing header block (dropped: a per-request hash would
+    # defeat the prefix cache), context turns as "ctx" or "msg", system turns among the messages.
+    claude_code = {
+        "max_tokens": 5,
+        "system": [
+            {"type": "text", "text": "x-anthropic-billing-header: cc=1"},
+            {"type": "text", "text": "S"},
+        ],
+        "messages": [{"role": "ctx", "content": "c"}, {"role": "system", "content": "T"}, *hi],
+    }
+    assert to_chat(claude_code)["messages"] == [
+        {"role": "system", "content": [{"type": "text", "text": "S"}]},
+        {"role": "user", "content": "c"},
+        {"role": "system", "content": "T"},
+        {"role": "user", "content": "hi"},
+    ]
     # count_tokens: the same conversation, no max_tokens needed.
     counted = parse_count_tokens({"model": "m", "system": "s", "messages": hi})
     assert [(m.role, m.content) for m in counted.messages] == [("system", "s"), ("user", "hi")]
@@ -152,7 +168,7 @@ def test_tool_choice_forms_and_prefill():
         ),
         ({"max_tokens": 0, "messages": [{"role": "user", "content": "x"}]}, "max_tokens", "max_tokens"),
         (
-            {"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]},
+            {"max_tokens": 5, "messages": [{"role": "tool", "content": "x"}]},
             "messages[0].role",
             '"user" or "assistant"',
         ),
