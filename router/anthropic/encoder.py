@@ -4,9 +4,8 @@ text_delta, input_json_delta) / content_block_stop, then message_delta (stop_rea
 message_stop. Blocks come in the order the answer says them: reasoning, text, tool calls.
 
 stop_reason: tool_use once a call was made, max_tokens for the length limit, stop_sequence for a stop
-string (the one matched when the request gave one; the internal answer does not say which of several),
-end_turn for the end of the turn; a turn the server ended (shutting down) is pause_turn, which a client
-continues by sending it back.
+string (named in stop_sequence: GenerateResponse.stop_string), end_turn for the end of the turn; a turn the
+server ended (shutting down) is pause_turn, which a client continues by sending it back.
 """
 
 from __future__ import annotations
@@ -62,17 +61,18 @@ def stop_reason(finish: str | None, reason: int) -> str:
     return "stop_sequence" if reason == pb.FINISH_REASON_STOP else "end_turn"
 
 
-def stop_sequence(reason: int, stops) -> str | None:
-    return stops[0] if reason == pb.FINISH_REASON_STOP and len(stops) == 1 else None
+def stop_sequence(last: pb.GenerateResponse) -> str | None:
+    """The stop sequence that ended the answer (last: its last response)."""
+    return (last.stop_string or None) if last.finish_reason == pb.FINISH_REASON_STOP else None
 
 
 def usage(chat_usage: dict) -> dict:
     return {"input_tokens": chat_usage["prompt_tokens"], "output_tokens": chat_usage["completion_tokens"]}
 
 
-def message(whole: dict, message_id: str, reason: int, stops) -> dict:
-    """The whole chat completion as a Message. reason: the internal finish reason; stops: the request's
-    stop sequences."""
+def message(whole: dict, message_id: str, last: pb.GenerateResponse) -> dict:
+    """The whole chat completion as a Message. last: the answer's last response (its finish reason tells
+    EOS from a stop sequence, and names the sequence)."""
     choice = whole["choices"][0]
     msg = choice["message"]
     content = []
@@ -96,8 +96,8 @@ def message(whole: dict, message_id: str, reason: int, stops) -> dict:
         "role": "assistant",
         "model": whole["model"],
         "content": content,
-        "stop_reason": stop_reason(choice["finish_reason"], reason),
-        "stop_sequence": stop_sequence(reason, stops),
+        "stop_reason": stop_reason(choice["finish_reason"], last.finish_reason),
+        "stop_sequence": stop_sequence(last),
         "usage": usage(whole["usage"]),
     }
 
@@ -105,14 +105,13 @@ def message(whole: dict, message_id: str, reason: int, stops) -> dict:
 class MessageStream:
     """One answer's events, fed the chat chunks as they come."""
 
-    def __init__(self, message_id: str, model: str, stops):
+    def __init__(self, message_id: str, model: str):
         self.id = message_id
         self.model = model
-        self.stops = list(stops)
         self._index = -1  # the open block's (or the last one's)
         self._open: str | None = None  # its type
         self._finish: str | None = None
-        self._reason = 0
+        self._last = pb.GenerateResponse()  # the last response that finished the answer
 
     def start(self) -> list[bytes]:
         head = {
@@ -155,7 +154,7 @@ class MessageStream:
     def feed(self, resp: pb.GenerateResponse, chunk: dict | None) -> list[bytes]:
         """The events of one response (chunk: its chat chunk, None when it had nothing to say)."""
         if resp.finish_reason:
-            self._reason = resp.finish_reason
+            self._last = resp
         if chunk is None or not chunk["choices"]:
             return []
         choice = chunk["choices"][0]
@@ -177,8 +176,8 @@ class MessageStream:
     def finish(self, chat_usage: dict) -> list[bytes]:
         """The last events, once every response was fed."""
         delta = {
-            "stop_reason": stop_reason(self._finish, self._reason),
-            "stop_sequence": stop_sequence(self._reason, self.stops),
+            "stop_reason": stop_reason(self._finish, self._last.finish_reason),
+            "stop_sequence": stop_sequence(self._last),
         }
         end = {"type": "message_delta", "delta": delta, "usage": usage(chat_usage)}
         return self._close() + [event("message_delta", end), event("message_stop", {"type": "message_stop"})]

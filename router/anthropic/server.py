@@ -36,14 +36,13 @@ class AnthropicApi:
             await s.body(request), s.request_id(request), s.tool_call_parser, s.strict_schemas
         )
         message_id = "msg_" + req.generate.request_id
-        stops = list(req.generate.stop)
         async with s.answer(request, req) as a:
             if req.stream:
-                events = _events(a, MessageStream(message_id, a.encoder.model, stops))
+                events = _events(a, MessageStream(message_id, a.encoder.model))
                 return await write_events(request, events, message_id)
             responses = [resp async for resp in a.responses()]
             whole = a.encoder.whole(responses)
-            return web.json_response(message(whole, message_id, responses[-1].finish_reason, stops))
+            return web.json_response(message(whole, message_id, responses[-1]))
 
     async def count_tokens(self, request: web.Request) -> web.Response:
         s = self.server

@@ -135,8 +135,10 @@ def test_messages_equal_the_chat_completion_whole_and_streamed_and_count_tokens(
     assert streamed.model_dump(exclude={"id"}) == msg.model_dump(exclude={"id"})
     assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
 
-    # A stop sequence: stop_reason says so, and names it.
-    cut = c.messages.create(messages=[{"role": "user", "content": QUESTION}], stop_sequences=["Paris"], **kw)
+    # A stop sequence: stop_reason says so, and names the one of several that matched.
+    cut = c.messages.create(
+        messages=[{"role": "user", "content": QUESTION}], stop_sequences=["Rome", "Paris"], **kw
+    )
     if "Paris" in text.text:
         assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == "Paris"
         assert cut.content[0].text == text.text[: text.text.index("Paris")]

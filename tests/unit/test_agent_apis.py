@@ -22,6 +22,7 @@ from router.openai.responses import parse_responses
 from router.openai.responses_output import ResponseStream, Said, response
 from router.openai.responses_server import ResponseStore, Stored
 from router.openai.tool_parsers import HermesParser
+from router.stop_strings import StopStringMatcher
 from tests.unit.test_openai_api import serve
 from tests.unit.test_openai_server import Frontend, scripted
 
@@ -194,6 +195,8 @@ def _pieces(text: str, size: int) -> list[str]:
 def _responses(texts: list[str], reason=pb.FINISH_REASON_EOS) -> list[pb.GenerateResponse]:
     out = [pb.GenerateResponse(text=t, token_ids=[1]) for t in texts]
     out[-1].finish_reason = reason
+    if reason == pb.FINISH_REASON_STOP:
+        out[-1].stop_string = "\n"
     out[-1].usage.CopyFrom(pb.Usage(prompt_tokens=7, completion_tokens=5))
     return out
 
@@ -218,11 +221,11 @@ def test_message_events_rebuild_the_whole_message(text, reason, stop_reason, siz
         tools=[{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}]
     )
     whole = Encoder(req, "m", created=0, tool_parser=Hermes).whole(_responses([text], reason))
-    expected = anth.message(whole, "msg_1", reason, ["\n"])
+    expected = anth.message(whole, "msg_1", _responses([text], reason)[-1])
     assert expected["stop_reason"] == stop_reason
 
     enc = Encoder(req, "m", created=0, tool_parser=Hermes)
-    stream = anth.MessageStream("msg_1", "m", ["\n"])
+    stream = anth.MessageStream("msg_1", "m")
     events = stream.start()
     responses = _responses(_pieces(text, size), reason)
     for resp in responses:
@@ -246,10 +249,16 @@ def test_message_events_rebuild_the_whole_message(text, reason, stop_reason, siz
     assert names.count("content_block_start") == names.count("content_block_stop") == len(expected["content"])
 
 
-def test_stop_sequence_named_when_the_request_gave_one():
-    whole = Encoder(_chat_request(), "m", created=0).whole(_responses(["a"], pb.FINISH_REASON_STOP))
-    assert anth.message(whole, "i", pb.FINISH_REASON_STOP, ["END"])["stop_sequence"] == "END"
-    assert anth.message(whole, "i", pb.FINISH_REASON_EOS, ["END"])["stop_sequence"] is None
+def test_the_stop_sequence_that_matched_is_named():
+    # The matcher names the one that ended the text (the first complete), which the answer carries.
+    matcher = StopStringMatcher(["END", "ab"])
+    assert matcher.feed("xxa") == ("xx", False) and matcher.feed("bEND") == ("", True)
+    assert matcher.matched == "ab"
+    last = pb.GenerateResponse(finish_reason=pb.FINISH_REASON_STOP, stop_string="ab")
+    whole = Encoder(_chat_request(), "m", created=0).whole([last])
+    assert anth.message(whole, "i", last)["stop_sequence"] == "ab"
+    eos = pb.GenerateResponse(finish_reason=pb.FINISH_REASON_EOS)
+    assert anth.message(whole, "i", eos)["stop_sequence"] is None
 
 
 # ---- Responses: bodies ----
