@@ -59,10 +59,6 @@ class Answer:
         async for resp in self.responses():
             yield resp, self.encoder.chunk(resp)
 
-    async def whole(self) -> dict:
-        """The whole chat completion (n 1: the adapters' requests are single choices)."""
-        return self.encoder.whole([resp async for resp in self.responses()])
-
 
 def _tool_parser(req: ApiRequest, tool_call_parser: str | None):
     choice = req.tool_choice
