@@ -47,7 +47,7 @@ from shard_worker import config as worker_config
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
-README = ROOT / "README.md"
+DOCS = sorted((ROOT / "docs").rglob("*.md"))  # the pages that show the commands and manifests
 KUBECTL = Path(sys.executable).with_name("kubectl")
 LWS_CRD = ROOT / "tests" / "data" / "leaderworkerset.x-k8s.io_leaderworkersets.yaml"
 
@@ -481,7 +481,7 @@ def _flag_values(args: list[str], flag: str) -> list[str]:
 
 def _readme_certificate() -> dict:
     """The cert-manager Certificate README shows for the internal mutual TLS: the names it documents."""
-    blocks = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", README.read_text(), re.S)]
+    blocks = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", "\n".join(p.read_text() for p in DOCS), re.S)]
     (certificate,) = [b for b in blocks if isinstance(b, dict) and b.get("kind") == "Certificate"]
     return certificate
 
@@ -566,7 +566,7 @@ SECRET_COMMAND = re.compile(r"^kubectl -n <namespace> create secret (?:[^\n\\]|\
 def _secrets() -> dict[str, dict[str, bytes]]:
     """The Secrets README's `kubectl create secret` commands make (run by kubectl, --dry-run=client, in a
     directory holding the files they name, from _pki), by name: their keys and bytes."""
-    commands = SECRET_COMMAND.findall(README.read_text())
+    commands = SECRET_COMMAND.findall("\n".join(p.read_text() for p in DOCS))
     assert len(commands) >= 3, "README shows how to create the Secrets the components mount"
     secrets = {}
     for command in commands:
@@ -779,7 +779,7 @@ def test_vendored_crd_is_the_upstream_file_it_says_and_the_version_readme_instal
     (digest,) = re.findall(r"sha256 of the upstream file[^:]*: ([0-9a-f]{64})", header)
     assert hashlib.sha256(("---\n" + body).encode()).hexdigest() == digest, "the vendored CRD was edited"
     (version,) = set(re.findall(r"^#   version: (v[\d.]+)", header, re.M))
-    assert f"lws/releases/download/{version}/manifests.yaml" in README.read_text()
+    assert f"lws/releases/download/{version}/manifests.yaml" in "\n".join(p.read_text() for p in DOCS)
     crd = _lws_crd()
     assert crd["spec"]["names"]["kind"] == "LeaderWorkerSet" and _crd_version(crd)["name"] == "v1"
 
