@@ -481,7 +481,8 @@ def _flag_values(args: list[str], flag: str) -> list[str]:
 
 def _readme_certificate() -> dict:
     """The cert-manager Certificate README shows for the internal mutual TLS: the names it documents."""
-    blocks = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", "\n".join(p.read_text() for p in DOCS), re.S)]
+    docs = "\n".join(p.read_text() for p in DOCS)
+    blocks = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", docs, re.S)]
     (certificate,) = [b for b in blocks if isinstance(b, dict) and b.get("kind") == "Certificate"]
     return certificate
 
