@@ -71,7 +71,12 @@ EXT = cpu_ext.Extension(
     "tp_linear_abi",
     7,
     "the CPU linear kernel",
-    more=(_CSRC / "cpu_linear_int8.cpp", _CSRC / "cpu_linear_int4.cpp", _CSRC / "cpu_linear.h"),
+    more=(
+        _CSRC / "cpu_linear_int8.cpp",
+        _CSRC / "cpu_linear_int4.cpp",
+        _CSRC / "cpu_linear.h",
+        _CSRC / "cpu_linear_tiles.h",
+    ),
 )
 CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 5}
 X_CODES = {torch.float32: 0, torch.bfloat16: 1}  # what x, y and a bias may be
