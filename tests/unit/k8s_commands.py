@@ -16,6 +16,7 @@ import pytest
 from common import cli
 from tests.unit.k8s_render import (
     FROM_ARGS,
+    HEALTH_PROBE,
     _by_kind,
     _labels,
     _main_container,
@@ -197,3 +198,24 @@ def _groups(key) -> list[tuple[Process, list[Process]]]:
             ranks.append(worker)
         groups.append((scheduler, ranks))
     return groups
+
+
+def _health_probe(command: list[str]) -> dict[str, str]:
+    """An exec probe of k8s/health_probe.py: its flags."""
+    assert command[:2] == ["python", HEALTH_PROBE], command
+    flags = {}
+    for arg in command[2:]:
+        flag, _, value = arg.partition("=")
+        flags[flag] = value
+    assert set(flags) == {"--port", "--server-name", "--tls-dir"}, command
+    return flags
+
+
+def _mount_path(process: Process, secret: str) -> str:
+    volumes = {v["name"]: v for v in process.pod["spec"].get("volumes", [])}
+    (path,) = [
+        m["mountPath"]
+        for m in process.container.get("volumeMounts", [])
+        if volumes[m["name"]].get("secret", {}).get("secretName") == secret
+    ]
+    return path

@@ -71,7 +71,7 @@ FROM_ARGS = {
     "scheduler": scheduler_config.from_args,
     "shard-worker": worker_config.from_args,
 }
-NAMESPACE = "llama"  # where the pods are made: README's examples' namespace
+NAMESPACE = "llama"  # where the pods are made: the docs' examples' namespace
 LWS = "leaderworkerset.sigs.k8s.io/"  # the LWS controller's labels and annotations
 # Groups made of each LeaderWorkerSet: group 0, and the one a scale-up adds (names must not collide).
 LWS_GROUPS = 2

@@ -19,8 +19,8 @@ from tests.unit.k8s_render import DOCS, KUBECTL, _scratch
 # ---------------------------------------------------------------- Secrets, certificates, mounts
 
 
-def _readme_certificate() -> dict:
-    """The cert-manager Certificate README shows for the internal mutual TLS: the names it documents."""
+def _documented_certificate() -> dict:
+    """The cert-manager Certificate the docs show for the internal mutual TLS: the names it documents."""
     docs = "\n".join(p.read_text() for p in DOCS)
     blocks = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", docs, re.S)]
     (certificate,) = [b for b in blocks if isinstance(b, dict) and b.get("kind") == "Certificate"]
@@ -29,7 +29,7 @@ def _readme_certificate() -> dict:
 
 @functools.cache
 def _pki() -> Path:
-    """A throwaway CA (ca.pem), the internal certificate with README's names and usages (internal.*), a
+    """A throwaway CA (ca.pem), the internal certificate with the docs' names and usages (internal.*), a
     public one (server.*), one the CA signed for names no manifest uses (stranger.*), an API key file."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
@@ -70,7 +70,7 @@ def _pki() -> Path:
     )
     (d / "ca.pem").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
     usages = {"server auth": ExtendedKeyUsageOID.SERVER_AUTH, "client auth": ExtendedKeyUsageOID.CLIENT_AUTH}
-    internal = _readme_certificate()["spec"]
+    internal = _documented_certificate()["spec"]
     leaves = {
         "internal": (internal["dnsNames"], [usages[u] for u in internal["usages"] if u in usages]),
         "server": (["tpserve"], [usages["server auth"]]),
@@ -99,16 +99,16 @@ def _pki() -> Path:
     return d
 
 
-# README's commands that make the Secrets, one per line or continued with a backslash.
+# the docs' commands that make the Secrets, one per line or continued with a backslash.
 SECRET_COMMAND = re.compile(r"^kubectl -n <namespace> create secret (?:[^\n\\]|\\\n)*", re.M)
 
 
 @functools.cache
 def _secrets() -> dict[str, dict[str, bytes]]:
-    """The Secrets README's `kubectl create secret` commands make (run by kubectl, --dry-run=client, in a
+    """The Secrets the docs' `kubectl create secret` commands make (run by kubectl, --dry-run=client, in a
     directory holding the files they name, from _pki), by name: their keys and bytes."""
     commands = SECRET_COMMAND.findall("\n".join(p.read_text() for p in DOCS))
-    assert len(commands) >= 3, "README shows how to create the Secrets the components mount"
+    assert len(commands) >= 3, "the docs show how to create the Secrets the components mount"
     secrets = {}
     for command in commands:
         args = shlex.split(command.replace("\\\n", " "))[3:]  # after `kubectl -n <namespace>`
@@ -119,7 +119,7 @@ def _secrets() -> dict[str, dict[str, bytes]]:
             text=True,
             check=False,
         )
-        assert out.returncode == 0, f"README's `{command}`: {out.stderr}"
+        assert out.returncode == 0, f"the docs' `{command}`: {out.stderr}"
         secret = json.loads(out.stdout)
         secrets[secret["metadata"]["name"]] = {k: base64.b64decode(v) for k, v in secret["data"].items()}
     return secrets
@@ -127,7 +127,7 @@ def _secrets() -> dict[str, dict[str, bytes]]:
 
 def _mount(pod: dict, container: dict) -> dict[str, Path]:
     """The kubelet's mounts of the container's Secret volumes: each mountPath becomes a directory of
-    its own holding what the volume projects from README's Secret (its items, or every key), so that the
+    its own holding what the volume projects from the docs' Secret (its items, or every key), so that the
     CLI's checks (a readable PEM file) see what the process would. mountPath -> that directory."""
     volumes = {v["name"]: v for v in pod["spec"].get("volumes", [])}
     mounts = {}
@@ -137,7 +137,7 @@ def _mount(pod: dict, container: dict) -> dict[str, Path]:
             continue
         secrets = _secrets()
         where = f"{pod['metadata']['name']}: volume {mount['name']}"
-        assert source["secretName"] in secrets, f"{where}: README creates no Secret {source['secretName']}"
+        assert source["secretName"] in secrets, f"{where}: the docs create no Secret {source['secretName']}"
         data = secrets[source["secretName"]]
         items = source.get("items") or [{"key": k, "path": k} for k in data]
         d = _scratch() / "mounts" / pod["metadata"]["name"] / mount["name"]

