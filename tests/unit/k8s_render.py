@@ -75,7 +75,7 @@ NAMESPACE = "llama"  # where the pods are made: the docs' examples' namespace
 LWS = "leaderworkerset.sigs.k8s.io/"  # the LWS controller's labels and annotations
 # Groups made of each LeaderWorkerSet: group 0, and the one a scale-up adds (names must not collide).
 LWS_GROUPS = 2
-SEED_KNOBS = {  # DESIGN.md "Knobs", the seed's values
+SEED_KNOBS = {  # the seed's values (docs/serving.md)
     "TPSERVE_MAX_NUM_SEQS": "128",
     "TPSERVE_BLOCK_SIZE": "16",
     "TPSERVE_GPU_MEMORY_UTILIZATION": "0.85",
