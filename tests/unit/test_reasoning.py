@@ -95,6 +95,9 @@ def test_think_tracker_counts_reasoning_tokens_without_tags():
     assert (t.reasoning_tokens, t.phase, t.content_start) == (0, AFTER, 0)
     t = ThinkTracker(_spec(True), [1, 2, 3])
     assert (t.reasoning_tokens, t.phase, t.content_start) == (3, INSIDE, None)
+    # Opened in the prompt and again by the model (DeepSeek-R1-0528): the tag is not reasoning.
+    assert ThinkTracker(_spec(True), [7, 1, 2, 8, 3]).reasoning_tokens == 2
+    assert ThinkTracker(_spec(True), [1, 7, 2, 8, 3]).reasoning_tokens == 3
     t = ThinkTracker(_spec(False, start=(7, 7), end=(8, 8)), [7, 7, 1, 8, 1, 8, 8, 5])
     assert (t.reasoning_tokens, t.phase, t.content_start) == (3, AFTER, 7)
 
