@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from common.reasoning import ReasoningSpec, ThinkTracker
+from router.openai.tool_parsers import held_prefix
 from router.validation_error import ValidationError
 
 THINK_START, THINK_END = "<think>", "</think>"
@@ -64,14 +65,6 @@ class Split:
         self.reasoning += other.reasoning
         self.content += other.content
         return self
-
-
-def _held(text: str, tag: str) -> int:
-    """How many characters at text's end may be the start of tag (so must be held back)."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 class ReasoningParser:
@@ -115,7 +108,7 @@ class ReasoningParser:
                 self._buf = self._buf[at + len(end) :]
                 self.state = CONTENT
                 continue
-            keep = _held(self._buf, end)
+            keep = held_prefix(self._buf, end)
             out.reasoning += self._buf[: len(self._buf) - keep]
             self._buf = self._buf[len(self._buf) - keep :]
             return out
