@@ -14,7 +14,10 @@ import argparse
 SERVER_GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
     "model": (
         "what is served and in which form its weights are held",
-        ("--model", "--tokenizer", "--dtype", "--linear-dtype", "--quantization", "--load-format"),
+        (
+            "--model", "--served-model-name", "--tokenizer", "--dtype", "--linear-dtype", "--quantization",
+            "--load-format",
+        ),
     ),
     "LoRA adapters": (
         "adapters served beside the base model",
@@ -68,7 +71,8 @@ SERVER_GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
         "ports and what a request may ask",
         (
             "--host", "--port", "--port-file", "--http-port", "--max-prompt-tokens", "--max-new-tokens-limit",
-            "--default-max-new-tokens", "--tool-call-parser", "--disable-additional-properties",
+            "--default-max-new-tokens", "--tool-call-parser", "--reasoning-parser",
+            "--disable-additional-properties",
             "--drain-timeout-s",
         ),
     ),
