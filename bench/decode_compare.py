@@ -140,7 +140,7 @@ def compare_linear(a) -> None:
 def compare_quant(a) -> None:
     """--quant: execute() at each batch for float32, bfloat16 and online int8 / fp8 linear weights, and
     the --quantized checkpoints (alternating, in one run), then teacher-forced NLL per token of each on
-    fixed slices of README.md."""
+    fixed slices of docs/*.md."""
     from transformers import AutoTokenizer
 
     variants = {
