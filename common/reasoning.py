@@ -82,6 +82,12 @@ class ThinkTracker:
                 self.phase, self.content_start = AFTER, 0  # no block: it is all content
         elif self.phase == INSIDE:
             self._inside += 1
+            if self._seen <= len(spec.start_ids):
+                self._head.append(token)
+                if self._seen == len(spec.start_ids) and tuple(self._head) == spec.start_ids:
+                    # A start tag written again where the template already opened the block (DeepSeek-R1-0528
+                    # does): a tag, not reasoning, as the text parser drops it.
+                    self._inside -= len(spec.start_ids)
             self._tail = (self._tail + [token])[-len(spec.end_ids) :]
             if tuple(self._tail) == spec.end_ids:
                 self.phase, self.content_start = AFTER, self._seen

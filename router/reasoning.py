@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from common.reasoning import ReasoningSpec, ThinkTracker
+from router.openai.tool_parsers import held_prefix
 from router.validation_error import ValidationError
 
 THINK_START, THINK_END = "<think>", "</think>"
@@ -64,14 +65,6 @@ class Split:
         self.reasoning += other.reasoning
         self.content += other.content
         return self
-
-
-def _held(text: str, tag: str) -> int:
-    """How many characters at text's end may be the start of tag (so must be held back)."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 class ReasoningParser:
@@ -115,7 +108,7 @@ class ReasoningParser:
                 self._buf = self._buf[at + len(end) :]
                 self.state = CONTENT
                 continue
-            keep = _held(self._buf, end)
+            keep = held_prefix(self._buf, end)
             out.reasoning += self._buf[: len(self._buf) - keep]
             self._buf = self._buf[len(self._buf) - keep :]
             return out
@@ -193,9 +186,11 @@ class ChoiceReasoning:
 
 
 @functools.lru_cache(maxsize=16)
-def _tag_ids(tokenizer, tag: str) -> tuple[int, ...]:
-    """A tag's token ids (one added token, for the models these parsers serve): tokenized once."""
-    return tuple(tokenizer.encode_words(tag))
+def _tags(tokenizer, fmt: ReasoningFormat) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
+    """The start and end tags' token ids (one added token each, for the models these parsers serve),
+    tokenized once, and whether either is a special token (decoding would drop it from the text)."""
+    start, end = tuple(tokenizer.encode_words(fmt.start)), tuple(tokenizer.encode_words(fmt.end))
+    return start, end, any(tokenizer.is_special(t) for t in start + end)
 
 
 def for_request(name: str | None, tokenizer, request, req):
@@ -207,8 +202,12 @@ def for_request(name: str | None, tokenizer, request, req):
     spec = None
     if name is not None and len(request.messages):
         fmt = FORMATS[name]
-        start_ids, end_ids = _tag_ids(tokenizer, fmt.start), _tag_ids(tokenizer, fmt.end)
+        start_ids, end_ids, special = _tags(tokenizer, fmt)
         spec = reasoning_spec(name, req.prompt_token_ids, start_ids, end_ids, budget)
+        if special and not request.HasField("skip_special_tokens"):
+            # Tags that are special tokens (Qwen3's are not; some checkpoints' are) must stay in the text
+            # the parser reads, as the mistral tool parser's [TOOL_CALLS] does.
+            req = dataclasses.replace(req, skip_special_tokens=False)
     elif budget is not None:
         why = "the server's --reasoning-parser" if name is None else "a chat prompt (messages)"
         raise ValidationError("thinking_token_budget", f"thinking_token_budget needs {why}")

@@ -130,6 +130,13 @@ class Tokenizer:
             return [""] * len(ids)
         return self.hf.batch_decode([[i] for i in ids])
 
+    def is_special(self, token_id: int) -> bool:
+        """Whether decoding with skip_special_tokens drops this token's text."""
+        if self.hf is None:
+            return False
+        added = self.hf.added_tokens_decoder.get(token_id)
+        return token_id in self.hf.all_special_ids or (added is not None and added.special)
+
     def token_strs(self, ids: Sequence[int]) -> list[str]:
         """The vocabulary's own strings for ids (vLLM's /tokenize token_strs), e.g. "Ġworld"."""
         if self.hf is None:

@@ -1,12 +1,26 @@
 """The reasoning parsers (router/reasoning.py): each case's whole split as vLLM's parser gives it, and the
 same text streamed cut at every position (and at every pair of positions) giving the same split."""
 
+import dataclasses
 import random
 
 import pytest
+from tokenizers import AddedToken
 
+from common.pb.tpserve.v1 import generation_pb2 as pb
 from common.reasoning import AFTER, INSIDE, ReasoningSpec, ThinkTracker
-from router.reasoning import ChoiceReasoning, ReasoningParser, Split, split, starts_in_reasoning
+from common.sampling import SamplingConfig
+from router.reasoning import (
+    ChoiceReasoning,
+    ReasoningParser,
+    Split,
+    for_request,
+    split,
+    starts_in_reasoning,
+)
+from router.tokenizer import Tokenizer
+from router.validation import ValidatedRequest
+from router.validation_error import ValidationError
 
 # (parser, the prompt left the block open, output text, reasoning, content)
 CASES = [
@@ -95,6 +109,9 @@ def test_think_tracker_counts_reasoning_tokens_without_tags():
     assert (t.reasoning_tokens, t.phase, t.content_start) == (0, AFTER, 0)
     t = ThinkTracker(_spec(True), [1, 2, 3])
     assert (t.reasoning_tokens, t.phase, t.content_start) == (3, INSIDE, None)
+    # Opened in the prompt and again by the model (DeepSeek-R1-0528): the tag is not reasoning.
+    assert ThinkTracker(_spec(True), [7, 1, 2, 8, 3]).reasoning_tokens == 2
+    assert ThinkTracker(_spec(True), [1, 7, 2, 8, 3]).reasoning_tokens == 3
     t = ThinkTracker(_spec(False, start=(7, 7), end=(8, 8)), [7, 7, 1, 8, 1, 8, 8, 5])
     assert (t.reasoning_tokens, t.phase, t.content_start) == (3, AFTER, 7)
 
@@ -126,3 +143,31 @@ def test_choice_reasoning_splits_text_and_counts_tokens():
     assert choice.reasoning_tokens == 1
     hidden = ChoiceReasoning("qwen3", _spec(True), include=False)
     assert hidden.step("thought</think>answer", [1, 8, 2], True) == ("", "answer")
+
+
+def _validated(prompt_ids) -> ValidatedRequest:
+    return ValidatedRequest("", tuple(prompt_ids), None, 16, SamplingConfig(), (), (), False, 0)
+
+
+@pytest.mark.parametrize("special", [False, True])
+def test_a_chat_request_gets_its_think_block_and_keeps_special_tags_in_its_text(tiny_model, special):
+    tok = Tokenizer.from_pretrained(str(tiny_model))
+    tok.hf.add_tokens([AddedToken("<think>", special=special), AddedToken("</think>", special=special)])
+    start, end = tok.hf.convert_tokens_to_ids(["<think>", "</think>"])
+    chat = pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="hi")], thinking_token_budget=3)
+    req, choice = for_request("qwen3", tok, chat, _validated([5, 6, start]))
+    assert req.sampling.reasoning == ReasoningSpec((start,), (end,), starts_inside=True, budget=3)
+    assert req.skip_special_tokens is not special  # special tags must stay in the text the parser reads
+    assert choice().step("a</think>b", [9, end, 10], True) == ("a", "b")
+    closed, _ = for_request("qwen3", tok, chat, _validated([5, start, end]))
+    assert not closed.sampling.reasoning.starts_inside
+    # Without a parser (or for a text prompt) a budget is refused, and a client's own control is dropped.
+    with pytest.raises(ValidationError, match="--reasoning-parser"):
+        for_request(None, tok, chat, _validated([5]))
+    with pytest.raises(ValidationError, match="chat prompt"):
+        for_request("qwen3", tok, pb.GenerateRequest(text="hi", thinking_token_budget=1), _validated([5]))
+    theirs = dataclasses.replace(
+        _validated([5]), sampling=SamplingConfig(reasoning=ReasoningSpec((1,), (2,), True))
+    )
+    plain, none = for_request("qwen3", tok, pb.GenerateRequest(text="hi"), theirs)
+    assert plain.sampling.reasoning is None and none() is None
