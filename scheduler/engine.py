@@ -4,7 +4,7 @@ publish what the step did.
     while True:
         out = await self._next_batch()        # Scheduler.schedule(), waiting while there is nothing to do
         replies = await self._execute(out)    # one StepRequest to every rank (scheduler/workers.py)
-        updates = self.scheduler.update(out, sampled_tokens(out, replies[0]))
+        updates = self.scheduler.update(out, self._sampled(out, replies))  # checked whole (replies.py)
         self._publish(StepResult(...))        # routers, traces, metrics, the static fallback, totals
 
 With --async-scheduling, overlap.py's loop runs instead: the next step is sent before this one returns.
@@ -35,12 +35,14 @@ from common.pb.tpserve.v1 import generation_pb2
 from scheduler.add_request import RequestError, sequence_for
 from scheduler.batch import StepBuilder
 from scheduler.block_manager import BlockManager
+from scheduler.capacity import UnfitRanks
 from scheduler.config import SchedulerConfig
 from scheduler.fallback import FallbackPolicy, ThroughputFallback
 from scheduler.lora_admin import LoRAAdmin
 from scheduler.metrics import SchedulerMetrics
 from scheduler.overlap import OverlapLoop
-from scheduler.plan import SchedulerOutput, SchedulerSnapshot, split_sampled
+from scheduler.plan import SchedulerOutput, SchedulerSnapshot
+from scheduler.replies import check_replies
 from scheduler.reports import StepResult, StepTotals, load_report, stats, step_outputs
 from scheduler.router_streams import LOAD_REPORT_INTERVAL_S, RouterStream, RouterStreams
 from scheduler.scheduler import Scheduler
@@ -48,6 +50,7 @@ from scheduler.sequence import FinishReason
 from scheduler.spans import RequestSpans
 from scheduler.speculation import Speculator
 from scheduler.swap import HostBlockPool
+from scheduler.tasks import TaskEnded, first_to_end
 from scheduler.workers import WorkerGroup, WorkersLost
 
 log = logging.getLogger("tpserve.scheduler")
@@ -88,25 +91,25 @@ class Engine:
         """Connects to the ranks and runs the step loop. When a rank is lost, every request keeps its
         tokens here; once the ranks are back they are recomputed and go on. A request still waiting
         worker_recovery_timeout_s after the loss (or after its arrival, if later) gets UNAVAILABLE:
-        none is dropped silently."""
-        expiry = asyncio.create_task(self._expire_while_lost())
-        try:
-            while True:
-                try:
-                    await self._connect()
-                    await self._run()
-                except WorkersLost as e:
-                    await self._workers_lost(e)
-                    # A rank that fails the same step again and again (a poisonous request) must not
-                    # spin: back off; the recovery clock keeps running until a step succeeds.
-                    await asyncio.sleep(1.0)
-                except ValueError as e:  # CapacityError, or ranks that do not fit the configuration
-                    if self.scheduler is None:
-                        raise  # at start-up: a misconfiguration, one line and exit 2
-                    await self._unfit_ranks(e)
-                    await asyncio.sleep(UNFIT_RETRY_S)
-        finally:
-            expiry.cancel()
+        none is dropped silently. Either task failing ends both, with its error (tasks.py)."""
+        ended = await first_to_end({"step loop": self._steps(), "recovery expiry": self._expire_while_lost()})
+        raise TaskEnded(f"the scheduler's {ended} task returned")
+
+    async def _steps(self) -> None:
+        while True:
+            try:
+                await self._connect()
+                await self._run()
+            except WorkersLost as e:  # MalformedReply too: a rank that answered nonsense
+                await self._workers_lost(e)
+                # A rank that fails the same step again and again (a poisonous request) must not
+                # spin: back off; the recovery clock keeps running until a step succeeds.
+                await asyncio.sleep(1.0)
+            except UnfitRanks as e:  # only these: any other error is a bug, and is not disguised
+                if self.scheduler is None:
+                    raise  # at start-up: a misconfiguration, one line and exit 2
+                await self._unfit_ranks(e)
+                await asyncio.sleep(UNFIT_RETRY_S)
 
     async def _run(self) -> None:
         if self.config.async_scheduling:
@@ -115,7 +118,7 @@ class Engine:
             out = await self._next_batch()
             start = time.perf_counter()
             replies = await self._execute(out)
-            tokens = sampled_tokens(out, replies[0])
+            tokens = self._sampled(out, replies)
             updates = self.scheduler.update(out, tokens)
             self._grammars(replies[0])
             if self.speculator is not None:
@@ -202,6 +205,11 @@ class Engine:
         ]
         self._end([(r, reason) for r in request_ids], outputs)
 
+    def _sampled(self, out: SchedulerOutput, replies: list[worker_pb2.StepResponse]) -> list[list[int]]:
+        """Rank 0's tokens per sampled sequence, every reply checked first (replies.py): a malformed
+        one is a lost rank (MalformedReply), found before any sequence changes."""
+        return check_replies(out, replies, self.model_info.vocab_size, self._next_seq_id)
+
     def _grammars(self, reply: worker_pb2.StepResponse) -> None:
         """Rank 0's news of the grammars it compiles: ready ones may be admitted, failed ones end."""
         self.scheduler.grammars_ready(reply.grammar_ready_seq_ids)
@@ -230,7 +238,7 @@ class Engine:
         if cfg.speculative.speculative_method == "draft" and not all(
             i.draft_model_name for i in info.describe
         ):
-            raise ValueError("--speculative-method draft: the shard workers hold no --speculative-model")
+            raise UnfitRanks("--speculative-method draft: the shard workers hold no --speculative-model")
         host_blocks = None
         if cap.num_host_blocks:
             host_blocks = HostBlockPool(cap.num_host_blocks, cache_prefixes=cfg.host_prefix_cache)
@@ -292,7 +300,7 @@ class Engine:
             self.fallback.interrupt()  # recompute after a loss is not a throughput regression
         self._expiry_wakeup.set()
 
-    async def _unfit_ranks(self, error: ValueError) -> None:
+    async def _unfit_ranks(self, error: UnfitRanks) -> None:
         """The ranks came back but cannot serve as they are (imbalanced memory, a cache too small for one
         sequence): the requests in flight cannot wait on it, so each ends with UNAVAILABLE naming why (a
         router sends it to another replica, resumed), and the scheduler keeps trying the ranks."""
@@ -438,13 +446,3 @@ class Engine:
 
     def stats(self) -> generation_pb2.Stats:
         return stats(self.snapshot(), self.totals, self.speculator and self.speculator.totals)
-
-
-def sampled_tokens(out: SchedulerOutput, reply: worker_pb2.StepResponse) -> list[list[int]]:
-    """Rank 0's tokens per sampled sequence. A reply that does not fit the step (a group of no tokens, or
-    of more than the sequence sampled) is the rank's failure, WorkersLost, found before any sequence
-    changes: the requests resume on the rebuilt group."""
-    try:
-        return split_sampled(out, reply.token_counts, reply.token_ids)
-    except ValueError as e:
-        raise WorkersLost(f"rank 0's reply does not fit the step: {e}") from None

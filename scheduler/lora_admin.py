@@ -19,6 +19,7 @@ from collections.abc import Callable
 import grpc
 
 from common.pb.tpserve.v1 import generation_pb2
+from scheduler.tasks import log_failure
 
 log = logging.getLogger("tpserve.scheduler")
 
@@ -125,6 +126,7 @@ class LoRAAdmin:
                 task = asyncio.create_task(self._drop(name), name=name)
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
+                task.add_done_callback(log_failure)  # still draining: the next tidy tries again
 
     async def _drop(self, name: str) -> None:
         async with self._lock:

@@ -20,6 +20,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
 from scheduler.lora_admin import LoRAError
 from scheduler.router_streams import RouterStream
+from scheduler.tasks import TaskEnded, first_to_end
 
 log = logging.getLogger("tpserve.scheduler")
 
@@ -119,21 +120,27 @@ async def serve(config: SchedulerConfig) -> None:
 
     engine.watch_status(on_status)
 
-    async def run_engine():
-        await engine.serve_forever()
-
-    engine_task = asyncio.create_task(run_engine())
-    heartbeat = asyncio.create_task(engine.heartbeat())
-    stop_task = asyncio.create_task(stop.wait())
-    done, _ = await asyncio.wait({engine_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
-    await server.stop(grace=1.0)
-    if engine_task in done:
-        engine_task.result()  # re-raises what stopped the engine
-    engine_task.cancel()
-    heartbeat.cancel()
-    await engine.close()
-    if provider is not None:
-        provider.shutdown()
+    # Every task of the process supervised (scheduler/tasks.py): one that fails ends the process loudly.
+    tasks = {"engine": engine.serve_forever(), "load reports": engine.heartbeat(), "signal": stop.wait()}
+    try:
+        ended = await first_to_end(tasks)
+        if ended != "signal":
+            raise TaskEnded(f"the scheduler's {ended} task returned")
+    except Exception as e:
+        if isinstance(e, ValueError) and engine.scheduler is None:
+            raise  # the ranks do not fit the configuration at start: one line, exit 2 (common/cli.py)
+        log.critical(
+            "scheduler failed: %s; exiting (the launcher or Kubernetes restarts it; the routers resume "
+            "its requests)",
+            e,
+            exc_info=True,
+        )
+        raise SystemExit(1) from None  # a bug, not a misconfiguration: never cli's one line and exit 2
+    finally:
+        await server.stop(grace=1.0)
+        await engine.close()
+        if provider is not None:
+            provider.shutdown()
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
