@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import signal
+import socket
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -21,6 +22,7 @@ from scheduler.engine import Engine
 from scheduler.lora_admin import LoRAError
 from scheduler.router_streams import RouterStream
 from scheduler.tasks import TaskEnded, first_to_end
+from scheduler.workers import WorkerGroup
 
 log = logging.getLogger("tpserve.scheduler")
 
@@ -100,6 +102,8 @@ async def serve(config: SchedulerConfig) -> None:
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     port = security.add_port(server, f"{config.host}:{config.port}", config.internal_tls)
+    if isinstance(engine.workers, WorkerGroup):  # its name to the workers: where it serves
+        engine.workers.name_as(f"{socket.gethostname()}:{port}")
     await server.start()
     metrics_port = metrics.serve(engine.metrics.registry, config.host, config.metrics_port)
     write_port_file(config.port_file, port, metrics_port)
