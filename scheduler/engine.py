@@ -42,6 +42,7 @@ from scheduler.lora_admin import LoRAAdmin
 from scheduler.metrics import SchedulerMetrics
 from scheduler.overlap import OverlapLoop
 from scheduler.plan import SchedulerOutput, SchedulerSnapshot
+from scheduler.recovery import expire_while_lost
 from scheduler.replies import check_replies
 from scheduler.reports import StepResult, StepTotals, load_report, stats, step_outputs
 from scheduler.router_streams import LOAD_REPORT_INTERVAL_S, RouterStream, RouterStreams
@@ -92,7 +93,7 @@ class Engine:
         tokens here; once the ranks are back they are recomputed and go on. A request still waiting
         worker_recovery_timeout_s after the loss (or after its arrival, if later) gets UNAVAILABLE:
         none is dropped silently. Either task failing ends both, with its error (tasks.py)."""
-        ended = await first_to_end({"step loop": self._steps(), "recovery expiry": self._expire_while_lost()})
+        ended = await first_to_end({"step loop": self._steps(), "recovery expiry": expire_while_lost(self)})
         raise TaskEnded(f"the scheduler's {ended} task returned")
 
     async def _steps(self) -> None:
@@ -207,8 +208,24 @@ class Engine:
 
     def _sampled(self, out: SchedulerOutput, replies: list[worker_pb2.StepResponse]) -> list[list[int]]:
         """Rank 0's tokens per sampled sequence, every reply checked first (replies.py): a malformed
-        one is a lost rank (MalformedReply), found before any sequence changes."""
-        return check_replies(out, replies, self.model_info.vocab_size, self._next_seq_id)
+        one is a lost rank (MalformedReply), found before any sequence changes. Requests on an adapter
+        a rank could not read end first (NOT_FOUND naming it): their tokens, of the base model, drop."""
+        tokens = check_replies(out, replies, self.model_info.vocab_size, self._next_seq_id)
+        for e in {e.lora_name: e for r in replies for e in r.lora_errors}.values():
+            self._adapter_fetched(e.lora_name, e.message, held_only=False)
+        return tokens
+
+    def _adapter_fetched(self, name: str, error: str | None, held_only: bool = True) -> None:
+        """The ranks read an adapter (LoRAAdmin.prefetch): the requests held for it may be admitted; or
+        its files do not read, and they (with held_only False, every request on it) fail, NOT_FOUND."""
+        seqs = [s for s in self.scheduler.sequences() if s.lora_name == name]
+        held = [s for s in seqs if not s.adapter_ready]
+        if error is not None:
+            self._fail([s.request_id for s in (held if held_only else seqs)], ERROR_CODE_NOT_FOUND, error)
+            return
+        for seq in held:
+            seq.adapter_ready = True
+        self._wakeup.set()
 
     def _grammars(self, reply: worker_pb2.StepResponse) -> None:
         """Rank 0's news of the grammars it compiles: ready ones may be admitted, failed ones end."""
@@ -310,34 +327,6 @@ class Engine:
         message = f"the replica's shard workers cannot serve: {error}"
         self._fail([s.request_id for s in self.scheduler.sequences()], ERROR_CODE_UNAVAILABLE, message)
 
-    async def _expire_while_lost(self) -> None:
-        """While the ranks are lost, fails each request that has waited worker_recovery_timeout_s since
-        the loss or since its own arrival, whichever is later: requests that arrive during an outage
-        expire too, each on its own clock."""
-        timeout = self.config.worker_recovery_timeout_s
-        while True:
-            deadline = None
-            if self._lost_at is not None and self.scheduler is not None:
-                now = time.monotonic()
-                due = []
-                for seq in self.scheduler.sequences():
-                    expires = max(self._lost_at, seq.arrival_time) + timeout
-                    if expires <= now:
-                        due.append(seq.request_id)
-                    else:
-                        deadline = expires if deadline is None else min(deadline, expires)
-                if due:
-                    log.error(
-                        "shard workers still lost after %.0fs: failing %d request(s)", timeout, len(due)
-                    )
-                    self._fail(
-                        due, ERROR_CODE_UNAVAILABLE, "a shard worker was lost and did not return in time"
-                    )
-            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-            self._expiry_wakeup.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._expiry_wakeup.wait(), wait)
-
     def _set_ready(self, ready: bool) -> None:
         if ready:
             self.ready.set()
@@ -384,6 +373,9 @@ class Engine:
         self._next_seq_id += 1
         self.routers.bind(msg.request_id, stream)
         self.spans.start(seq, msg.trace_context)
+        if seq.lora_name:  # held until every rank holds its adapter: no step reads a disk
+            seq.adapter_ready = False
+            self.loras.prefetch(seq.lora_name, self._adapter_fetched)
         self._wakeup.set()
         if self._lost_at is not None:
             self._expiry_wakeup.set()  # its own recovery clock starts now

@@ -29,6 +29,7 @@ from common.grpc_util import OPTIONS, SCHEDULER_EPOCH_KEY, SCHEDULER_METADATA_KE
 from common.pb.tpserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from scheduler.capacity import Capacity, RankCapacity, settle
 from scheduler.config import SchedulerConfig
+from scheduler.lora_admin import check_lora_settings
 
 log = logging.getLogger("tpserve.scheduler")
 
@@ -98,6 +99,7 @@ class WorkerGroup:
                         f"worker {cfg.workers[rank]} says it is rank {info.rank} of {info.world_size}, "
                         f"expected rank {rank} of {len(infos)}"
                     )
+            check_lora_settings(cfg.enable_lora, cfg.lora_modules, policy.max_loras, infos)
             capacity = settle(
                 [
                     RankCapacity(i.rank, i.num_kv_blocks, i.kv_block_bytes, i.max_position_embeddings)

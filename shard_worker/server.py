@@ -10,7 +10,6 @@ import sys
 import threading
 import time
 from concurrent import futures
-from pathlib import Path
 
 import grpc
 import numpy as np
@@ -26,15 +25,14 @@ from common.grpc_util import (
     write_port_file,
 )
 from common.pb.tpserve.internal.v1 import worker_pb2, worker_pb2_grpc
-from common.pb.tpserve.v1 import generation_pb2
 from common.sampling import SamplingConfig
 from shard_worker import config as worker_config
 from shard_worker import devices
 from shard_worker.attention.kv_dtype import kv_cache_dtype
 from shard_worker.config import StepThreads, WorkerConfig
 from shard_worker.lease import Caller, Lease, LeaseRefused
+from shard_worker.lora_service import LoRAService, lora_settings
 from shard_worker.metrics import WorkerMetrics
-from shard_worker.model.lora.adapters import CONFIG_FILE, WEIGHTS_FILE
 from shard_worker.startup import StartupPhases, compile_counts, configure_compile_cache, remember_vec_isa
 from shard_worker.step import SequenceInit, WorkerStep
 from shard_worker.worker import Worker
@@ -91,7 +89,7 @@ def sequence_init(msg: worker_pb2.SequenceInit) -> SequenceInit:
     )
 
 
-class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
+class ShardWorkerServicer(LoRAService, worker_pb2_grpc.ShardWorkerServicer):
     def __init__(
         self, runner, config: WorkerConfig, metrics: WorkerMetrics, phases: StartupPhases | None = None
     ):
@@ -182,6 +180,7 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
             ],
             compiled_graphs=compiled,
             cached_graphs=cached,
+            **lora_settings(self.config),
         )
 
     def InitCache(self, request, context):
@@ -251,29 +250,6 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
         if refused is not None:  # out of the try: an abort is no failure of this rank
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, refused)
 
-    def LoadLoRAAdapter(self, request, context):
-        lora, name, path = self.runner.lora, request.lora_name, request.lora_path
-        if lora is None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the worker was started without --enable-lora")
-        try:
-            weights = lora.read(name, path)  # off the step's lock: reads files and shapes only
-        except (ValueError, OSError) as e:
-            missing = not all((Path(path) / f).is_file() for f in (CONFIG_FILE, WEIGHTS_FILE))
-            context.abort(grpc.StatusCode.NOT_FOUND if missing else grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        with self._device_lock:  # between two steps
-            self._take_lease(context, "load an adapter on")
-            lora.install(name, path, weights)
-        log.info("rank %d: LoRA adapter %r loaded from %s", self.config.rank, name, path)
-        return generation_pb2.LoadLoRAAdapterResponse()
-
-    def UnloadLoRAAdapter(self, request, context):
-        if self.runner.lora is not None:
-            with self._device_lock:
-                self._take_lease(context, "unload an adapter from")
-                if self.runner.lora.remove(request.lora_name):
-                    log.info("rank %d: LoRA adapter %r unloaded", self.config.rank, request.lora_name)
-        return generation_pb2.UnloadLoRAAdapterResponse()
-
     @contextlib.contextmanager
     def _failing_on_error(self, what: str):
         try:
@@ -314,6 +290,7 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
             allreduce_seconds=out.allreduce_seconds,
             grammar_ready_seq_ids=out.grammar_ready_seq_ids,
             grammar_errors=[worker_pb2.GrammarError(seq_id=i, message=m) for i, m in out.grammar_errors],
+            lora_errors=[worker_pb2.LoRAError(lora_name=n, message=m) for n, m in out.lora_errors],
             prompt_logprobs=out.prompt_logprobs,
             prompt_ranks=out.prompt_ranks,
             prompt_top_token_ids=out.prompt_top_token_ids,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import numpy as np
 
 from common.pb.tpserve.internal.v1 import scheduler_pb2, worker_pb2
@@ -42,6 +43,8 @@ class FakeWorkerGroup:
         # step number -> a function that mangles that step's reply (a rank answering nonsense)
         self.mangle: dict = {}
         self.connect_errors: list[Exception] = []  # raised by the next connects, one each
+        self.unreadable: dict[str, str] = {}  # LoRA adapters whose files do not read: name -> why
+        self.prefetched: list[str] = []  # PrefetchLoRAAdapter calls, by adapter
         self.steps = 0
         self.connects = 0
         self.forgotten: list[int] = []
@@ -116,8 +119,29 @@ class FakeWorkerGroup:
                 reply.prompt_top_token_ids.extend([2] * k)
                 reply.prompt_top_logprobs.extend([-1.0] * k)
 
+    async def on_every_rank(self, method: str, request) -> list:
+        """The one rank's answer to a unary call: only PrefetchLoRAAdapter is faked (NOT_FOUND for an
+        adapter in `unreadable`)."""
+        assert method == "PrefetchLoRAAdapter", method
+        self.prefetched.append(request.lora_name)
+        why = self.unreadable.get(request.lora_name)
+        return [worker_pb2.PrefetchLoRAAdapterResponse() if why is None else NotFound(why)]
+
     async def close(self) -> None:
         pass
+
+
+class NotFound(grpc.RpcError):
+    """A rank's NOT_FOUND, as grpc.aio raises it."""
+
+    def __init__(self, details: str):
+        self._details = details
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.NOT_FOUND
+
+    def details(self) -> str:
+        return self._details
 
 
 def add_request(request_id: str, prompt: list[int], max_new: int, **fields) -> scheduler_pb2.AddRequest:

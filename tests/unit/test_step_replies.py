@@ -9,6 +9,7 @@ import asyncio
 import pytest
 
 from common.pb.tpserve.internal.v1 import worker_pb2
+from common.pb.tpserve.internal.v1.scheduler_pb2 import ERROR_CODE_NOT_FOUND
 from scheduler import engine as engine_module
 from scheduler.tasks import first_to_end
 from tests.unit.engine_harness import VOCAB, FakeWorkerGroup, Harness, add_request, expected, run
@@ -166,3 +167,65 @@ def test_a_reply_of_another_step_shape_names_the_field():
     bad = worker_pb2.StepResponse(token_counts=[1], token_ids=[7], logprobs=[], top_token_ids=[7])
     with pytest.raises(MalformedReply, match="0 logprobs where the step implies 1"):
         sampled_tokens(out, bad, VOCAB, 1)
+
+
+def test_an_adapter_whose_files_vanished_fails_its_requests_not_the_rank():
+    """Before, a step read an evicted adapter from disk on every rank; if its files were gone the step
+    raised and the rank exited (and, named in --lora-modules, could not start again). Now a request on an
+    adapter waits until every rank has prefetched it; NOT_FOUND from a rank fails the requests on it,
+    naming it, and an adapter a step could not read (lora_errors) fails its requests, not the rank."""
+
+    async def go():
+        group = FakeWorkerGroup()
+        loras = dict(enable_lora=True, lora_modules=("sql=/a/sql", "gone=/a/gone"))
+        async with Harness(group, **loras) as h:
+            group.unreadable["gone"] = "LoRA adapter 'gone' (/a/gone): expected adapter_config.json"
+            h.engine.add(add_request("g", [5] * 6, 4, lora_name="gone"), h.stream)
+            h.engine.add(add_request("s", [6] * 6, 4, lora_name="sql"), h.stream)
+            h.engine.add(add_request("b", [7] * 6, 4), h.stream)
+            await h.wait(lambda: all(h.finished(r) for r in "gsb"))
+            [error] = h.outputs("g")
+            assert error.error_code == ERROR_CODE_NOT_FOUND and "'gone'" in error.error
+            assert h.tokens("s") == expected([6] * 6, 4) and h.tokens("b") == expected([7] * 6, 4)
+            assert group.prefetched == ["gone", "sql"] and group.connects == 1
+
+            # Files gone after the prefetch: the step reports it, its requests fail and the rest go on.
+            group.gate = asyncio.Semaphore(0)
+            h.engine.add(add_request("s2", [6] * 6, 8, lora_name="sql"), h.stream)
+            h.engine.add(add_request("b2", [7] * 6, 8), h.stream)
+            report = worker_pb2.LoRAError(lora_name="sql", message="LoRA adapter 'sql' (/a/sql): gone")
+            group.mangle = {group.steps + 3: lambda reply: reply.lora_errors.append(report)}
+            gate, group.gate = group.gate, None
+            for _ in range(100):
+                gate.release()
+            await h.wait(lambda: h.finished("s2") and h.finished("b2"))
+            [error] = [o for o in h.outputs("s2") if o.error]
+            assert error.error_code == ERROR_CODE_NOT_FOUND and "'sql'" in error.error
+            assert h.tokens("s2") == expected([6] * 6, 8)[: len(h.tokens("s2"))]  # none of the base's
+            assert h.tokens("b2") == expected([7] * 6, 8) and group.connects == 1
+            snap = h.engine.snapshot()
+            assert snap.kv_blocks_free == snap.kv_blocks_total
+
+    run(go())
+
+
+def test_lora_settings_that_differ_refuse_the_start_in_one_line():
+    from scheduler.capacity import UnfitRanks
+    from scheduler.lora_admin import check_lora_settings
+
+    def rank(**kw):
+        fields = dict(enable_lora=True, max_loras=4, max_lora_rank=16, max_cpu_loras=4, lora_modules=["a=/x"])
+        return worker_pb2.DescribeResponse(**(fields | kw))
+
+    check_lora_settings(True, ("a=/y",), 4, [rank(), rank()])  # paths may differ between hosts
+    check_lora_settings(False, (), 4, [worker_pb2.DescribeResponse()])
+    for scheduler, ranks, words in [
+        ((True, ("a=/x",), 2), [rank()], "--max-loras 2"),
+        ((True, ("a=/x", "b=/z"), 4), [rank()], "['a', 'b']"),
+        ((True, ("a=/x",), 4), [worker_pb2.DescribeResponse()], "on the workers False"),
+        ((False, (), 4), [rank()], "here --enable-lora False"),
+        ((True, ("a=/x",), 4), [rank(), rank(max_lora_rank=8)], "rank 1"),
+    ]:
+        with pytest.raises(UnfitRanks) as e:
+            check_lora_settings(*scheduler, ranks)
+        assert words in str(e.value) and "\n" not in str(e.value)
