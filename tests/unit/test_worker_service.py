@@ -1,8 +1,10 @@
-"""One scheduler drives a shard worker (shard_worker/lease.py): the lease as plain logic, and through the
-real worker servicer on a real gRPC server over a fake model runner (no model, no torch forward)."""
+"""The shard worker's servicer on a real gRPC server over a fake model runner (no model, no forward): one
+scheduler drives it (shard_worker/lease.py, also as plain logic), and the LoRA settings its Describe
+reports, which a scheduler whose own differ refuses at start."""
 
 from __future__ import annotations
 
+import asyncio
 from concurrent import futures
 
 import grpc
@@ -96,14 +98,16 @@ class FakeRunner:
 
 
 @pytest.fixture
-def worker():
+def worker(request):
     runner = FakeRunner()
-    servicer = ShardWorkerServicer(runner, WorkerConfig(model="fake"), WorkerMetrics(runner.device, 0))
+    config = WorkerConfig(model="fake", **getattr(request, "param", {}))
+    servicer = ShardWorkerServicer(runner, config, WorkerMetrics(runner.device, 0))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     worker_pb2_grpc.add_ShardWorkerServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        servicer.address = f"127.0.0.1:{port}"
         yield worker_pb2_grpc.ShardWorkerStub(channel), runner, servicer
     server.stop(None)
 
@@ -148,3 +152,39 @@ def test_a_restarted_scheduler_is_let_in_at_once(worker):
         stub.InitCache(INIT, metadata=metadata(A), timeout=10)
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert servicer.lease.holds(restarted) and runner.allocations == [8]
+
+
+WORKER_LORA = dict(enable_lora=True, max_loras=2, lora_modules=("sql=/adapters/sql",))
+
+
+@pytest.mark.parametrize("worker", [WORKER_LORA], indirect=True)
+def test_a_scheduler_whose_lora_settings_differ_is_refused_before_any_cache_is_allocated(worker):
+    """Before, --max-loras was the scheduler's and the worker's separately: with more on the scheduler,
+    DeviceSlots.assign raised in the step, which ended the rank, again on every restart."""
+    from scheduler.capacity import UnfitRanks
+    from scheduler.config import SchedulerConfig
+    from scheduler.policy import SchedulingPolicy
+    from scheduler.workers import WorkerGroup
+
+    _, runner, servicer = worker
+
+    async def connect(max_loras: int):
+        config = SchedulerConfig(
+            workers=(servicer.address,),
+            enable_lora=True,
+            lora_modules=("sql=/elsewhere/sql",),
+            num_kv_blocks=8,
+            policy=SchedulingPolicy(max_loras=max_loras, max_model_len=64),
+        )
+        group = WorkerGroup(config)
+        try:
+            return await group.connect()
+        finally:
+            await group.close()
+
+    with pytest.raises(UnfitRanks) as e:
+        asyncio.run(connect(4))
+    assert "--max-loras 4" in str(e.value) and "\n" not in str(e.value)
+    assert runner.allocations == []
+    info = asyncio.run(connect(2))  # the same settings: served
+    assert info.describe[0].max_loras == 2 and runner.allocations == [8]
