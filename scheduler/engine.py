@@ -58,6 +58,8 @@ log = logging.getLogger("tpserve.scheduler")
 
 # How long a scheduler whose ranks came back unfit to serve waits before it asks them again.
 UNFIT_RETRY_S = 5.0
+# How long after a lost rank before the ranks are connected again (a poisonous step must not spin).
+LOST_RETRY_S = 1.0
 
 
 class Engine:
@@ -105,7 +107,7 @@ class Engine:
                 await self._workers_lost(e)
                 # A rank that fails the same step again and again (a poisonous request) must not
                 # spin: back off; the recovery clock keeps running until a step succeeds.
-                await asyncio.sleep(1.0)
+                await asyncio.sleep(LOST_RETRY_S)
             except UnfitRanks as e:  # only these: any other error is a bug, and is not disguised
                 if self.scheduler is None:
                     raise  # at start-up: a misconfiguration, one line and exit 2

@@ -55,9 +55,12 @@ def _short_prompt_top(reply):
         (_short_prompt_top, True),
     ],
 )
-def test_a_malformed_reply_is_a_lost_rank_and_every_token_and_logprob_comes_once(mangle, first_step):
+def test_a_malformed_reply_is_a_lost_rank_and_every_token_and_logprob_comes_once(
+    mangle, first_step, monkeypatch
+):
     """Before, a short logprob array raised IndexError in the report after Scheduler.update had run: it
     escaped the step loop and the scheduler process exited with every request in flight."""
+    monkeypatch.setattr(engine_module, "LOST_RETRY_S", 0.01)
 
     async def go():
         group = FakeWorkerGroup()
