@@ -191,10 +191,14 @@ def check_an_adapter_whose_files_vanished(stub, http: str, adapters, references,
     """An adapter deleted from disk while it is served, once evicted from the ranks' host caches (--max-
     cpu-loras 1: the next adapter used evicts it): its requests get NOT_FOUND / 404 naming it, and the
     ranks live on, serving the others. Before, the step that read it again ended the rank."""
+
+    def first(name: str) -> dict:  # one reference prompt of each: the point is not the tokens here
+        return dict([next(iter(references[name].items()))])
+
     path = copy_adapter(adapters["sql"], tmp / "vanishing")
     stub.LoadLoRAAdapter(pb.LoadLoRAAdapterRequest(lora_name="vanishing", lora_path=str(path)))
-    assert_served(stub, {"vanishing": references["sql"]})
-    assert_served(stub, {"chat2": references["chat"]})  # evicts it from the host
+    assert_served(stub, {"vanishing": first("sql")})
+    assert_served(stub, {"chat2": first("chat")})  # evicts it from the host
     shutil.rmtree(path)
     with pytest.raises(grpc.RpcError) as e:
         list(stub.Generate(pb.GenerateRequest(token_ids=[5, 6], max_new_tokens=2, lora_name="vanishing")))
@@ -206,7 +210,7 @@ def check_an_adapter_whose_files_vanished(stub, http: str, adapters, references,
     for name, pid in info["pids"].items():  # every process of the stack is the one that started
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
         assert state != "Z", f"{name} (pid {pid}) ended"
-    assert_served(stub, {"": references[""], "sql": references["sql"]})
+    assert_served(stub, {"": first(""), "sql": first("sql")})
 
 
 def _post(url: str, body: dict) -> urllib.request.Request:
