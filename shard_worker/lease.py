@@ -5,8 +5,8 @@ group answer Describe at different times; a second scheduler's Describe or InitC
 would resize or empty a cache the first is about to step. So the first call takes the lease, and every
 call after it (LoRA loads and unloads too) must come from its holder: another caller gets
 FAILED_PRECONDITION naming the holder. It is held for as long as the holder's Step stream is open, and
-IDLE_S after the holder's last call otherwise (the gap between Describe and Step; a scheduler that died
-before stepping).
+IDLE_S after the end of the holder's last call otherwise (the gap between Describe and Step, a Describe of
+another rank that takes longer; a scheduler that died before stepping).
 
 A scheduler names itself by where it serves (host:port) and an epoch (its start time): the same name
 with a later epoch is that scheduler restarted (by the launcher or Kubernetes, in place) and takes the
@@ -55,6 +55,11 @@ class Lease:
             self.stepping = False  # the old holder's stream, if still open, ends at its next step
         self.holder = caller
         self._expires = now + self.idle_s
+
+    def renew(self, caller: Caller) -> None:
+        """At the end of a long call of the holder's: the idle time counts from there."""
+        if self.holder == caller:
+            self._expires = self._clock() + self.idle_s
 
     def start_stepping(self, caller: Caller) -> None:
         """The Step stream opens: caller must hold the lease (or take it, lapsed), and keeps it while open."""

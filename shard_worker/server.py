@@ -121,7 +121,9 @@ class ShardWorkerServicer(LoRAService, worker_pb2_grpc.ShardWorkerServicer):
         with self._device_lock:
             self._take_lease(context, "describe")
             with self._failing_on_error("describing its capacity"):
-                return self._describe(request)
+                response = self._describe(request)
+            self.lease.renew(caller_of(context))  # a Describe that profiled for minutes: from its end
+            return response
 
     def _take_lease(self, context, what: str) -> None:
         """FAILED_PRECONDITION naming the holder when another scheduler holds this worker: its Describe
@@ -187,7 +189,9 @@ class ShardWorkerServicer(LoRAService, worker_pb2_grpc.ShardWorkerServicer):
         with self._device_lock:
             self._take_lease(context, "allocate the cache of")
             with self._failing_on_error("allocating its KV cache"):
-                return self._init_cache(request)
+                response = self._init_cache(request)
+            self.lease.renew(caller_of(context))  # CUDA graphs may take minutes to capture
+            return response
 
     def _init_cache(self, request) -> worker_pb2.InitCacheResponse:
         start = time.perf_counter()

@@ -37,6 +37,11 @@ def test_a_lease_refuses_another_scheduler_until_it_lapses_and_never_while_stepp
     with pytest.raises(LeaseRefused, match=r"host-a:7000 .* holds it for 1s more; scheduler host-b"):
         lease.take(B, "describe")
     lease.take(A, "allocate the cache of")  # the holder's calls renew it
+    clock.now += 9.0
+    lease.renew(A)  # at the end of a long call
+    clock.now += 9.0
+    with pytest.raises(LeaseRefused):
+        lease.take(B, "describe")
     lease.start_stepping(A)
     clock.now += 1000.0
     with pytest.raises(LeaseRefused, match="is stepping it"):
