@@ -21,7 +21,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
 from scheduler.lora_admin import LoRAError
 from scheduler.router_streams import RouterStream
-from scheduler.tasks import TaskEnded, first_to_end
+from scheduler.tasks import TaskEnded, first_to_end, log_failure
 from scheduler.workers import WorkerGroup
 
 log = logging.getLogger("tpserve.scheduler")
@@ -37,6 +37,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         # A reader that stops (the router closed its side, or an error) ends this stream too, so the
         # router sees it end and reconnects, rather than heartbeats flowing while its adds go unread.
         reader.add_done_callback(lambda _: router.outbox.put_nowait(None))
+        reader.add_done_callback(log_failure)  # it survives a bad message: an error here is a bug
         self.engine.attach(router)
         try:
             while (msg := await router.outbox.get()) is not None:
@@ -120,7 +121,7 @@ async def serve(config: SchedulerConfig) -> None:
         status = (
             health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
         )
-        asyncio.ensure_future(health_servicer.set("", status))
+        asyncio.ensure_future(health_servicer.set("", status)).add_done_callback(log_failure)
 
     engine.watch_status(on_status)
 
