@@ -179,7 +179,7 @@ class ModelRunner(RunnerCaches):
             with lora_batch(lora):
                 hidden = self.model(batch.input_ids, batch.positions, ctx, self.kv_caches)
 
-        out = StepOutputs()
+        out = StepOutputs(lora_errors=self.lora.take_errors() if self.lora is not None else [])
         if inputs.prompt_rows is not None and len(inputs.prompt_rows):
             prompt_logprobs(self.model, hidden, inputs, out)
         sampled = np.flatnonzero(inputs.sample_counts)
