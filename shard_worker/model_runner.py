@@ -133,7 +133,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         # Swap space: the same layout as kv_caches, in host memory (pinned on CUDA, for fast copies).
         self.host_kv_caches: list[torch.Tensor] = []
-        self.block_size = 0
+        self.block_size = self.num_kv_blocks = 0
         self.sampler = None
         if tp.rank == 0:
             grammars = GrammarCompiler(self.model_dir, self.config.vocab_size, self.config.eos_token_ids)
@@ -214,6 +214,7 @@ class ModelRunner:
         self.kv_caches = []  # frees an old cache first, so reallocating never needs room for both
         self.kv_caches = self.model.new_kv_caches(total, block_size, self.kv_dtype, self.device)
         self.block_size = block_size
+        self.num_kv_blocks = total  # every step's block ids are checked against it (StepBatch.build)
         if self.draft is not None:
             self.draft.allocate(total, block_size)
         return total * self.kv_block_bytes(block_size)
@@ -305,6 +306,7 @@ class ModelRunner:
             inputs.block_table,
             self.block_size,
             self.device,
+            num_blocks=self.num_kv_blocks,
         )
         if states:
             self.sampler.prepare(states)  # host work for the sampler, overlapping the forward
@@ -423,15 +425,15 @@ class ModelRunner:
 
     @contextlib.contextmanager
     def _scratch_cache(self, num_blocks: int, block_size: int) -> Iterator[None]:
-        saved_caches, saved_block_size = self.kv_caches, self.block_size
+        saved = self.kv_caches, self.block_size, self.num_kv_blocks
         saved_draft = self.draft.kv_caches if self.draft is not None else None
         self.allocate_kv_cache(num_blocks, block_size)
         try:
             yield
         finally:
-            self.kv_caches, self.block_size = saved_caches, saved_block_size
+            self.kv_caches, self.block_size, self.num_kv_blocks = saved
             if self.draft is not None:
-                self.draft.kv_caches, self.draft.block_size = saved_draft, saved_block_size
+                self.draft.kv_caches, self.draft.block_size, self.draft.num_blocks = saved_draft, *saved[1:]
 
     def _check_layers(self, model: torch.nn.Module) -> None:
         """Refuses a model whose attention layers the backend cannot run (before its weights load)."""
