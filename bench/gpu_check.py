@@ -129,6 +129,7 @@ def reference_check(a: argparse.Namespace, work: Path, result: dict, out: Path) 
         verdicts = [check_logprobs_close(mine, theirs) for mine, theirs in zip(ours, ref, strict=True)]
         part[variant] = {
             "close": sum(ok for ok, _ in verdicts),
+            "equal": sum(at is None for _, at in verdicts),  # every token transformers' (exact dtypes)
             "first_divergence": [at for _, at in verdicts],
         }
         out.write_text(json.dumps(result, indent=2, default=str))
@@ -162,13 +163,20 @@ def served_greedy(a, model_dir: Path, prompts, new_tokens: int, flags: tuple[str
     return ours
 
 
-def transformers_greedy(a, model_dir: Path, prompts, new_tokens: int) -> list:
-    """The same, from transformers' generate on the same directory and device, in the same dtype."""
+def transformers_greedy(a, model_dir: Path, prompts, new_tokens: int, bf16_inputs: bool = False) -> list:
+    """The same, from transformers' generate on the same directory and device, in the same dtype.
+    bf16_inputs: the projections' inputs rounded to bf16 for the product, as our CPU int8 and int4
+    kernels take them (shard_worker/model/quant/kernels.py), the product back in the model's dtype."""
     import torch
+    import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
     device = torch.device(a.device)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, a.dtype)).to(device).eval()
+    for name, module in model.named_modules() if bf16_inputs else ():
+        if isinstance(module, torch.nn.Linear) and name.endswith("_proj"):
+            w = module.weight.detach()
+            module.forward = lambda x, w=w: F.linear(x.to(torch.bfloat16).to(w.dtype), w)
     model.generation_config.eos_token_id = None
     refs = []
     for ids in prompts:
