@@ -34,7 +34,7 @@ DTYPE_CODES = {
 QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_HEAD_DIM = 1024
 
-__all__ = ["EXT", "KernelUnavailable", "check", "load", "paged_attention", "unavailable"]
+__all__ = ["EXT", "KernelUnavailable", "check", "load", "new_fault", "paged_attention", "unavailable"]
 
 
 @functools.cache

@@ -144,7 +144,6 @@ struct Args {
   Fault* fault;
 };
 
-
 struct Scratch {
   std::vector<float> q, row, acc, scores;
 };
