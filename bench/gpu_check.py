@@ -17,7 +17,9 @@ a part that would start past --budget-s is skipped and says so. In order:
 2. reference: a random Llama checkpoint (the `small` preset) served in bf16 on CUDA, with graphs and with
    --enforce-eager; greedy outputs of 8 prompts against transformers' generate on the same directory, in
    the same dtype, with the logprob tolerance vLLM's tests use (check_logprobs_close): tokens equal, or
-   at the first divergence each side's token among the other's top-5, and the comparison ends there.
+   at the first divergence each side's token among the other's top-5, and the comparison ends there;
+   and how many prompts equal token for token ("equal": all of them in the CPU float32 run, where the
+   arithmetic is transformers').
 3. benchmark, with graphs and with --enforce-eager: a Llama-3-8B-shaped model (--load-format dummy,
    config.json alone) at --gpu-memory-utilization 0.85: the mixed workload (prompts 50..1024 prefilled
    in chunks beside decodes) in a burst of 2 x max_num_seqs requests, continuous and then static
