@@ -104,10 +104,10 @@ def test_concurrent_chats_equal_transformers_token_for_token(stack, reference):
     assert "Paris" in results[0][1]
 
 
-def test_float32_logprobs_equal_transformers_float32_within_1e_4(stack, reference):
+def test_float32_logprobs_equal_transformers_float32_within_1e_4(stack, reference, one_thread):
     """--dtype float32 is float32 in every layer (no bf16 linear layers on a CPU with native bf16): the
     chosen token's logprob along each greedy path within 1e-4 of transformers' float32, teacher forced.
-    Served concurrently, so the rows share batched steps."""
+    Served concurrently, so the rows share batched steps; transformers on one thread (conftest)."""
     from transformers import AutoModelForCausalLM
 
     prompts = reference[0][:4]
