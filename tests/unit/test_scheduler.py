@@ -476,7 +476,12 @@ def test_places_taken_by_preemption_go_only_to_the_router_whose_request_outranks
     # The same running sequences: what the better router takes, the next cannot take again.
     mid = RouterWant(10, priority=0, preempts=1)
     assert split_window(0, [mid, RouterWant(1, priority=-1, preempts=2)]) == [0, 1]  # the lowest one
-    assert split_window(0, [mid, RouterWant(1, priority=-1, preempts=3)]) == [1, 1]
+    assert split_window(
+        0, [RouterWant(10, priority=0, preempts=2), RouterWant(1, priority=-1, preempts=3)]
+    ) == [
+        1,
+        1,
+    ]
     assert split_window(0, [mid, high]) == [0, 2]
     for window in range(6):
         shares = split_window(window, [low, mid, high])
