@@ -24,15 +24,17 @@ from common import tracing
 from common.pb.tpserve.internal.v1 import scheduler_pb2
 from common.pb.tpserve.v1 import generation_pb2
 from common.sampling import SamplingConfig
+from router.auth import ApiKeys, may_prioritize
 from router.buckets import bucket_name
 from router.chat import chat_prompt, check_chat
 from router.choices import choice_ids, choice_seed, merged
 from router.config import RouterConfig
 from router.lora import LoRANames
 from router.metrics import RouterMetrics
+from router.objectives import NotAllowed, asked
 from router.pool import SchedulerPool
 from router.scheduler_link import QueueFull, SchedulerUnavailable
-from router.slo import NO_OBJECTIVES, Objectives, SloRefused, resolve
+from router.slo import NO_OBJECTIVES, Objectives, SloRefused, TpotInfeasible
 from router.text_stream import TextStream
 from router.tokenizer import NoChatTemplate, NoTokenizer, Tokenizer
 from router.validation import (
@@ -82,6 +84,7 @@ class Frontend:
         # The LoRA adapters served, loaded and unloaded while serving on every replica (router/lora.py).
         self.loras = LoRANames(config, pool, RequestFailed)
         pool.on_link_connected = self.loras.reconnected
+        self.priority_keys: ApiKeys | None = None  # --priority-api-key-file (router/objectives.py asked)
 
     # ---- what the APIs call ----
 
@@ -297,7 +300,12 @@ class Frontend:
         name = bucket_name(edges[b - 1] if b else 0, edges[b] if b < len(edges) else None)
         ttft = request.ttft_objective_ms if request.HasField("ttft_objective_ms") else None
         tpot = request.tpot_objective_ms if request.HasField("tpot_objective_ms") else None
-        return resolve(self.config.slo, b, ttft, tpot, request.priority), name
+        may = may_prioritize(self.priority_keys)
+        try:
+            return asked(self.config.slo, b, ttft, tpot, request.priority, may), name
+        except NotAllowed as e:
+            code = grpc.StatusCode.PERMISSION_DENIED if e.permission else grpc.StatusCode.INVALID_ARGUMENT
+            raise RequestFailed(code, str(e), e.field) from None
 
     def _submit(self, add: scheduler_pb2.AddRequest, objectives: Objectives = NO_OBJECTIVES):
         try:
@@ -306,6 +314,8 @@ class Frontend:
             raise RequestFailed(
                 grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), retry_after_s=e.retry_after_s
             ) from None
+        except TpotInfeasible as e:  # no retry helps: the client must ask a looser one
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e), "tpot_objective_ms") from None
         except SchedulerUnavailable as e:
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, str(e)) from None
         except QueueFull as e:

@@ -20,7 +20,7 @@ cap. Outputs that still arrive from a replica for a request that moved away are 
 replica is up, requests (new ones too, once the model is known) wait up to replica_wait_timeout_s for
 one to come back, then get UNAVAILABLE. Health is SERVING while at least one replica is up.
 
-Which replicas exist is router/membership.py's to say; GetStats across them is router/stats.py's.
+Which replicas exist is router/membership.py's; GetStats across them is router/stats.py's.
 """
 
 from __future__ import annotations
@@ -172,13 +172,14 @@ class SchedulerPool:
         return time.monotonic() - self._unready_since < self._queued_timeout_s
 
     def submit(self, add: scheduler_pb2.AddRequest, objectives: Objectives = NO_OBJECTIVES) -> asyncio.Queue:
-        """Queues the request; its outputs come on the returned queue. SloRefused: it would miss its TTFT."""
+        """Queues the request; its outputs come on the returned queue. SloRefused, TpotInfeasible: slo.py."""
         if not self.accepting:
             raise SchedulerUnavailable("no replica is ready")
         now = time.monotonic()
         # Its TTFT behind those that leave the queue first; SloRefused when that misses its objective.
         ahead = self.admission.ahead(len(add.prompt_token_ids), add.priority)
         loads, pending = self._loads(now)
+        self.slo.infeasible_tpot(objectives, loads)
         free = sum(
             self.links[t].credits.available
             for t in loads
@@ -276,7 +277,7 @@ class SchedulerPool:
             req.attempts += 1
             req.routed = Routed(target, len(req.add.prompt_token_ids), req.attempts)
             req.sent_at, req.first_seen = now, False
-            self.slo.sent(target, req.add.request_id, req.objectives)
+            self.slo.sent(target, req.add.request_id, req.objectives, len(req.prompt), req.add.max_new_tokens)
             req.add.ttft_budget_ms = ttft_budget_ms(req.objectives, now - req.arrival)  # the scheduler's
             self.on_admit(req.add, now - req.arrival)
             link.send(req.add)

@@ -37,7 +37,7 @@ from common import tracing
 from common.grpc_util import MAX_MESSAGE_BYTES
 from common.pb.tpserve.v1 import generation_pb2 as pb
 from common.security import TlsFiles
-from router.auth import ApiKeys, refusal
+from router.auth import CALLER_AUTHORIZATION, ApiKeys, refusal
 from router.choices import merged
 from router.frontend import Frontend, RequestFailed
 from router.openai import lora, protocol, tokenize
@@ -164,8 +164,9 @@ class OpenAIServer:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler) -> web.StreamResponse:
+        values = request.headers.getall("Authorization", [])
+        CALLER_AUTHORIZATION.set(tuple(values))  # who calls, for what it may ask (router/objectives.py)
         if self.keys is not None and request.path not in EXEMPT_PATHS:
-            values = request.headers.getall("Authorization", [])
             message = refusal(self.keys, [("authorization", v) for v in values])
             if message is not None:
                 self.on_refused()
