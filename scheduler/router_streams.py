@@ -40,10 +40,16 @@ def speed_of(describes) -> StackSpeed:
     """The replica's speed, the slowest of its ranks' DescribeResponses (not measured when a rank sent
     none, or one no worker measures: logged, and the routers wait for requests to measure it)."""
     try:
-        return StackSpeed.slowest([StackSpeed.from_message(d) for d in describes])
+        speed = StackSpeed.slowest([StackSpeed.from_message(d) for d in describes])
     except ValueError as e:
         log.error("a shard worker described a speed that is not one (%s): the routers measure it", e)
         return StackSpeed()
+    if speed.known:
+        steps = ", ".join(f"{s * 1000:.1f} ms at {n}" for n, s in speed.decode)
+        log.info(
+            "measured speed: prefill %.0f tokens/s; decode step %s", speed.prefill_tokens_per_second, steps
+        )
+    return speed
 
 
 @dataclass(frozen=True)
