@@ -153,8 +153,7 @@ class SchedulerPool:
 
     @property
     def model_info(self) -> generation_pb2.ModelInfo | None:
-        """The model, as the replicas that answered describe it; the smallest max_model_len wins, since a
-        request may run on any of them."""
+        """The model as the replicas describe it; the smallest max_model_len (a request may run on any)."""
         infos = [link.model_info for link in self.links.values() if link.model_info is not None]
         return min(infos, key=lambda i: i.max_model_len) if infos else None
 
@@ -213,8 +212,7 @@ class SchedulerPool:
             self._left(req.routed.replica, request_id, None)
 
     async def drain(self, timeout_s: float) -> None:
-        """Waits up to timeout_s for the requests in flight to end; those left end with
-        FINISH_REASON_ABORTED, their KV freed."""
+        """Waits up to timeout_s for the requests in flight to end; the rest end ABORTED, KV freed."""
         deadline = time.monotonic() + timeout_s
         while self._requests and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -351,6 +349,8 @@ class SchedulerPool:
             self.slo.first_token(link.target, now - req.sent_at, out.request_id, now)
             if req.predicted_ttft and len(req.generated) == len(out.token_ids):  # not a resume
                 self.slo.observed_ttft(req.predicted_ttft, now - req.arrival)
+        elif out.token_ids and len(req.generated) % 8 == 0:  # its TPOT so far, every 8 tokens
+            self.slo.progressed(link.target, out.request_id, len(req.generated), now)
         if out.finish_reason or out.error:
             self._requests.pop(out.request_id, None)
             seconds = None if out.error else now - req.sent_at

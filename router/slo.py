@@ -119,6 +119,7 @@ class _Rates:
     decoding: dict[str, tuple[float, float]] = field(default_factory=dict)
     speed: StackSpeed = StackSpeed()  # what its workers measured at start-up (not known: none)
     sent: set[str] = field(default_factory=set)  # requests sent there and not ended
+    max_num_seqs: int | None = None  # its cap on the batch, from its reports
     # EWMAs over the requests sent of what the speed predicts (first token, end): first_token_s and
     # service_s until those are measured.
     prior_first_s: float | None = None
@@ -183,7 +184,7 @@ class SloEstimator:
             r.holding[request_id] = objectives.tpot_s  # an infeasible one holds nothing closed: demoted
         r.sent.add(request_id)
         if r.speed.known:
-            step = r.speed.step_seconds(len(r.sent))
+            step = r.speed.step_seconds(min(len(r.sent), r.max_num_seqs or len(r.sent)))
             first = r.speed.prefill_seconds(prompt_tokens) + step
             r.prior_first_s = self._ewma(r.prior_first_s, first)
             r.prior_service_s = self._ewma(r.prior_service_s, first + max(0, max_new_tokens - 1) * step)
@@ -215,6 +216,7 @@ class SloEstimator:
     def reported(self, replica: str, load: ReplicaLoad, now: float) -> None:
         """A load report from replica: its step time, integrated for the TPOT its requests see."""
         r = self._rates(replica)
+        r.max_num_seqs = load.max_num_seqs
         r.step_sum, r.step_at, r.step_now = r.step_integral(now), now, load.step_seconds
         if load.step_seconds > 0:
             r.unit_s = self._ewma(r.unit_s, load.step_seconds / (load.running + self.policy.fixed_sequences))
@@ -240,15 +242,29 @@ class SloEstimator:
         r.holding.pop(request_id, None)
         r.sent.discard(request_id)
         started = r.decoding.pop(request_id, None)
-        finished = seconds is not None and now is not None and tokens >= 2
-        if finished and started is not None and now > started[1]:
-            mean_step = (r.step_integral(now) - started[0]) / (now - started[1])
-            if mean_step > 0:
-                self._tpot_ratios.append((now - started[1]) / (tokens - 1) / mean_step)
-                tpot = quantile(self._tpot_ratios, self.policy.tpot_quantile)
-                self.tpot_bias = min(4.0, max(0.5, tpot))
+        if seconds is not None and now is not None and started is not None:
+            self._learn_tpot(r, started, tokens, now)
         if seconds is not None:
             r.service_s = self._ewma(r.service_s, seconds)
+
+    def progressed(self, replica: str, request_id: str, tokens: int, now: float) -> None:
+        """A request still decoding on replica has generated `tokens` there: its TPOT so far teaches
+        tpot_bias as a finished one's does, so that a fresh replica learns what its stack adds to the
+        step from its first requests, not once they end (a burst is over by then)."""
+        r = self._rates(replica)
+        started = r.decoding.get(request_id)
+        if started is not None:
+            self._learn_tpot(r, started, tokens, now)
+
+    def _learn_tpot(self, r: _Rates, started: tuple[float, float], tokens: int, now: float) -> None:
+        """The ratio of a request's TPOT since its first token to the mean step its replica reported."""
+        if tokens < 2 or now <= started[1]:
+            return
+        mean_step = (r.step_integral(now) - started[0]) / (now - started[1])
+        if mean_step > 0:
+            self._tpot_ratios.append((now - started[1]) / (tokens - 1) / mean_step)
+            tpot = quantile(self._tpot_ratios, self.policy.tpot_quantile)
+            self.tpot_bias = min(4.0, max(0.5, tpot))
 
     def forget(self, replica: str) -> None:
         self._replicas.pop(replica, None)

@@ -157,3 +157,17 @@ def test_a_priority_below_the_default_is_for_callers_with_a_granted_key():
             assert may_prioritize(keys) is allowed
         finally:
             CALLER_AUTHORIZATION.reset(token)
+
+
+def test_the_gate_learns_the_stacks_overhead_from_requests_still_decoding():
+    """A burst is over before its first requests end: the TPOT they see so far teaches tpot_bias."""
+    est = SloEstimator()
+    est.speed("a", SPEED)
+    est.sent("a", "r", Objectives(tpot_s=0.15), 64, 64)
+    load = ReplicaLoad(0, 1, 100, 100, 128, 0.07, True)  # a 70 ms step
+    est.reported("a", load, now=0.0)
+    est.first_token("a", 0.1, "r", now=0.0)
+    assert est.takes_decode("a", load)  # one more: 78 ms, within 0.9 x 150
+    est.progressed("a", "r", tokens=9, now=1.12)  # 8 tokens in 1.12 s: 140 ms each, twice the step
+    assert est.tpot_bias == pytest.approx(2.0)
+    assert not est.takes_decode("a", load)  # twice 78 ms is past it
