@@ -51,7 +51,8 @@ step's fixed cost (the weights read once per step) in sequences' worth. Measured
 (session 9, SmolLM2 bf16, 2x the sustainable Poisson rate): admitted requests' TPOT p50 226 ms against a
 200 ms objective, every report opening the gate to a burst of admissions made on it. The projection is
 scaled by `tpot_bias`, a high quantile (`tpot_quantile`, 0.97; within [0.5, 4]) of the recent ratios of a
-finished request's TPOT to the mean step its replica reported while it decoded: the scheduler's own work
+finished request's TPOT (or one still decoding, every 8 tokens: a fresh replica learns it from its first
+requests) to the mean step its replica reported while it decoded: the scheduler's own work
 between steps and the stream are in what clients see, not in the step. And it is never below what the
 recent reports' average (an EWMA of the step per sequence) projects: with a queue always waiting, every
 report that happened to be fast was taken at once, so admissions followed the step's lucky dips (session
