@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import grpc
@@ -74,10 +75,12 @@ async def burst(target: str, a) -> dict:
     served = [r for r in rs if r["code"] == "OK"]
     within = [r for r in served if r["ttft"] <= a.ttft_ms / 1000 and r["tpot"] <= a.tpot_ms / 1000]
     refused = [r for r in rs if r["code"] == "RESOURCE_EXHAUSTED"]
+    failed = [r for r in rs if r["code"] not in ("OK", "RESOURCE_EXHAUSTED")]
     return {
         "served": len(served),
         "refused": len(refused),
-        "failed": len(rs) - len(served) - len(refused),
+        "failed": dict(Counter(r["code"] for r in failed)),
+        "failed_detail": failed[0]["detail"] if failed else "",
         "within_objectives": len(within),
         "ttft_p50_s": _q([r["ttft"] for r in served], 0.5),
         "ttft_max_s": _q([r["ttft"] for r in served], 1.0),
