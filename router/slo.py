@@ -93,6 +93,10 @@ def _batch(load: ReplicaLoad, sent: int = 0) -> int:
     return max(1, min(load.max_num_seqs, load.running or sent))
 
 
+# A client's TPOT objective is refused when the fastest replica's step alone is this many times past it.
+INFEASIBLE_BY = 2.0
+
+
 class TpotInfeasible(Exception):
     """The client's TPOT objective is tighter than any replica's step alone: refused (INVALID_ARGUMENT)."""
 
@@ -133,10 +137,11 @@ class _Rates:
         return self.service_s if self.service_s is not None else self.prior_service_s
 
     def fastest_step(self, fixed_sequences: float) -> float | None:
-        """Its step with one sequence: as measured at start-up, else from its reports."""
-        if self.speed.known:
-            return self.speed.step_seconds(1)
-        return None if self.unit_s is None else self.unit_s * (1 + fixed_sequences)
+        """Its step with one sequence: from its reports once they have steps (fresher), else as its
+        workers measured it at start-up."""
+        if self.unit_s is not None:
+            return self.unit_s * (1 + fixed_sequences)
+        return self.speed.step_seconds(1) if self.speed.known else None
 
     def step_integral(self, now: float) -> float:
         return self.step_sum + (self.step_now * (now - self.step_at) if self.step_at is not None else 0.0)
@@ -190,21 +195,25 @@ class SloEstimator:
             r.prior_first_s = self._ewma(r.prior_first_s, first)
             r.prior_service_s = self._ewma(r.prior_service_s, first + max(0, max_new_tokens - 1) * step)
 
-    def _infeasible(self, r: _Rates, tpot_s: float) -> bool:
-        """Whether a TPOT objective is beyond r's step alone (times the margin and tpot_bias)."""
+    def _infeasible(self, r: _Rates, tpot_s: float, factor: float = 1.0) -> bool:
+        """Whether a TPOT objective is beyond r's step alone (times the margin and tpot_bias), by more
+        than `factor`."""
         fastest = r.fastest_step(self.policy.fixed_sequences)
-        return fastest is not None and fastest * self.tpot_bias > self.policy.slo_tpot_margin * tpot_s
+        limit = self.policy.slo_tpot_margin * tpot_s * factor
+        return fastest is not None and fastest * self.tpot_bias > limit
 
     def infeasible_tpot(self, objectives: Objectives, replicas) -> None:
         """Raises TpotInfeasible when the client asked a TPOT objective that none of `replicas` (the up
-        ones) can meet even with nothing else in its batch; the server's own default never is."""
+        ones) can meet even with nothing else in its batch, by more than INFEASIBLE_BY: a step measured
+        once (a start-up on a busy host: SmolLM2's at 150 ms beside other stacks) is not trusted to
+        refuse an objective near it, which is served, demoted (`sent`). The server's default never is."""
         rates = [self._replicas[t] for t in replicas if t in self._replicas]
         tpot = objectives.tpot_s
         if (
             not objectives.tpot_asked
             or tpot is None
             or not rates
-            or not all(self._infeasible(r, tpot) for r in rates)
+            or not all(self._infeasible(r, tpot, INFEASIBLE_BY) for r in rates)
         ):
             return
         fastest = min(r.fastest_step(self.policy.fixed_sequences) for r in rates)

@@ -124,6 +124,11 @@ def test_an_infeasible_tpot_objective_is_refused_and_closes_no_replica():
     with pytest.raises(TpotInfeasible, match="tpot_objective_ms 1 cannot be met"):
         est.infeasible_tpot(hostile, {"a": fresh()})
     est.infeasible_tpot(Objectives(tpot_s=0.1, tpot_asked=True), {"a": fresh()})  # feasible alone
+    near = Objectives(tpot_s=0.02, tpot_asked=True)  # past 0.9 x 20 ms, but not twice: a noisy start-up
+    est.infeasible_tpot(near, {"a": fresh()})  # is not trusted to refuse it; it is served, demoted
+    est.sent("a", "near", near, 10, 10)
+    assert est.takes_decode("a", fresh(running=1), pending=0)
+    est.ended("a", "near", None)
     est.infeasible_tpot(Objectives(tpot_s=0.001), {"a": fresh()})  # the server's own default: served
     # Sent anyway (a replica whose speed was not known then): demoted, it holds nobody back.
     est.sent("a", "hostile", hostile, 10, 1024)
