@@ -14,7 +14,6 @@ import dataclasses
 import logging
 import time
 import uuid
-from bisect import bisect_right
 from collections.abc import AsyncIterator
 
 import grpc
@@ -25,16 +24,16 @@ from common.pb.tpserve.internal.v1 import scheduler_pb2
 from common.pb.tpserve.v1 import generation_pb2
 from common.sampling import SamplingConfig
 from router.auth import ApiKeys, may_prioritize
-from router.buckets import bucket_name
 from router.chat import chat_prompt, check_chat
 from router.choices import choice_ids, choice_seed, merged
 from router.config import RouterConfig
 from router.lora import LoRANames
 from router.metrics import RouterMetrics
-from router.objectives import NotAllowed, asked
+from router.objectives import NotAllowed, for_request
 from router.pool import SchedulerPool
+from router.reasoning import for_request as reasoning_for
 from router.scheduler_link import QueueFull, SchedulerUnavailable
-from router.slo import NO_OBJECTIVES, Objectives, SloRefused, TpotInfeasible
+from router.slo import NO_OBJECTIVES, Objectives, SloRefused, record_slo
 from router.text_stream import TextStream
 from router.tokenizer import NoChatTemplate, NoTokenizer, Tokenizer
 from router.validation import (
@@ -84,7 +83,7 @@ class Frontend:
         # The LoRA adapters served, loaded and unloaded while serving on every replica (router/lora.py).
         self.loras = LoRANames(config, pool, RequestFailed)
         pool.on_link_connected = self.loras.reconnected
-        self.priority_keys: ApiKeys | None = None  # --priority-api-key-file (router/objectives.py asked)
+        self.priority_keys: ApiKeys | None = None  # --priority-api-key-file (objectives.py for_request)
 
     # ---- what the APIs call ----
 
@@ -92,6 +91,11 @@ class Frontend:
         info = self.pool.model_info
         if info is None:
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "the scheduler has not reported yet")
+        if self.config.served_model_name:  # the first --served-model-name is the name every API reports
+            named = generation_pb2.ModelInfo()
+            named.CopyFrom(info)
+            named.model_name = self.config.served_model_name[0]
+            return named
         return info
 
     async def stats(self) -> generation_pb2.Stats:
@@ -224,6 +228,9 @@ class Frontend:
                 grpc.StatusCode.NOT_FOUND, f"LoRA adapter {request.lora_name!r} is not served", "lora_name"
             )
         req = await self._validate(request)
+        # Before the tool-call parser and the grammar: both see only the content after a think block.
+        parser, tok = self.config.reasoning_parser, self.tokenizer
+        req, thinking = await self._checked(_done(reasoning_for, parser, tok, request, req), request)
         request_id = req.request_id or uuid.uuid4().hex
         span.set_attributes(
             {"tpserve.request_id": request_id, "tpserve.prompt_tokens": len(req.prompt_token_ids)}
@@ -262,7 +269,17 @@ class Frontend:
                 self.pool.abort(rid)
             raise
         choices = [
-            self._choice(req, request_id, i, rid, queues[i], streams[i], span, start, (objectives, bucket))
+            self._choice(
+                req,
+                request_id,
+                i,
+                rid,
+                queues[i],
+                (streams[i], thinking()),
+                span,
+                start,
+                (objectives, bucket),
+            )
             for i, rid in enumerate(ids)
         ]
         async for resp in merged(choices, prompt_logprobs=req.prompt_logprobs is not None):
@@ -294,18 +311,11 @@ class Frontend:
     def _objectives(
         self, request: generation_pb2.GenerateRequest, prompt_tokens: int
     ) -> tuple[Objectives, str]:
-        """The request's objectives (its own, else its length bucket's defaults) and that bucket's name."""
-        edges = self.config.admission.bucket_edges
-        b = bisect_right(edges, prompt_tokens)
-        name = bucket_name(edges[b - 1] if b else 0, edges[b] if b < len(edges) else None)
-        ttft = request.ttft_objective_ms if request.HasField("ttft_objective_ms") else None
-        tpot = request.tpot_objective_ms if request.HasField("tpot_objective_ms") else None
-        may = may_prioritize(self.priority_keys)
+        edges, may = self.config.admission.bucket_edges, may_prioritize(self.priority_keys)
         try:
-            return asked(self.config.slo, b, ttft, tpot, request.priority, may), name
+            return for_request(self.config.slo, edges, request, prompt_tokens, may)
         except NotAllowed as e:
-            code = grpc.StatusCode.PERMISSION_DENIED if e.permission else grpc.StatusCode.INVALID_ARGUMENT
-            raise RequestFailed(code, str(e), e.field) from None
+            raise RequestFailed(grpc.StatusCode[e.status], str(e), e.field) from None
 
     def _submit(self, add: scheduler_pb2.AddRequest, objectives: Objectives = NO_OBJECTIVES):
         try:
@@ -314,8 +324,8 @@ class Frontend:
             raise RequestFailed(
                 grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), retry_after_s=e.retry_after_s
             ) from None
-        except TpotInfeasible as e:  # no retry helps: the client must ask a looser one
-            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, str(e), "tpot_objective_ms") from None
+        except NotAllowed as e:  # a TPOT objective no step meets: no retry helps (slo.py TpotInfeasible)
+            raise RequestFailed(grpc.StatusCode[e.status], str(e), e.field) from None
         except SchedulerUnavailable as e:
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, str(e)) from None
         except QueueFull as e:
@@ -324,8 +334,10 @@ class Frontend:
                 grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e} (the limit: --max-queued-requests {limit})"
             ) from None
 
-    async def _choice(self, req, request_id, index, rid, queue, text_stream, span, start, slo):
-        """One choice's responses: its tokens as text, then its finish (with its own usage)."""
+    async def _choice(self, req, request_id, index, rid, queue, texts, span, start, slo):
+        """One choice's responses: its tokens as text (split into reasoning and content by a reasoning
+        parser), then its finish (with its own usage)."""
+        text_stream, thinking = texts
         decoding = self.tokenizer.decoding
         num_generated = 0
         first_token_at = last_token_at = None
@@ -365,10 +377,12 @@ class Frontend:
                     text_stream.step, out.token_ids, out.finish_reason, out.logprobs
                 )
                 reason = FINISH_STOP if stopped else out.finish_reason
+                reasoning, text = thinking.step(text, out.token_ids, bool(reason)) if thinking else ("", text)
                 resp = generation_pb2.GenerateResponse(
                     request_id=request_id,
                     token_ids=out.token_ids,
                     text=text,
+                    reasoning_text=reasoning,
                     finish_reason=reason,
                     index=index,
                 )
@@ -382,6 +396,7 @@ class Frontend:
                             prompt_tokens=len(req.prompt_token_ids),
                             completion_tokens=num_generated,
                             cached_tokens=out.cached_tokens,
+                            reasoning_tokens=thinking.reasoning_tokens if thinking else 0,
                         )
                     )
                     if stopped:
@@ -389,28 +404,13 @@ class Frontend:
                     else:
                         self.pool.done(rid)
                     self._record_finish(span, rid, req, reason, num_generated, start, first_token_at, now)
-                    self._record_slo(slo, first_token_at - start, num_generated, now - first_token_at)
+                    record_slo(self.metrics, slo, first_token_at - start, num_generated, now - first_token_at)
                 yield resp
         finally:
             if not finished:
                 # Cancelled, disconnected or past its deadline: free its KV blocks now.
                 self.pool.abort(rid)
                 span.add_event("cancelled")
-
-    def _record_slo(
-        self, slo: tuple[Objectives, str], ttft: float, num_generated: int, decode_s: float
-    ) -> None:
-        """Met or missed, for a request with objectives: its TTFT and mean TPOT against them."""
-        objectives, bucket = slo
-        if not objectives.any:
-            return
-        tpot = decode_s / (num_generated - 1) if num_generated > 1 else 0.0
-        met = (objectives.ttft_s is None or ttft <= objectives.ttft_s) and (
-            objectives.tpot_s is None or tpot <= objectives.tpot_s
-        )
-        self.metrics.slo.labels(
-            bucket=bucket, priority=str(objectives.priority), outcome="met" if met else "missed"
-        ).inc()
 
     def _record_finish(
         self, span, request_id, req, reason, num_generated, start, first_token_at, now

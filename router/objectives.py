@@ -14,9 +14,11 @@ may, as in vLLM.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
 
 from common.settings import Rule, between, setting
+from router.buckets import bucket_name
 
 _MS_ONE = Rule(lambda v: isinstance(v, int) and v >= 0, "an integer >= 0 (milliseconds)")
 _MS = Rule(lambda v: all(isinstance(x, int) and x >= 0 for x in v), "integers >= 0 (milliseconds)")
@@ -138,12 +140,14 @@ def ttft_budget_ms(objectives: Objectives, waited_s: float) -> int:
 
 
 class NotAllowed(Exception):
-    """A client asked what it may not: INVALID_ARGUMENT (below a floor) or PERMISSION_DENIED (a priority
-    it is not granted), naming the field."""
+    """A client asked what it may not, naming the field: status INVALID_ARGUMENT (below a floor, or a
+    TPOT objective no step meets: router/slo.py TpotInfeasible) or PERMISSION_DENIED (a priority it is
+    not granted), as the gRPC status code's name."""
 
     def __init__(self, field: str, message: str, permission: bool = False):
         super().__init__(message)
         self.field, self.permission = field, permission
+        self.status = "PERMISSION_DENIED" if permission else "INVALID_ARGUMENT"
 
 
 def asked(
@@ -167,3 +171,15 @@ def asked(
             permission=True,
         )
     return resolve(policy, bucket, ttft_ms, tpot_ms, priority)
+
+
+def for_request(
+    policy: SloPolicy, edges: tuple[int, ...], request, prompt_tokens: int, may_prioritize: bool = True
+) -> tuple[Objectives, str]:
+    """A GenerateRequest's objectives (`asked`: its own, else its length bucket's defaults) and the name of
+    that bucket (edges: --bucket-edges)."""
+    b = bisect_right(edges, prompt_tokens)
+    name = bucket_name(edges[b - 1] if b else 0, edges[b] if b < len(edges) else None)
+    ttft = request.ttft_objective_ms if request.HasField("ttft_objective_ms") else None
+    tpot = request.tpot_objective_ms if request.HasField("tpot_objective_ms") else None
+    return asked(policy, b, ttft, tpot, request.priority, may_prioritize), name

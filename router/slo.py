@@ -72,6 +72,7 @@ from common.load import ReplicaLoad
 from common.speed import StackSpeed
 from router.objectives import (  # noqa: F401 (re-exported: what the router's other modules import)
     NO_OBJECTIVES,
+    NotAllowed,
     Objectives,
     SloPolicy,
     below_floor,
@@ -97,8 +98,11 @@ def _batch(load: ReplicaLoad, sent: int = 0) -> int:
 INFEASIBLE_BY = 2.0
 
 
-class TpotInfeasible(Exception):
+class TpotInfeasible(NotAllowed):
     """The client's TPOT objective is tighter than any replica's step alone: refused (INVALID_ARGUMENT)."""
+
+    def __init__(self, message: str):
+        super().__init__("tpot_objective_ms", message)
 
 
 class SloRefused(Exception):
@@ -360,3 +364,19 @@ class SloEstimator:
             f"({ahead} requests ahead, {wait * 1000:.0f} ms of queue) > {objectives.ttft_s * 1000:.0f} ms",
             math.ceil(retry),
         )
+
+
+def record_slo(
+    metrics, slo: tuple[Objectives, str], ttft: float, num_generated: int, decode_s: float
+) -> None:
+    """Met or missed, for a request with objectives: its TTFT and mean TPOT against them."""
+    objectives, bucket = slo
+    if not objectives.any:
+        return
+    tpot = decode_s / (num_generated - 1) if num_generated > 1 else 0.0
+    met = (objectives.ttft_s is None or ttft <= objectives.ttft_s) and (
+        objectives.tpot_s is None or tpot <= objectives.tpot_s
+    )
+    metrics.slo.labels(
+        bucket=bucket, priority=str(objectives.priority), outcome="met" if met else "missed"
+    ).inc()
