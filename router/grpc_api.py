@@ -34,7 +34,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def Generate(self, request, context):
         metadata = context.invocation_metadata() or ()
         parent = tracing.context_from_metadata(metadata)
-        CALLER_AUTHORIZATION.set(tuple(str(v) for k, v in metadata if k == "authorization"))
+        CALLER_AUTHORIZATION.set(
+            tuple((k, str(v)) for k, v in metadata if k in ("authorization", "x-api-key"))
+        )
         try:
             async for resp in self.frontend.generate(request, parent):
                 yield resp

@@ -156,8 +156,14 @@ def test_objectives_below_the_floor_and_priorities_not_granted_are_refused_namin
 def test_a_priority_below_the_default_is_for_callers_with_a_granted_key():
     keys = ApiKeys(["ops-key"])
     assert may_prioritize(None)  # no --priority-api-key-file: any caller, as in vLLM
-    for values, allowed in (((), False), (("Bearer other",), False), (("Bearer ops-key",), True)):
-        token = CALLER_AUTHORIZATION.set(values)
+    bearer = [("authorization", "Bearer other")], [("authorization", "Bearer ops-key")]
+    for values, allowed in (
+        ((), False),
+        (bearer[0], False),
+        (bearer[1], True),
+        ([("x-api-key", "ops-key")], True),
+    ):
+        token = CALLER_AUTHORIZATION.set(tuple(values))
         try:
             assert may_prioritize(keys) is allowed
         finally:
