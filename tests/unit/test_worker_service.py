@@ -16,7 +16,7 @@ from common.pb.tpserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from shard_worker.config import WorkerConfig
 from shard_worker.lease import Caller, Lease, LeaseRefused
 from shard_worker.metrics import WorkerMetrics
-from shard_worker.server import ShardWorkerServicer
+from shard_worker.servicer import ShardWorkerServicer
 
 A, B = Caller("host-a:7000", 1), Caller("host-b:7000", 1)
 
