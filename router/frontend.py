@@ -186,6 +186,7 @@ class Frontend:
                 ids = tok.encode(request.text, add_special_tokens(request))
             return ids, tok.token_strs(ids) if token_strs else None
 
+        await self._checked(self.media.load(request), request)  # images: as generate refuses them
         ids, strs = await self._checked(tok.run(encode), request)
         return ids, strs, limits.max_model_len
 

@@ -212,6 +212,12 @@ def test_images_are_refused_with_400_and_nothing_fetched(tiny, image_host, url, 
         client(info).chat.completions.create(model="tiny", messages=[{"role": "user", "content": content}])
     assert e.value.body["param"] == "messages[0].content[1].image_url"
     assert words in e.value.body["message"]
+    # /tokenize renders the same conversation: the same refusal.
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": content}]}).encode()
+    post = urllib.request.Request(f"http://127.0.0.1:{info['http_port']}/tokenize", body, method="POST")
+    with pytest.raises(urllib.error.HTTPError) as tokenize:
+        urllib.request.urlopen(post, timeout=30)
+    assert tokenize.value.code == 400 and words in json.loads(tokenize.value.read())["error"]["message"]
     assert hits == []
 
 
