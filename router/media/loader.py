@@ -57,7 +57,7 @@ class MediaLoader:
             return []
         if len(parts) > self.policy.max_images:
             raise ValidationError(
-                parts[0][0].split(".content")[0].split("[")[0],
+                "messages",
                 f"messages hold {len(parts)} images; the limit is {self.policy.max_images} "
                 "(--limit-mm-per-prompt)",
             )
