@@ -72,7 +72,7 @@ SERVER_GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
         (
             "--host", "--port", "--port-file", "--http-port", "--max-prompt-tokens", "--max-new-tokens-limit",
             "--default-max-new-tokens", "--tool-call-parser", "--reasoning-parser",
-            "--disable-additional-properties",
+            "--disable-additional-properties", "--responses-store-size",
             "--drain-timeout-s",
         ),
     ),

@@ -91,6 +91,7 @@ class RunnerCaches:
         self.kv_caches = []  # frees an old cache first, so reallocating never needs room for both
         self.kv_caches = self.model.new_kv_caches(total, block_size, self.kv_dtype, self.device)
         self.block_size = block_size
+        self.num_kv_blocks = total  # every step's block ids are checked against it (StepBatch.build)
         if self.draft is not None:
             self.draft.allocate(total, block_size)
         return total * self.kv_block_bytes(block_size)
@@ -223,12 +224,12 @@ class RunnerCaches:
 
     @contextlib.contextmanager
     def _scratch_cache(self, num_blocks: int, block_size: int) -> Iterator[None]:
-        saved_caches, saved_block_size = self.kv_caches, self.block_size
+        saved = self.kv_caches, self.block_size, self.num_kv_blocks
         saved_draft = self.draft.kv_caches if self.draft is not None else None
         self.allocate_kv_cache(num_blocks, block_size)
         try:
             yield
         finally:
-            self.kv_caches, self.block_size = saved_caches, saved_block_size
+            self.kv_caches, self.block_size, self.num_kv_blocks = saved
             if self.draft is not None:
-                self.draft.kv_caches, self.draft.block_size = saved_draft, saved_block_size
+                self.draft.kv_caches, self.draft.block_size, self.draft.num_blocks = saved_draft, *saved[1:]

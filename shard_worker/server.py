@@ -319,12 +319,14 @@ def select_device(config: WorkerConfig, dtype: str) -> torch.device:
     return device
 
 
-def resolve_dtype(config: WorkerConfig) -> str:
-    """--dtype, with auto resolved for this machine (devices.model_dtype)."""
-    if config.dtype != "auto":
-        return config.dtype
-    cuda_bf16 = config.device == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
-    return devices.model_dtype("auto", config.device, devices.cpu_flags(), cuda_bf16)
+def resolve_dtype(config: WorkerConfig) -> tuple[str, str]:
+    """--dtype, with auto resolved for this machine, and why (devices.model_dtype)."""
+    cuda_bf16 = (
+        config.dtype == "auto"
+        and config.device == "cuda"
+        and torch.cuda.is_bf16_supported(including_emulation=False)
+    )
+    return devices.model_dtype(config.dtype, config.device, devices.cpu_flags(), cuda_bf16)
 
 
 def serve(config: WorkerConfig) -> None:
@@ -337,12 +339,12 @@ def serve(config: WorkerConfig) -> None:
 
     torch.set_num_threads(config.threads)
     cache_dir = configure_compile_cache(config.compile_cache_dir)  # before anything compiles
-    dtype = resolve_dtype(config)
+    dtype, why = resolve_dtype(config)
     if config.dtype == "auto":
-        log.info("rank %d: --dtype auto is %s on this %s", config.rank, dtype, config.device)
+        log.info("rank %d: --dtype auto is %s: %s", config.rank, dtype, why)
     device = select_device(config, dtype)
     tp = init_tensor_parallel(config.rank, config.world_size, config.dist_init, device)
-    linear = devices.linear_dtype(config.linear_dtype, device.type, dtype, devices.cpu_flags())
+    linear = devices.linear_dtype(config.linear_dtype, dtype)
     phases = StartupPhases(config.rank, cache_dir)
     with phases.phase("load_weights"):
         runner = ModelRunner(
