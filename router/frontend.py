@@ -168,9 +168,8 @@ class Frontend:
     async def tokenize(
         self, request: generation_pb2.GenerateRequest, token_strs: bool = False
     ) -> tuple[list[int], list[str] | None, int]:
-        """A text or chat prompt's token ids as generate renders it (vLLM's /tokenize), the vocabulary's
-        strings for them when asked, and max_model_len. No length rule: tokenizing is how a client finds out
-        whether its prompt fits."""
+        """A prompt's token ids as generate renders it (vLLM's /tokenize), their vocabulary strings when
+        asked, and max_model_len. No length rule: tokenizing is how a client finds out whether it fits."""
         limits = self._ready_limits()
         tok = self.tokenizer
 

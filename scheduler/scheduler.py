@@ -138,12 +138,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.num_pending and self._stop_reason(seq, -1, ahead=seq.num_pending) is not None:
+            num_new = self._chunk(seq, seq.num_computed_tokens, budget)  # 0: the rest would split an image
+            ends = seq.num_pending and self._stop_reason(seq, -1, ahead=seq.num_pending) is not None
+            if ends or not num_new:
                 i += 1  # async scheduling (overlap.py): its token in flight ends it; no step after that
-                continue
-            num_new = self._chunk(seq, seq.num_computed_tokens, budget)
-            if num_new == 0:  # the rest of the budget would split an image: next step
-                i += 1
                 continue
             drafts = self._propose(seq, budget - num_new) if num_new == 1 else []
             if drafts and not self.blocks.can_allocate(seq, seq.num_tokens + len(drafts), later[i]):

@@ -250,3 +250,17 @@ def test_loader_fetches_allowed_links_and_refuses_the_rest_unread(image_host):
     for path, words in [("/big", "over 1048576 bytes"), ("/slow", "took over 0.5 s"), ("/moved", "HTTP 302")]:
         with pytest.raises(ValidationError, match=words):
             load(loop, MediaLoader(allowed, True), chat_with_images(base + path))
+
+
+def test_anthropic_image_blocks_become_image_parts():
+    from router.anthropic.protocol import parse_messages
+
+    blocks = [
+        {"type": "text", "text": "compare"},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}},
+        {"type": "image", "source": {"type": "url", "url": "https://a.org/b.png"}},
+    ]
+    req = parse_messages({"max_tokens": 5, "messages": [{"role": "user", "content": blocks}]}, "r").generate
+    parts = req.messages[0].parts
+    assert [p.WhichOneof("kind") for p in parts] == ["text", "image", "image"]
+    assert [parts[1].image.url, parts[2].image.url] == ["data:image/png;base64,AAAA", "https://a.org/b.png"]
