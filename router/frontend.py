@@ -220,6 +220,9 @@ class Frontend:
             raise RequestFailed(
                 grpc.StatusCode.NOT_FOUND, f"LoRA adapter {request.lora_name!r} is not served", "lora_name"
             )
+        if (info := self.pool.model_info) is not None and info.runner == "pooling":
+            message = f"{info.model_name} is served for pooling (Embed, Score, /v1/embeddings): no Generate"
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, message)
         req = await self._validate(request)
         request_id = req.request_id or uuid.uuid4().hex
         span.set_attributes(

@@ -47,6 +47,13 @@ def sequence_for(
             f"num_output_tokens {msg.num_output_tokens} leaves no prompt in "
             f"{len(msg.prompt_token_ids)} tokens",
         )
+    budget = scheduler.policy.max_num_batched_tokens
+    if msg.pooling and len(msg.prompt_token_ids) > budget:  # it runs whole, in one step (pooling.py)
+        raise RequestError(
+            ERROR_CODE_INVALID_ARGUMENT,
+            f"a pooling prompt of {len(msg.prompt_token_ids)} tokens exceeds --max-num-batched-tokens "
+            f"{budget}",
+        )
     # Another choice of the same request, with the same prompt, whose prompt blocks this one shares.
     first = scheduler.get(msg.fork_of) if msg.fork_of else None
     if first is not None and first.token_ids[: first.num_prompt_tokens] != list(msg.prompt_token_ids):

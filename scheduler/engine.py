@@ -41,7 +41,7 @@ from scheduler.lora_admin import LoRAAdmin
 from scheduler.metrics import SchedulerMetrics
 from scheduler.overlap import OverlapLoop
 from scheduler.plan import SchedulerOutput, SchedulerSnapshot, split_sampled
-from scheduler.reports import StepResult, StepTotals, load_report, stats, step_outputs
+from scheduler.reports import StepResult, StepTotals, load_report, model_info, stats, step_outputs
 from scheduler.router_streams import LOAD_REPORT_INTERVAL_S, RouterStream, RouterStreams
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import FinishReason
@@ -251,14 +251,7 @@ class Engine:
                 f"the replica's ranks came back holding at most {cap.max_model_len} tokens per sequence, "
                 "fewer than the request needs",
             )
-        self.model_info = generation_pb2.ModelInfo(
-            model_name=first.model_name,
-            vocab_size=first.vocab_size,
-            max_model_len=cap.max_model_len,
-            eos_token_ids=first.eos_token_ids,
-            tensor_parallel_size=len(info.describe),
-            block_size=cfg.block_size,
-        )
+        self.model_info = model_info(first, cap.max_model_len, len(info.describe), cfg.block_size)
         self._builder.forget_all()
         lost = await self.loras.restore()  # adapters loaded while serving, on ranks that came back
         self._fail(

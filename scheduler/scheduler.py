@@ -16,7 +16,7 @@ import dataclasses
 from collections import deque
 
 from common.pb.tpserve.v1.generation_pb2 import FINISH_REASON_ABORTED, FINISH_REASON_EOS, FINISH_REASON_LENGTH
-from scheduler import forks, lora_slots, plan, priority
+from scheduler import forks, lora_slots, plan, pooling, priority
 from scheduler.batch_wait import BatchWait
 from scheduler.block_manager import BlockManager, blocks_for
 from scheduler.plan import Proposer, ScheduledSeq, SchedulerOutput, SchedulerSnapshot, SequenceUpdate
@@ -228,8 +228,10 @@ class Scheduler:
             # shares that one's computed prompt blocks; otherwise its longest cached prefix (whole blocks,
             # never its last token) is reused; only the rest is computed.
             shared = forks.share(seq, self.blocks)
-            num_cached = shared or (self.blocks.match_prefix(seq) if seq.prompt_logprobs is None else 0)
+            num_cached = shared or (self.blocks.match_prefix(seq) if pooling.may_reuse(seq) else 0)
             num_new = min(seq.num_tokens - num_cached, budget)
+            if seq.pooling and num_new < seq.num_tokens:
+                break  # a pooling prompt runs whole (an encoder attends over all of it): next step
             num_new = forks.limit(seq, num_new, num_cached, self.blocks.block_size)
             reserve = self._watermark_blocks if self.running else 0
             from_cache = num_cached - shared
@@ -269,9 +271,9 @@ class Scheduler:
 
     def _scheduled(self, seq: Sequence, num_new: int, drafts: list[int] = ()) -> ScheduledSeq:
         start = seq.num_computed_tokens
-        caught_up = start + num_new == seq.num_tokens
+        sampled = start + num_new == seq.num_tokens and not seq.pooling  # caught up; pooling samples nothing
         drafts = list(drafts)
-        item = ScheduledSeq(seq, num_new + len(drafts), 1 + len(drafts) if caught_up else 0, drafts)
+        item = ScheduledSeq(seq, num_new + len(drafts), 1 + len(drafts) if sampled else 0, drafts)
         if seq.prompt_logprobs is not None:
             # Positions up to the prompt's last but one predict prompt tokens; those not sent yet (a
             # recompute after a preemption computes them again) return their logprobs.
@@ -355,6 +357,9 @@ class Scheduler:
             # The KV of the proposals the worker rejected is not part of the sequence.
             rejected = item.num_samples - len(tokens) if item.num_samples else 0
             seq.num_computed_tokens += item.num_new_tokens - rejected
+            if seq.pooling:  # its one step is done: it ends, its vector goes out with this update
+                updates.append(pooling.end(self, seq))
+                continue
             reason, kept = None, 0
             while reason is None and kept < len(tokens):
                 seq.token_ids.append(tokens[kept])

@@ -17,16 +17,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from common.pooling import pooling_config
 from common.sampling import SamplingConfig
 from shard_worker.attention import Attention, StepBatch, select_backend
 from shard_worker.attention.kv_dtype import as_bits
 from shard_worker.capacity import CudaMemory, kv_budget, synthetic_step, worst_step
-from shard_worker.cuda_graphs import CudaGraphRunner, capture_bytes, graphs_unsupported
+from shard_worker.cuda_graphs import CudaGraphRunner, capture_bytes, graphs_unsupported, nccl_version
 from shard_worker.draft import DraftModel
 from shard_worker.model.loader import load_model
 from shard_worker.model.lora import LoRAAdapters, check_lora, lora_batch, step_lora_batch
 from shard_worker.model.quant import base, cpu_linear
 from shard_worker.parallel import TensorParallel
+from shard_worker.pooling import Pooler
 from shard_worker.sampling import Sampler, SequenceState
 from shard_worker.sampling.grammar import GrammarCompiler
 from shard_worker.sampling.rows import prompt_logprobs, sampled_rows, step_proposals
@@ -53,6 +55,7 @@ class ModelRunner:
         lora: tuple | None = None,
         kv_cache_dtype: torch.dtype | None = None,
         warm_kernels: bool = False,
+        runner: str = "generate",
     ):
         """load_format "auto" reads the checkpoint's weights; "dummy" fills them with small random values
         on the device from config.json alone (vLLM's name), for benchmarks at real shapes.
@@ -68,7 +71,8 @@ class ModelRunner:
         (shard_worker/model/lora), or None.
         kv_cache_dtype: the KV cache's elements (attention/kv_dtype.py), None for dtype.
         warm_kernels: on CPU, compile the attention kernels on a thread while the weights load
-        (shard_worker/warm_up.py: a worker's start-up); warm_up waits for it."""
+        (shard_worker/warm_up.py: a worker's start-up); warm_up waits for it. runner: generate, or
+        pooling (resolved by common/pooling.py): rank 0 pools the sequences that ask (pooling.py)."""
         self.model_dir = Path(model_dir)
         self.dtype = dtype
         self.kv_dtype = kv_cache_dtype or dtype
@@ -106,12 +110,13 @@ class ModelRunner:
             if self.kernel_warm_up is not None:
                 self.kernel_warm_up.wait()
             raise
+        self.pooler = Pooler(pooling_config(self.model_dir), self.model) if runner == "pooling" else None
         self.lora = None
         if lora is not None:
             modules, max_rank, *slots = lora
             self.lora = LoRAAdapters(self.model, modules, max_rank, dtype, self.device, *slots)
         self.graphs: CudaGraphRunner | None = None
-        reason = graphs_unsupported(self.attention, tp.world_size, _nccl_version()) if cuda_graphs else None
+        reason = graphs_unsupported(self.attention, tp.world_size, nccl_version()) if cuda_graphs else None
         if reason is not None:
             log.warning("rank %d: no CUDA graphs: %s", tp.rank, reason)
         self.cuda_graphs = cuda_graphs and reason is None
@@ -120,16 +125,8 @@ class ModelRunner:
         self.reserved_blocks = 1 if self.cuda_graphs else 0
         self.draft = None
         if speculative_model:
-            self.draft = DraftModel(
-                speculative_model,
-                dtype,
-                self.device,
-                tp,
-                self.attention,
-                self.config,
-                self._check_layers,
-                linear_dtype,
-            )
+            args = (dtype, self.device, tp, self.attention, self.config, self._check_layers, linear_dtype)
+            self.draft = DraftModel(speculative_model, *args)
         self.kv_caches: list[torch.Tensor] = []
         # Swap space: the same layout as kv_caches, in host memory (pinned on CUDA, for fast copies).
         self.host_kv_caches: list[torch.Tensor] = []
@@ -141,10 +138,16 @@ class ModelRunner:
             self.sampler = Sampler(self.config.vocab_size, self.device, self.config.eos_token_ids, grammars)
 
     def describe(self) -> dict:
+        pooler, positions = self.pooler, self.config.max_position_embeddings
+        if pooler is not None and pooler.config.max_seq_length:  # sentence-transformers' input cap
+            positions = min(positions, pooler.config.max_seq_length)
         return {
             "model_name": self.model_dir.resolve().name,
             "vocab_size": self.config.vocab_size,
-            "max_position_embeddings": self.config.max_position_embeddings,
+            "max_position_embeddings": positions,
+            "runner": "generate" if pooler is None else "pooling",
+            "embedding_size": 0 if pooler is None else pooler.size,
+            "cross_encoder": pooler is not None and pooler.config.cross_encoder,
             "eos_token_ids": list(self.config.eos_token_ids),
             "weight_bytes": base.weight_bytes(self.model),
             "draft_model_name": self.draft.name if self.draft is not None else "",
@@ -313,10 +316,15 @@ class ModelRunner:
         hidden = self.graphs.replay(batch) if self.graphs is not None and lora is None else None
         if hidden is None:  # not a decode step that fits a bucket, or no graphs
             ctx = self.attention.context(batch)
+            types = inputs.token_type_ids  # a cross-encoder's pairs (pooling.py)
+            extra = {} if types is None else {"token_type_ids": torch.from_numpy(types).to(self.device)}
             with lora_batch(lora):
-                hidden = self.model(batch.input_ids, batch.positions, ctx, self.kv_caches)
+                hidden = self.model(batch.input_ids, batch.positions, ctx, self.kv_caches, **extra)
 
         out = StepOutputs()
+        if inputs.pool_index is not None and self.pooler is not None and self.tp.rank == 0:
+            out.pooled = self.pooler.pool(hidden, inputs.query_lens, inputs.pool_index)
+            out.pooled_seq_ids = inputs.seq_ids[inputs.pool_index].tolist()
         if inputs.prompt_rows is not None and len(inputs.prompt_rows):
             prompt_logprobs(self.model, hidden, inputs, out)
         sampled = np.flatnonzero(inputs.sample_counts)
@@ -331,12 +339,12 @@ class ModelRunner:
                     )
                 proposals = step_proposals(inputs.input_ids, rows, counts)
                 result = self.sampler.sample(states, counts.tolist(), proposals, logits, draft_probs)
-                out.token_counts, out.token_ids = result.token_counts, result.token_ids
-                out.logprobs, out.top_token_ids, out.top_logprobs = (
+                out.token_counts, out.token_ids, out.logprobs = (
+                    result.token_counts,
+                    result.token_ids,
                     result.logprobs,
-                    result.top_token_ids,
-                    result.top_logprobs,
                 )
+                out.top_token_ids, out.top_logprobs = result.top_token_ids, result.top_logprobs
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         out.allreduce_seconds = self.tp.take_comm_seconds()
@@ -439,10 +447,3 @@ class ModelRunner:
             reason = self.attention.unsupported_layer(layer) if isinstance(layer, Attention) else None
             if reason is not None:
                 raise ValueError(f"--attention-backend {self.attention.name}: {name}: {reason}")
-
-
-def _nccl_version() -> tuple[int, ...]:
-    try:
-        return tuple(torch.cuda.nccl.version())
-    except (AttributeError, RuntimeError):  # a build without NCCL (CPU)
-        return (0,)

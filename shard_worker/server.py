@@ -82,6 +82,8 @@ def sequence_init(msg: worker_pb2.SequenceInit) -> SequenceInit:
         want_prompt_logprobs=msg.want_prompt_logprobs,
         prompt_logprobs=msg.prompt_logprobs,
         lora_name=msg.lora_name,
+        pooling=msg.pooling,
+        token_type_start=msg.token_type_start,
     )
 
 
@@ -177,6 +179,9 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
             ],
             compiled_graphs=compiled,
             cached_graphs=cached,
+            runner=info["runner"],
+            embedding_size=info["embedding_size"],
+            cross_encoder=info["cross_encoder"],
         )
 
     def InitCache(self, request, context):
@@ -300,6 +305,8 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
             prompt_ranks=out.prompt_ranks,
             prompt_top_token_ids=out.prompt_top_token_ids,
             prompt_top_logprobs=out.prompt_top_logprobs,
+            pooled=out.pooled,
+            pooled_seq_ids=out.pooled_seq_ids,
         )
 
 
@@ -329,6 +336,7 @@ def resolve_dtype(config: WorkerConfig) -> str:
 
 
 def serve(config: WorkerConfig) -> None:
+    from common.pooling import resolve_runner
     from shard_worker.model_runner import ModelRunner
 
     # Before the model loads, which can take minutes: a taken port fails at once.
@@ -362,6 +370,7 @@ def serve(config: WorkerConfig) -> None:
             lora=(config.lora_modules, config.max_lora_rank, config.max_loras, config.max_cpu_loras)
             if config.enable_lora
             else None,
+            runner=resolve_runner(config.runner, config.model),
         )
     if linear is not None:  # after the model loaded: a refusal is the only line a failed start writes
         log.info(
