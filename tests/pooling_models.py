@@ -12,10 +12,11 @@ from pathlib import Path
 
 import torch
 
-WORDS = (
-    "the a of and to in is it on for with cat dog sat mat sun rain paris france capital city river "
-    "what where who which is are was were big small red blue green fast slow tree house car road"
-).split()
+WORDS = [
+    "the", "a", "of", "and", "to", "in", "it", "on", "for", "with", "cat", "dog", "sat", "mat", "sun", "rain",
+    "paris", "france", "capital", "city", "river", "what", "where", "who", "which", "is", "are", "was",
+    "were", "big", "small", "red", "blue", "green", "fast", "slow", "tree", "house", "car", "road",
+]  # fmt: skip
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 SMALL = dict(
     hidden_size=64,
@@ -56,9 +57,13 @@ def build(kind: str, out_dir: str | Path, seed: int = 0) -> Path:
     if arch.startswith("Bert"):
         config = t.BertConfig(vocab_size=VOCAB, type_vocab_size=2, num_labels=1, **SMALL)
     elif arch.startswith("XLMRoberta"):
-        config = t.XLMRobertaConfig(vocab_size=VOCAB, pad_token_id=1, **{**SMALL, "max_position_embeddings": 130})
+        config = t.XLMRobertaConfig(
+            vocab_size=VOCAB, pad_token_id=1, **{**SMALL, "max_position_embeddings": 130}
+        )
     else:
-        decoder = dict(SMALL, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, tie_word_embeddings=False)
+        decoder = dict(
+            SMALL, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, tie_word_embeddings=False
+        )
         config = (t.Qwen3Config if arch.startswith("Qwen3") else t.LlamaConfig)(vocab_size=VOCAB, **decoder)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -78,12 +83,23 @@ def build(kind: str, out_dir: str | Path, seed: int = 0) -> Path:
         t.BertTokenizerFast(vocab_file=str(_vocab(out)), do_lower_case=True).save_pretrained(out)
     if mode is not None:
         modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"}]
-        modules.append({"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"})
+        modules.append(
+            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}
+        )
         if normalize:
-            modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+            modules.append(
+                {
+                    "idx": 2,
+                    "name": "2",
+                    "path": "2_Normalize",
+                    "type": "sentence_transformers.models.Normalize",
+                }
+            )
         (out / "modules.json").write_text(json.dumps(modules))
         (out / "1_Pooling").mkdir(exist_ok=True)
-        flags = {f"pooling_mode_{m}": m == mode for m in ("cls_token", "mean_tokens", "max_tokens", "lasttoken")}
+        flags = {
+            f"pooling_mode_{m}": m == mode for m in ("cls_token", "mean_tokens", "max_tokens", "lasttoken")
+        }
         flags["pooling_mode_cls_token"] = mode == "cls"
         flags["pooling_mode_mean_tokens"] = mode == "mean"
         flags["pooling_mode_max_tokens"] = mode == "max"

@@ -43,6 +43,7 @@ from router.frontend import Frontend, RequestFailed
 from router.openai import lora, protocol, tokenize
 from router.openai.encoder import Encoder
 from router.openai.errors import ApiError, bad_request, from_failure
+from router.openai.pooling import PoolingRoutes
 from router.openai.tool_parsers import PARSERS, ForcedCalls
 from router.openai.tools import FUNCTION, REQUIRED
 
@@ -124,6 +125,7 @@ class OpenAIServer:
                 web.post("/v1/unload_lora_adapter", self.unload_lora_adapter),
             ]
         )
+        app.add_routes(PoolingRoutes(self).routes())  # /v1/embeddings, /v1/score, /v1/rerank
         self.app = app
         self._runner = web.AppRunner(
             # Past the drain timeout the router ends what is left with FINISH_REASON_ABORTED (pool.drain):
