@@ -90,13 +90,18 @@ def pooling_config(model_dir: str | Path) -> PoolingConfig:
 
 
 def _st_method(pooling: dict) -> str:
-    for flag, name in _ST_MODES:
-        if pooling.get(flag):
-            return name
+    """The one pooling mode the file sets (sentence-transformers concatenates several: not served)."""
+    enabled = sorted(k for k, v in pooling.items() if k.startswith("pooling_mode_") and v is True)
+    names = dict(_ST_MODES)
+    if len(enabled) == 1 and enabled[0] in names:
+        return names[enabled[0]]
     mode = pooling.get("pooling_mode")  # newer files name it directly
-    if mode in ("cls", "mean", "max", "lasttoken"):
+    if not enabled and mode in ("cls", "mean", "max", "lasttoken"):
         return "last" if mode == "lasttoken" else mode
-    raise ValueError(f"1_Pooling/config.json: no pooling mode this server applies in {sorted(pooling)}")
+    raise ValueError(
+        f"1_Pooling/config.json: pooling modes {enabled or mode} are not served (one of cls, "
+        "mean, max, last token is)"
+    )
 
 
 def _max_seq(root: Path) -> int | None:

@@ -164,8 +164,6 @@ class BertModel(nn.Module):
         "key": ("qkv_proj", 1),
         "value": ("qkv_proj", 2),
     }
-    # The pooler's dense, which sentence-transformers' embeddings do not use, is in most BertModel files.
-    ignored_checkpoint_prefixes: ClassVar[tuple[str, ...]] = ("pooler.",)
     prefix: ClassVar[str] = ""  # the body's module name in the checkpoint ("bert", "roberta") or none
     cross_encoder: ClassVar[bool] = False
     pooling_only: ClassVar[bool] = True
@@ -188,6 +186,13 @@ class BertModel(nn.Module):
     @classmethod
     def has_pooler(cls) -> bool:
         return False
+
+    def ignores_checkpoint_tensor(self, name: str) -> bool:
+        """Old files' position_ids buffer; and the pooler's dense, which sentence-transformers'
+        embeddings do not use (it is in most BertModel files), unless a classifier reads it."""
+        return name.endswith("embeddings.position_ids") or (
+            not self.has_pooler() and ".pooler." in f".{name}"
+        )
 
     @classmethod
     def config_from_hf(cls, hf, architecture: str, eos_ids=()) -> ModelConfig:
@@ -219,7 +224,6 @@ class BertModel(nn.Module):
 class BertForSequenceClassification(BertModel):
     """A cross-encoder: [CLS] of `query [SEP] document` through the pooler and the classifier."""
 
-    ignored_checkpoint_prefixes = ()
     prefix = "bert"
     cross_encoder = True
 
@@ -249,7 +253,6 @@ class _RobertaHead(nn.Module):
 
 
 class XLMRobertaForSequenceClassification(XLMRobertaModel):
-    ignored_checkpoint_prefixes = ()
     prefix = "roberta"
     cross_encoder = True
 

@@ -1,6 +1,7 @@
-"""Pooling through the real processes (`tpserve launch`): a random BERT embedding model (mean pooling,
-Normalize) served at TP 2 and a random BERT cross-encoder at TP 1, called through the openai client, bare
-HTTP and gRPC, against transformers pooled as sentence-transformers pools (tests/pooling_models.py). Bad
+"""Pooling through the real processes (`tpserve launch`): the default embedding model, all-MiniLM-L6-v2
+(`make model PRESET=minilm`; mean pooling, Normalize, max_seq_length 256), served at TP 2, and a random
+BERT cross-encoder at TP 1, called through the openai client, bare HTTP and gRPC, against transformers
+pooled as sentence-transformers pools it (tests/pooling_models.py), on this module's own sentences. Bad
 inputs are refused with the field and the limit; a generation call to a pooling model and the reverse are
 refused in one line; embeddings and generation on two stacks at once give what each gives alone. Two
 stacks of this module's own (the generation one is the session's SmolLM2, shared with other modules)."""
@@ -21,10 +22,11 @@ import torch
 
 from common.pb.tpserve.v1 import generation_pb2 as pb
 from common.pb.tpserve.v1 import generation_pb2_grpc
-from tests.conftest import launch
+from tests.conftest import ROOT, launch
 from tests.e2e.test_reliability import wait_until
 from tests.pooling_models import build, reference
 
+MINILM = ROOT / "models" / "minilm"
 SENTENCES = [
     "the cat sat on the mat",
     "paris is the capital of france",
@@ -54,10 +56,11 @@ def client(info) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def embedder(tmp_path_factory):
-    model = build("bert-mean", tmp_path_factory.mktemp("embedder") / "bert-mean")
-    with launch(model, "--http-port", "0", "--tp", "2", "--max-num-batched-tokens", "64") as (target, info):
-        yield model, target, info
+def embedder():
+    if not (MINILM / "config.json").is_file():
+        pytest.skip("models/minilm is not built (`make model PRESET=minilm`; `make test` does it first)")
+    with launch(MINILM, "--http-port", "0", "--tp", "2", "--max-num-batched-tokens", "256") as (target, info):
+        yield MINILM, target, info
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +84,7 @@ def cosines(got, want) -> list[float]:
 def test_embeddings_equal_sentence_transformers_pooling_at_tp2(embedder, one_thread):
     model, _, info = embedder
     want = reference(model, [e["input_ids"] for e in token_ids(model, SENTENCES)])
-    resp = client(info).embeddings.create(model="bert-mean", input=SENTENCES)  # the openai client: base64
+    resp = client(info).embeddings.create(model="minilm", input=SENTENCES)  # the openai client: base64
     got = [d.embedding for d in resp.data]
     assert [d.index for d in resp.data] == list(range(len(SENTENCES)))
     assert min(cosines(got, want)) >= 0.99999
@@ -106,7 +109,7 @@ def test_grpc_embed_score_and_freed_blocks(embedder, one_thread):
     with grpc.insecure_channel(target) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         info = stub.GetModelInfo(pb.ModelInfoRequest())
-        assert (info.runner, info.embedding_size, info.cross_encoder) == ("pooling", 64, False)
+        assert (info.runner, info.embedding_size, info.cross_encoder) == ("pooling", 384, False)
         inputs = [pb.EmbedInput(token_ids=pb.TokenIds(ids=i)) for i in ids]
         resp = stub.Embed(pb.EmbedRequest(request_id="e1", inputs=inputs))
         assert min(cosines([list(e.values) for e in resp.embeddings], want)) >= 0.99999
@@ -124,10 +127,10 @@ def test_grpc_embed_score_and_freed_blocks(embedder, one_thread):
 
 def test_bad_inputs_are_refused_with_the_field_and_the_limit(embedder, cross_encoder):
     model, target, info = embedder
-    long_text = " ".join(["cat"] * 150)  # 152 tokens: over max_seq_length 100
+    long_text = " ".join(["cat"] * 300)  # 302 tokens: over max_seq_length 256
     status, body = post(info, "/v1/embeddings", {"input": ["sun", long_text]})
     assert status == 400 and body["error"]["param"] == "input[1]"
-    assert "152 tokens; the limit is 100" in body["error"]["message"]
+    assert "302 tokens; the limit is 256" in body["error"]["message"]
     # ... or cut to fit when asked: the vector of the first 20 tokens.
     status, body = post(info, "/v1/embeddings", {"input": long_text, "truncate_prompt_tokens": 20})
     cut = token_ids(model, [" ".join(["cat"] * 18)])[0]["input_ids"]
@@ -136,8 +139,8 @@ def test_bad_inputs_are_refused_with_the_field_and_the_limit(embedder, cross_enc
     for bad, param in (
         ({"input": []}, "input"),
         ({"input": "sun", "encoding_format": "hex"}, "encoding_format"),
-        ({"input": "sun", "dimensions": 65}, "dimensions"),
-        ({"input": [[1, 2, 9999]]}, None),
+        ({"input": "sun", "dimensions": 385}, "dimensions"),
+        ({"input": [[101, 2, 99999]]}, None),
         ({"input": "sun", "bogus": 1}, "bogus"),
     ):
         status, body = post(info, "/v1/embeddings", bad)
