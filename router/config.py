@@ -16,6 +16,7 @@ from common.settings import above, at_least, nested, setting
 from common.tracing import TracingConfig
 from router.buckets import AdmissionPolicy
 from router.openai.tool_parsers import PARSERS as TOOL_PARSERS
+from router.reasoning import NAMES as REASONING_PARSERS
 from router.replicas import RoutingPolicy
 from router.slo import SloPolicy
 
@@ -95,6 +96,19 @@ class RouterConfig:
         help="the format of the model's tool calls, parsed out of chat answers when tool_choice is auto "
         "(vLLM's names; unset: tool_choice auto is refused)",
         choices=tuple(TOOL_PARSERS),
+        launch=True,
+    )
+    reasoning_parser: str | None = setting(
+        None,
+        help="split a reasoning model's chat answers into reasoning and content (vLLM's names: qwen3, "
+        "deepseek_r1); tool calls and structured outputs then apply to the content after the think block",
+        choices=REASONING_PARSERS,
+        launch=True,
+    )
+    served_model_name: tuple[str, ...] = setting(
+        (),
+        help="the model's names in the API (vLLM's flag, one or more): the first is reported, any is "
+        "accepted as `model` [the checkpoint directory's name]",
         launch=True,
     )
     # vLLM's structured_outputs_config key of the same name (there: its guidance backend's switch to

@@ -106,6 +106,7 @@ class OpenAIServer:
         self.strict_schemas = strict_schemas
         # Any path naming the served directory is the served model (resolved once: it does not move).
         self._model_path = os.path.realpath(frontend.config.model)
+        self._served_names = frontend.config.served_model_name  # --served-model-name: all accepted
         # Token-id prompts of long contexts are megabytes: the same bound as gRPC messages.
         app = web.Application(middlewares=[self._errors, self._auth], client_max_size=MAX_MESSAGE_BYTES)
         app.add_routes(
@@ -269,7 +270,7 @@ class OpenAIServer:
         """The served model, or 404 for another name. Its name (as /v1/models lists it) and any path to the
         directory the router was given (--model) are the served model."""
         info = self._model_info()
-        if name is None or name in (info.model_name, self.frontend.config.model):
+        if name is None or name in (info.model_name, self.frontend.config.model, *self._served_names):
             return info
         if os.sep in name and os.path.realpath(name) == self._model_path:
             return info
@@ -306,7 +307,13 @@ class OpenAIServer:
             if parser.needs_special_tokens and not req.generate.HasField("skip_special_tokens"):
                 req.generate.skip_special_tokens = False  # the parser's marker is a special token
         parent = tracing.context_from_metadata((k.lower(), v) for k, v in request.headers.items())
-        encoder = Encoder(req, name, tool_parser=parser, echo_texts=await self._echo_texts(req))
+        encoder = Encoder(
+            req,
+            name,
+            tool_parser=parser,
+            echo_texts=await self._echo_texts(req),
+            reasoning=self.frontend.config.reasoning_parser is not None,
+        )
         async with contextlib.aclosing(self._responses(req, parent)) as responses:
             try:
                 first = await anext(responses)

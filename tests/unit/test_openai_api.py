@@ -344,7 +344,13 @@ class FakeFrontend:
     """Frontend's surface as OpenAIServer uses it. script(request) is the async generator to run."""
 
     def __init__(self, script):
-        self.config = SimpleNamespace(model="models/fake", enable_lora=False, lora_modules=())
+        self.config = SimpleNamespace(
+            model="models/fake",
+            enable_lora=False,
+            lora_modules=(),
+            served_model_name=(),
+            reasoning_parser=None,
+        )
         self.pool = SimpleNamespace(ready=True)
         self.loras = LoRANames(self.config, self.pool, RequestFailed)
         self.script = script
