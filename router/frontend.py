@@ -160,6 +160,7 @@ class Frontend:
                 max_new_tokens=cfg.max_new_tokens_limit or None,
                 default_max_new_tokens=cfg.default_max_new_tokens,
                 sampling_defaults=self._sampling_defaults,
+                pooling_model=info.model_name if info.runner == "pooling" else None,
             )
         return self._limits
 
@@ -226,9 +227,6 @@ class Frontend:
             raise RequestFailed(
                 grpc.StatusCode.NOT_FOUND, f"LoRA adapter {request.lora_name!r} is not served", "lora_name"
             )
-        if (info := self.pool.model_info) is not None and info.runner == "pooling":
-            message = f"{info.model_name} is served for pooling (Embed, Score, /v1/embeddings): no Generate"
-            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, message)
         req = await self._validate(request)
         # Before the tool-call parser and the grammar: both see only the content after a think block.
         parser, tok = self.config.reasoning_parser, self.tokenizer

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -67,7 +68,7 @@ def _config(hf, architecture: str, eos_ids) -> ModelConfig:
 def encoder_attention(q, k, v, query_lens, scale: float) -> torch.Tensor:
     """[T, heads, head_dim]: each sequence's queries over its own keys, all of them (no causal mask).
     query_lens: the step's tokens per sequence (host ints), contiguous in batch order."""
-    lens = torch.as_tensor(query_lens, dtype=torch.long)
+    lens = torch.tensor(np.asarray(query_lens).tolist(), dtype=torch.long)
     if len(lens) == 1:  # one sequence: no padding to do
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale=scale
