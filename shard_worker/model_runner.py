@@ -134,7 +134,8 @@ class ModelRunner:
         self.sampler = None
         if tp.rank == 0:
             grammars = GrammarCompiler(self.model_dir, self.config.vocab_size, self.config.eos_token_ids)
-            grammars.start()
+            if self.pooler is None:  # a pooling model samples nothing: no grammar tokenizer to build
+                grammars.start()
             self.sampler = Sampler(self.config.vocab_size, self.device, self.config.eos_token_ids, grammars)
 
     def describe(self) -> dict:
