@@ -49,8 +49,8 @@ class RouterConfig:
     port_file: str | None = setting(None, help="write the bound port here once serving")
     http_port: int | None = setting(
         None,
-        help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) on this "
-        "port, same host, keys and TLS (0: any free port; unset: no HTTP)",
+        help="also serve the HTTP APIs (OpenAI's /v1/completions, /v1/chat/completions, /v1/responses; "
+        "Anthropic's /v1/messages) on this port, same host, keys and TLS (0: any free port; unset: no HTTP)",
         rule=at_least(0),
         launch=True,
     )
@@ -119,6 +119,14 @@ class RouterConfig:
         "admit no properties or items beyond those they name unless they set additionalProperties; "
         "--no-disable-additional-properties: JSON Schema's open objects (a request's "
         "structured_outputs.disable_additional_properties still decides for it)",
+        launch=True,
+    )
+    # The Responses API's `store`: kept in this router's memory only, lost on restart.
+    responses_store_size: int = setting(
+        1000,
+        help="stored responses (POST /v1/responses with store) kept for GET and previous_response_id, least "
+        "recently used out first; in memory, lost on restart (0: none kept)",
+        rule=at_least(0),
         launch=True,
     )
     admission: AdmissionPolicy = nested(AdmissionPolicy)

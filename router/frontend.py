@@ -385,6 +385,7 @@ class Frontend:
                     reasoning_text=reasoning,
                     finish_reason=reason,
                     index=index,
+                    stop_string=text_stream.matched_stop if stopped else "",
                 )
                 resp.logprobs.extend(out.logprobs)
                 resp.prompt_logprobs.extend(prompt_logprobs)

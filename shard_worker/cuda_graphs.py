@@ -243,10 +243,3 @@ def capture_bytes(make: Callable[[], CudaGraphRunner]) -> int:
     gc.collect()
     torch.cuda.empty_cache()
     return max(0, free_before - free_after)
-
-
-def nccl_version() -> tuple[int, ...]:
-    try:
-        return tuple(torch.cuda.nccl.version())
-    except (AttributeError, RuntimeError):  # a build without NCCL (CPU)
-        return (0,)

@@ -4,8 +4,8 @@ them, with what tpserve does with it, and the readers that check a field's JSON 
 A field is supported (it does what OpenAI or vLLM documents), accepted (it changes nothing a client can see
 in the answer, as OpenAI documents: `user`, `metadata`), or refused: a 400 naming it, unless it has a value
 that means "not used" (`n: 1`, `echo: false`). An unknown field is refused too, as OpenAI does: ignoring
-it would answer a different question than the one asked. README's table is generated from FIELDS
-(`markdown_table`, checked by tests/unit/test_openai_fields.py).
+it would answer a different question than the one asked. docs/reference/openai-fields.md is generated
+from FIELDS (`markdown_table`, checked by tests/unit/test_docs.py).
 """
 
 from __future__ import annotations
@@ -197,7 +197,7 @@ def check_fields(body: dict, chat: bool) -> None:
 
 
 def markdown_table() -> str:
-    """README's table of request fields."""
+    """The table of request fields (docs/reference/openai-fields.md, written by docs/gen_ref.py)."""
     rows = ["| field | endpoint | from | tpserve |", "|---|---|---|---|"]
     for f in FIELDS:
         status = "**refused** (400)" if f.status == "refused" else f.status

@@ -269,3 +269,46 @@ def test_served_model_names(stack):
     assert r.status_code == 404
     error = r.json()["error"]
     assert error["param"] == "model" and "other" in error["message"]
+
+
+def test_anthropic_thinking_blocks_and_responses_reasoning_items(stack):
+    """The same split through the agent APIs (router/anthropic/, router/openai/responses*.py), each SDK's own
+    client: thinking enabled with budget_tokens is the chat request with enable_thinking and
+    thinking_token_budget; the thinking block and the reasoning item hold the chat answer's reasoning."""
+    import anthropic
+    import openai
+
+    _, http, _ = stack
+    url = str(http.base_url).rstrip("/")
+    expected = _chat(http, max_tokens=MAX_TOKENS, thinking_token_budget=BUDGET)
+    message = expected["choices"][0]["message"]
+    claude = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
+    kw = dict(
+        model=NAMES[1],
+        max_tokens=MAX_TOKENS,
+        messages=ASK,
+        thinking={"type": "enabled", "budget_tokens": BUDGET},
+        extra_body=GREEDY,
+    )
+    whole = claude.messages.create(**kw)
+    thinking = [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in whole.content]
+    assert thinking[0] == ("thinking", message["reasoning"])
+    assert "".join(t for kind, t in thinking if kind == "text") == (message["content"] or "")
+    with claude.messages.stream(**kw) as events:
+        streamed = [b.model_dump(exclude={"parsed_output"}) for b in events.get_final_message().content]
+    assert streamed == [b.model_dump() for b in whole.content]
+
+    o = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    # No budget on this API: the block a random model never closes is all reasoning.
+    rkw = dict(model=NAMES[0], input=ASK, max_output_tokens=8, temperature=0, reasoning={"effort": "low"})
+    r = o.responses.create(**rkw)
+    assert [i.type for i in r.output] == ["reasoning"] and r.status == "incomplete"
+    effort = _chat(http, max_tokens=8, reasoning_effort="low")["choices"][0]["message"]
+    assert r.output[0].content[0].text == effort["reasoning"] and effort["reasoning"]
+    assert r.usage.output_tokens_details.reasoning_tokens == 8
+    with o.responses.stream(**rkw) as events:
+        last = list(events)[-1]  # an incomplete answer ends with response.incomplete, not .completed
+    assert last.type == "response.incomplete"
+    assert [i.model_dump(exclude={"id"}) for i in last.response.output] == [
+        i.model_dump(exclude={"id"}) for i in r.output
+    ]
