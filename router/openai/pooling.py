@@ -86,7 +86,7 @@ def _vector(values, encoding: str):
 
 
 class PoolingRoutes:
-    """The routes above, served by an OpenAIServer (its body parsing, model check and middlewares)."""
+    """The routes above, served by an OpenAIServer (its body, check_model and middlewares)."""
 
     def __init__(self, server):
         self.server = server
@@ -107,8 +107,8 @@ class PoolingRoutes:
             raise from_failure(e, params) from None
 
     async def embeddings(self, request: web.Request) -> web.Response:
-        body = _object(await self.server._body(request), EMBEDDING_FIELDS)
-        info = self.server._check_model(body.get("model"))
+        body = _object(await self.server.body(request), EMBEDDING_FIELDS)
+        info = self.server.check_model(body.get("model"))
         encoding = body.get("encoding_format", "float")
         if encoding not in ("float", "base64"):
             raise bad_request("encoding_format", f"encoding_format must be float or base64, got {encoding!r}")
@@ -125,8 +125,8 @@ class PoolingRoutes:
         return web.json_response({"object": "list", "data": data, "model": info.model_name, "usage": usage})
 
     async def score(self, request: web.Request) -> web.Response:
-        body = _object(await self.server._body(request), SCORE_FIELDS)
-        info = self.server._check_model(body.get("model"))
+        body = _object(await self.server.body(request), SCORE_FIELDS)
+        info = self.server.check_model(body.get("model"))
         firsts, seconds = _strings(body.get("text_1"), "text_1"), _strings(body.get("text_2"), "text_2")
         if len(firsts) > 1 and len(firsts) != len(seconds):
             raise bad_request(
@@ -157,8 +157,8 @@ class PoolingRoutes:
         )
 
     async def rerank(self, request: web.Request) -> web.Response:
-        body = _object(await self.server._body(request), RERANK_FIELDS)
-        info = self.server._check_model(body.get("model"))
+        body = _object(await self.server.body(request), RERANK_FIELDS)
+        info = self.server.check_model(body.get("model"))
         query = body.get("query")
         if not isinstance(query, str) or not query:
             raise bad_request("query", "query must be a non-empty string")
