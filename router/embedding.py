@@ -26,7 +26,10 @@ def _invalid(message: str, field: str | None = None) -> RequestFailed:
 class Embedder:
     def __init__(self, frontend: Frontend):
         self.frontend = frontend
-        self.tokenizer = frontend.tokenizer
+
+    @property
+    def tokenizer(self):
+        return self.frontend.tokenizer
 
     def _info(self, what: str) -> pb.ModelInfo:
         info = self.frontend.model_info()
