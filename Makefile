@@ -83,8 +83,8 @@ model-smollm2: $(MODEL_DIR)/smollm2/config.json
 
 model-gemma3: $(MODEL_DIR)/gemma3/config.json
 
-# auto: bfloat16 where the CPU multiplies it natively (AVX-512 BF16, AMX), float32 elsewhere; the servers'
-# own default stays float32, which the tests compare with transformers in.
+# auto (every process's default, as vLLM's): bfloat16 where the CPU multiplies it natively (AVX-512 BF16,
+# AMX), float32 elsewhere. RUN_DTYPE=float32 runs float32 in every layer.
 RUN_DTYPE ?= auto
 run: install model
 	$(VENV)/bin/tpserve launch --model $(RUN_MODEL) --port 50051 --http-port 8000 --dtype $(RUN_DTYPE)

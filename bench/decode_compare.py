@@ -146,7 +146,7 @@ def compare_quant(a) -> None:
     variants = {
         "float32": dict(linear_dtype=None),
         "bfloat16": dict(linear_dtype=torch.bfloat16),
-        # The LM head is not quantized; in bf16, as the worker's --linear-dtype auto holds it on this CPU.
+        # The LM head is not quantized; in bf16 (--linear-dtype bfloat16), to compare the kernels alone.
         "int8": dict(quantization="int8", linear_dtype=torch.bfloat16),
         "fp8": dict(quantization="fp8", linear_dtype=torch.bfloat16),
     }

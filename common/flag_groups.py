@@ -65,7 +65,10 @@ SERVER_GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "objectives": (
         "latency objectives and admission by them",
-        ("--slo-ttft-ms", "--slo-tpot-ms", "--slo-tpot-margin"),
+        (
+            "--slo-ttft-ms", "--slo-tpot-ms", "--slo-tpot-margin", "--min-ttft-objective-ms",
+            "--min-tpot-objective-ms", "--priority-api-key-file",
+        ),
     ),
     "API": (
         "ports and what a request may ask",

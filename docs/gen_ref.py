@@ -220,7 +220,8 @@ def proto_section(path: Path) -> list[str]:
             key = (kind, full)
             tables[key] = {"doc": doc, "rows": []}
             order.append(key)
-            stack.append((kind, name, key))
+            if not line.endswith("}"):  # `message Empty {}` opens and closes on its line
+                stack.append((kind, name, key))
             continue
         if line.startswith("}"):
             stack.pop()

@@ -138,6 +138,14 @@ class RouterConfig:
         help="require `authorization: Bearer <key>` with a key from this file (one a line, # comments)",
         launch=True,
     )
+    # Keys whose callers may ask a priority below the default (router/objectives.py); read in serve().
+    priority_api_key_file: str | None = setting(
+        None,
+        help="only callers presenting `authorization: Bearer <key>` with a key from this file (one a "
+        "line) may ask a priority below 0 (served first, preempting); others get PERMISSION_DENIED "
+        "(HTTP 403). Without it any caller may",
+        launch=True,
+    )
     metrics_port: int | None = None
     tracing: TracingConfig = TracingConfig()
     tls: TlsFiles | None = None  # the public port; tls.ca set: clients must present certificates

@@ -14,7 +14,6 @@ import dataclasses
 import logging
 import time
 import uuid
-from bisect import bisect_right
 from collections.abc import AsyncIterator
 
 import grpc
@@ -24,16 +23,17 @@ from common import tracing
 from common.pb.tpserve.internal.v1 import scheduler_pb2
 from common.pb.tpserve.v1 import generation_pb2
 from common.sampling import SamplingConfig
-from router.buckets import bucket_name
+from router.auth import ApiKeys, may_prioritize
 from router.chat import chat_prompt, check_chat
 from router.choices import choice_ids, choice_seed, merged
 from router.config import RouterConfig
 from router.lora import LoRANames
 from router.metrics import RouterMetrics
+from router.objectives import NotAllowed, for_request
 from router.pool import SchedulerPool
 from router.reasoning import for_request as reasoning_for
 from router.scheduler_link import QueueFull, SchedulerUnavailable
-from router.slo import NO_OBJECTIVES, Objectives, SloRefused, record_slo, resolve
+from router.slo import NO_OBJECTIVES, Objectives, SloRefused, record_slo
 from router.text_stream import TextStream
 from router.tokenizer import NoChatTemplate, NoTokenizer, Tokenizer
 from router.validation import (
@@ -83,6 +83,7 @@ class Frontend:
         # The LoRA adapters served, loaded and unloaded while serving on every replica (router/lora.py).
         self.loras = LoRANames(config, pool, RequestFailed)
         pool.on_link_connected = self.loras.reconnected
+        self.priority_keys: ApiKeys | None = None  # --priority-api-key-file (objectives.py for_request)
 
     # ---- what the APIs call ----
 
@@ -160,16 +161,14 @@ class Frontend:
                 max_new_tokens=cfg.max_new_tokens_limit or None,
                 default_max_new_tokens=cfg.default_max_new_tokens,
                 sampling_defaults=self._sampling_defaults,
-                pooling_model=info.model_name if info.runner == "pooling" else None,
             )
         return self._limits
 
     async def tokenize(
         self, request: generation_pb2.GenerateRequest, token_strs: bool = False
     ) -> tuple[list[int], list[str] | None, int]:
-        """A text or chat prompt's token ids as generate renders it (vLLM's /tokenize), the vocabulary's
-        strings for them when asked, and max_model_len. No length rule: tokenizing is how a client finds out
-        whether its prompt fits."""
+        """A text or chat prompt's token ids as generate renders it (vLLM's /tokenize), their vocabulary
+        strings when asked, and max_model_len; no length rule (tokenizing is how a client learns it fits)."""
         limits = self._ready_limits()
         tok = self.tokenizer
 
@@ -311,13 +310,11 @@ class Frontend:
     def _objectives(
         self, request: generation_pb2.GenerateRequest, prompt_tokens: int
     ) -> tuple[Objectives, str]:
-        """The request's objectives (its own, else its length bucket's defaults) and that bucket's name."""
-        edges = self.config.admission.bucket_edges
-        b = bisect_right(edges, prompt_tokens)
-        name = bucket_name(edges[b - 1] if b else 0, edges[b] if b < len(edges) else None)
-        ttft = request.ttft_objective_ms if request.HasField("ttft_objective_ms") else None
-        tpot = request.tpot_objective_ms if request.HasField("tpot_objective_ms") else None
-        return resolve(self.config.slo, b, ttft, tpot, request.priority), name
+        edges, may = self.config.admission.bucket_edges, may_prioritize(self.priority_keys)
+        try:
+            return for_request(self.config.slo, edges, request, prompt_tokens, may)
+        except NotAllowed as e:
+            raise RequestFailed(grpc.StatusCode[e.status], str(e), e.field) from None
 
     def _submit(self, add: scheduler_pb2.AddRequest, objectives: Objectives = NO_OBJECTIVES):
         try:
@@ -326,6 +323,8 @@ class Frontend:
             raise RequestFailed(
                 grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), retry_after_s=e.retry_after_s
             ) from None
+        except NotAllowed as e:  # a TPOT objective no step meets: no retry helps (slo.py TpotInfeasible)
+            raise RequestFailed(grpc.StatusCode[e.status], str(e), e.field) from None
         except SchedulerUnavailable as e:
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, str(e)) from None
         except QueueFull as e:

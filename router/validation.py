@@ -47,8 +47,6 @@ class Limits:
     # What a request's unset sampling fields take: the model's generation_config.json defaults.
     sampling_defaults: SamplingConfig = SamplingConfig()
     max_chat_messages: int = 1024
-    # The model's name when it is served for pooling (embeddings, scores): nothing is generated.
-    pooling_model: str | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "max_stop_string_chars", "max_request_id_chars", "default_max_new_tokens"):
@@ -111,10 +109,6 @@ def check_request_fields(req: generation_pb2.GenerateRequest, limits: Limits) ->
 
     max_new_tokens, when set, must be at least 1 (unset: the server's default, see check_prompt).
     """
-    if limits.pooling_model:
-        raise ValidationError(
-            "", f"{limits.pooling_model} is served for pooling (Embed, Score, /v1/embeddings): no Generate"
-        )
     if len(req.request_id) > limits.max_request_id_chars:
         raise ValidationError(
             "request_id",

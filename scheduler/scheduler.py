@@ -224,13 +224,11 @@ class Scheduler:
                 break
             if static and seq.seq_id not in self._static_batch:
                 break
-            # A waiting sequence holds no blocks and has computed nothing: a choice forked from another
-            # shares that one's computed prompt blocks; otherwise its longest cached prefix (whole blocks,
-            # never its last token) is reused; only the rest is computed.
+            # A waiting sequence holds no blocks: a forked choice shares its first choice's computed prompt
+            # blocks, else its longest cached prefix (whole blocks, not its last token) is reused.
             shared = forks.share(seq, self.blocks)
             num_cached = shared or (self.blocks.match_prefix(seq) if pooling.may_reuse(seq) else 0)
-            num_new = min(seq.num_tokens - num_cached, budget)
-            if seq.pooling and num_new < seq.num_tokens:
+            if (num_new := min(seq.num_tokens - num_cached, budget)) < seq.num_tokens and seq.pooling:
                 break  # a pooling prompt runs whole (an encoder attends over all of it): next step
             num_new = forks.limit(seq, num_new, num_cached, self.blocks.block_size)
             reserve = self._watermark_blocks if self.running else 0

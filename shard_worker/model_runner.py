@@ -133,7 +133,7 @@ class ModelRunner(RunnerCaches):
         self.kv_caches: list[torch.Tensor] = []
         # Swap space: the same layout as kv_caches, in host memory (pinned on CUDA, for fast copies).
         self.host_kv_caches: list[torch.Tensor] = []
-        self.block_size = 0
+        self.block_size = self.num_kv_blocks = 0
         self.sampler = None
         if tp.rank == 0:
             grammars = GrammarCompiler(self.model_dir, self.config.vocab_size, self.config.eos_token_ids)
@@ -180,6 +180,7 @@ class ModelRunner(RunnerCaches):
             inputs.block_table,
             self.block_size,
             self.device,
+            num_blocks=self.num_kv_blocks,
         )
         if states:
             self.sampler.prepare(states)  # host work for the sampler, overlapping the forward

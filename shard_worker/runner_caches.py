@@ -91,6 +91,7 @@ class RunnerCaches:
         self.kv_caches = []  # frees an old cache first, so reallocating never needs room for both
         self.kv_caches = self.model.new_kv_caches(total, block_size, self.kv_dtype, self.device)
         self.block_size = block_size
+        self.num_kv_blocks = total  # every step's block ids are checked against it (StepBatch.build)
         if self.draft is not None:
             self.draft.allocate(total, block_size)
         return total * self.kv_block_bytes(block_size)
@@ -166,32 +167,37 @@ class RunnerCaches:
         does not profile calls this before serving."""
         if self.kernel_warm_up is not None:
             self.kernel_warm_up.wait()
-        steps = warm_up_steps(block_size, self.config.max_position_embeddings)
-        configs = [SamplingConfig(temperature=0.0), SamplingConfig(temperature=0.7, top_p=0.9, top_k=50)]
-        for lens in steps:
-            step, num_blocks = synthetic_step(lens, block_size, sample=True)
-            with self._scratch_cache(num_blocks, block_size), torch.inference_mode():
-                states = None
-                if self.sampler is not None:
-                    # A prompt (q == c) has sampled nothing yet; a decode has sampled its last token.
-                    states = [
-                        self.sampler.new_state(
-                            SequenceInit(
-                                seq_id=i,
-                                sampling=configs[i % len(configs)],
-                                top_logprobs=0,
-                                token_ids=[0] * c,
-                                num_prompt_tokens=c if q == c else c - 1,
-                                num_sampled=0 if q == c else 1,
-                            )
-                        )
-                        for i, (q, c) in enumerate(lens)
-                    ]
-                self.execute(step, states)
-                for state in states or ():
-                    self.sampler.release(state)
+        for lens in warm_up_steps(block_size, self.config.max_position_embeddings):
+            self.run_synthetic(lens, block_size)
         if self.sampler is not None and self.sampler.grammar is not None:
             self.sampler.grammar.compiler.wait_started()  # its tokenizer: not beside a first request
+
+    def run_synthetic(self, lens: list[tuple[int, int]], block_size: int) -> float:
+        """Runs a synthetic_step on a scratch cache, sampled greedily and by a draw in turn: its forward's
+        seconds (warm_up; shard_worker/warm_up.py measure_speed times them)."""
+        configs = [SamplingConfig(temperature=0.0), SamplingConfig(temperature=0.7, top_p=0.9, top_k=50)]
+        step, num_blocks = synthetic_step(lens, block_size, sample=True)
+        with self._scratch_cache(num_blocks, block_size), torch.inference_mode():
+            states = None
+            if self.sampler is not None:
+                # A prompt (q == c) has sampled nothing yet; a decode has sampled its last token.
+                states = [
+                    self.sampler.new_state(
+                        SequenceInit(
+                            seq_id=i,
+                            sampling=configs[i % len(configs)],
+                            top_logprobs=0,
+                            token_ids=[0] * c,
+                            num_prompt_tokens=c if q == c else c - 1,
+                            num_sampled=0 if q == c else 1,
+                        )
+                    )
+                    for i, (q, c) in enumerate(lens)
+                ]
+            seconds = self.execute(step, states).forward_seconds
+            for state in states or ():
+                self.sampler.release(state)
+        return seconds
 
     def _dummy_step(
         self,
@@ -223,12 +229,12 @@ class RunnerCaches:
 
     @contextlib.contextmanager
     def _scratch_cache(self, num_blocks: int, block_size: int) -> Iterator[None]:
-        saved_caches, saved_block_size = self.kv_caches, self.block_size
+        saved = self.kv_caches, self.block_size, self.num_kv_blocks
         saved_draft = self.draft.kv_caches if self.draft is not None else None
         self.allocate_kv_cache(num_blocks, block_size)
         try:
             yield
         finally:
-            self.kv_caches, self.block_size = saved_caches, saved_block_size
+            self.kv_caches, self.block_size, self.num_kv_blocks = saved
             if self.draft is not None:
-                self.draft.kv_caches, self.draft.block_size = saved_draft, saved_block_size
+                self.draft.kv_caches, self.draft.block_size, self.draft.num_blocks = saved_draft, *saved[1:]

@@ -35,6 +35,7 @@ from shard_worker.lora_service import LoRAService, lora_settings
 from shard_worker.metrics import WorkerMetrics
 from shard_worker.startup import StartupPhases, compile_counts, configure_compile_cache, remember_vec_isa
 from shard_worker.step import SequenceInit, WorkerStep
+from shard_worker.warm_up import SPEED_PROMPT_TOKENS, measure_speed
 from shard_worker.worker import Worker
 
 log = logging.getLogger("tpserve.shard_worker")
@@ -159,10 +160,17 @@ class ShardWorkerServicer(LoRAService, worker_pb2_grpc.ShardWorkerServicer):
             with self.phases.phase("warm_up", self.phases.compile_note):
                 self.runner.warm_up(request.block_size)
             remember_vec_isa(self.phases.cache_dir)  # the kernels built: the probe's answer was right
+        with self.phases.phase("measure_speed"):  # for the router's admission from the first request
+            speed = measure_speed(
+                lambda lens: self.runner.run_synthetic(lens, request.block_size),
+                request.max_num_seqs or 1,
+                request.max_num_batched_tokens or SPEED_PROMPT_TOKENS,
+                request.max_model_len or info["max_position_embeddings"],
+            )
         for name, seconds in self.phases.seconds.items():
             self.metrics.startup.labels(phase=name).set(seconds)
         compiled, cached = compile_counts()
-        return worker_pb2.DescribeResponse(
+        response = worker_pb2.DescribeResponse(
             rank=self.config.rank,
             world_size=self.config.world_size,
             model_name=info["model_name"],
@@ -189,6 +197,8 @@ class ShardWorkerServicer(LoRAService, worker_pb2_grpc.ShardWorkerServicer):
             cross_encoder=info["cross_encoder"],
             **lora_settings(self.config),
         )
+        speed.fill(response)
+        return response
 
     def InitCache(self, request, context):
         with self._device_lock:
@@ -326,12 +336,14 @@ def select_device(config: WorkerConfig, dtype: str) -> torch.device:
     return device
 
 
-def resolve_dtype(config: WorkerConfig) -> str:
-    """--dtype, with auto resolved for this machine (devices.model_dtype)."""
-    if config.dtype != "auto":
-        return config.dtype
-    cuda_bf16 = config.device == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
-    return devices.model_dtype("auto", config.device, devices.cpu_flags(), cuda_bf16)
+def resolve_dtype(config: WorkerConfig) -> tuple[str, str]:
+    """--dtype, with auto resolved for this machine, and why (devices.model_dtype)."""
+    cuda_bf16 = (
+        config.dtype == "auto"
+        and config.device == "cuda"
+        and torch.cuda.is_bf16_supported(including_emulation=False)
+    )
+    return devices.model_dtype(config.dtype, config.device, devices.cpu_flags(), cuda_bf16)
 
 
 def serve(config: WorkerConfig) -> None:
@@ -345,12 +357,12 @@ def serve(config: WorkerConfig) -> None:
 
     torch.set_num_threads(config.threads)
     cache_dir = configure_compile_cache(config.compile_cache_dir)  # before anything compiles
-    dtype = resolve_dtype(config)
+    dtype, why = resolve_dtype(config)
     if config.dtype == "auto":
-        log.info("rank %d: --dtype auto is %s on this %s", config.rank, dtype, config.device)
+        log.info("rank %d: --dtype auto is %s: %s", config.rank, dtype, why)
     device = select_device(config, dtype)
     tp = init_tensor_parallel(config.rank, config.world_size, config.dist_init, device)
-    linear = devices.linear_dtype(config.linear_dtype, device.type, dtype, devices.cpu_flags())
+    linear = devices.linear_dtype(config.linear_dtype, dtype)
     phases = StartupPhases(config.rank, cache_dir)
     with phases.phase("load_weights"):
         runner = ModelRunner(

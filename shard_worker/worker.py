@@ -66,7 +66,7 @@ class Worker:
         bytes the cache and the swap space take."""
         if self.tables is not None:
             self.forget(list(self.sequences))
-        self.tables = BlockTables(-(-max_model_len // block_size))
+        self.tables = BlockTables(-(-max_model_len // block_size), num_blocks, block_size)
         nbytes = self.runner.allocate_kv_cache(num_blocks, block_size)
         host_bytes = self.runner.allocate_host_kv_cache(num_host_blocks, block_size)
         self.runner.capture_cuda_graphs(max_num_seqs, max_model_len)
@@ -116,7 +116,9 @@ class Worker:
         if (step.input_ids < 0).any():
             step.input_ids = self._fill_placeholders(step, batch)
         rows = np.fromiter((seq.row for seq in batch), dtype=np.int64, count=len(batch))
-        block_table = self.tables.apply(rows, step.table_reset, step.new_block_counts, step.new_block_ids)
+        block_table = self.tables.apply(
+            step.seq_ids, rows, step.table_reset, step.new_block_counts, step.new_block_ids, step.context_lens
+        )
         inputs = StepInputs(
             seq_ids=step.seq_ids,
             query_lens=step.query_lens,

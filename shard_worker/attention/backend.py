@@ -68,11 +68,16 @@ class StepBatch:
         block_table: np.ndarray,
         block_size: int,
         device: torch.device,
+        num_blocks: int | None = None,
     ) -> StepBatch:
         """input_ids [T], query_lens and context_lens [S] and block_table [S, max_blocks] (int64 numpy
-        arrays, as the step arrived). Raises ValueError when they do not describe a valid step."""
+        arrays, as the step arrived). Raises ValueError when they do not describe a valid step, or
+        (given num_blocks, the cache's) when the table holds an id outside the cache: no backend then
+        reads or writes past it (the Triton kernels and the C++ one would, unchecked)."""
         num_seqs, num_tokens = len(query_lens), len(input_ids)
         _check(query_lens, context_lens, block_table, num_tokens, block_size)
+        if num_blocks is not None and block_table.size:
+            _check_ids(block_table, num_blocks)
         # On the host with numpy, then one copy to the device: these are a few thousand integers, and
         # torch's CPU repeat_interleave runs a parallel region even for 128 elements, which costs
         # milliseconds on a loaded machine (measured: 7.7 ms against 0.05 ms).
@@ -122,6 +127,18 @@ def _check(query_lens, context_lens, block_table, num_tokens: int, block_size: i
         raise ValueError(
             f"a context of {int(context_lens.max())} tokens needs more blocks than the block table's "
             f"{block_table.shape[1]} columns"
+        )
+
+
+def _check_ids(block_table: np.ndarray, num_blocks: int) -> None:
+    """Every id of the table (padding included: 0) in the cache's [0, num_blocks): a few thousand
+    integers, compared on the host before anything reaches the device."""
+    bad = (block_table < 0) | (block_table >= num_blocks)
+    if bad.any():
+        row, column = (int(x) for x in np.argwhere(bad)[0])
+        raise ValueError(
+            f"batch row {row}: block id {int(block_table[row, column])} (its block {column}) is outside "
+            f"the KV cache's {num_blocks} blocks"
         )
 
 

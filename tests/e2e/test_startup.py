@@ -28,8 +28,9 @@ def start_and_describe(model, port_file, cache_dir) -> worker_pb2.DescribeRespon
     cmd = [sys.executable, "-m", "common.cli", "shard-worker", "--model", str(model), "--port", "0"]
     cmd += ["--port-file", str(port_file), "--compile-cache-dir", str(cache_dir)]
     # flex: the backend that compiles at start-up (the default cpu backend's kernel is built once per
-    # machine, not per start: tests/unit/test_cpu_kernel.py).
-    cmd += ["--attention-backend", "flex"]
+    # machine, not per start: tests/unit/test_cpu_kernel.py). It runs float32 only: --dtype auto would be
+    # bf16 on a CPU with native bf16.
+    cmd += ["--attention-backend", "flex", "--dtype", "float32"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         port = read_port_file(port_file, 180, lambda: proc.poll() is None)["port"]
@@ -45,14 +46,16 @@ def start_and_describe(model, port_file, cache_dir) -> worker_pb2.DescribeRespon
 
 
 def test_phases_are_reported_and_a_warm_restart_compiles_nothing(tiny_model, tmp_path):
+    from common.speed import StackSpeed
     from shard_worker.startup import DEFAULT_COMPILE_CACHE_DIR
 
     first = start_and_describe(tiny_model, tmp_path / "first.port", DEFAULT_COMPILE_CACHE_DIR)
     phases = {p.name: p.seconds for p in first.startup_phases}
     # On CPU: no worst-step profile, so sizing is the budget alone; the kernels are compiled while the
     # weights load (compile_kernels, reported once the scheduler's Describe has waited for it), then the
-    # whole model is warmed.
-    assert list(phases) == ["load_weights", "compile_kernels", "kv_sizing", "warm_up"]
+    # whole model is warmed, then timed (for the router's admission: common/speed.py).
+    assert list(phases) == ["load_weights", "compile_kernels", "kv_sizing", "warm_up", "measure_speed"]
+    assert StackSpeed.from_message(first).known
     assert all(s >= 0 for s in phases.values()) and phases["compile_kernels"] > 0
     assert first.num_kv_blocks == int(0.01 * 2**30) // first.kv_block_bytes
     # The warm-up built flex attention's kernels, or loaded them from the cache.

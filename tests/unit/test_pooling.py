@@ -114,3 +114,20 @@ def test_matryoshka_keeps_unit_length_and_cosine():
     assert _matryoshka(v, 2) == [1.0, 0.0]
     assert _matryoshka([3.0, 4.0, 5.0], 2) == [3.0, 4.0]  # not normalized: left as is
     assert _cosine([1.0, 0.0], [1.0, 1.0]) == pytest.approx(2**-0.5)
+
+
+def test_a_replica_refuses_the_other_runners_requests_in_one_line():
+    from common.pb.tpserve.internal.v1 import scheduler_pb2
+    from common.pb.tpserve.v1 import generation_pb2
+    from scheduler.add_request import RequestError, sequence_for
+
+    pooling = generation_pb2.ModelInfo(model_name="minilm", runner="pooling")
+    generate = scheduler_pb2.AddRequest(request_id="g", prompt_token_ids=[5, 6], max_new_tokens=2)
+    with pytest.raises(
+        RequestError, match=r"^minilm is served for pooling \(Embed, Score, /v1/embeddings\) only$"
+    ):
+        sequence_for(generate, make(), 0, (), pooling)
+    embed = scheduler_pb2.AddRequest(request_id="p", prompt_token_ids=[5, 6], pooling=True)
+    with pytest.raises(RequestError, match="^smollm2 is served for generation only$"):
+        sequence_for(embed, make(), 0, (), generation_pb2.ModelInfo(model_name="smollm2", runner="generate"))
+    assert sequence_for(embed, make(), 0, (), pooling).pooling
