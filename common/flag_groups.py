@@ -79,6 +79,13 @@ SERVER_GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
             "--drain-timeout-s",
         ),
     ),
+    "images": (
+        "image parts in chat requests: what the router may read, and how much",
+        (
+            "--allowed-media-domains", "--allowed-local-media-path", "--limit-mm-per-prompt",
+            "--max-image-pixels", "--max-image-bytes", "--media-fetch-timeout-s",
+        ),
+    ),
     "start-up and recovery": (
         "waiting for processes, and what happens when one is lost",
         (

@@ -15,6 +15,7 @@ from common.security import TlsFiles
 from common.settings import above, at_least, nested, setting
 from common.tracing import TracingConfig
 from router.buckets import AdmissionPolicy
+from router.media.policy import MediaPolicy
 from router.openai.tool_parsers import PARSERS as TOOL_PARSERS
 from router.reasoning import NAMES as REASONING_PARSERS
 from router.replicas import RoutingPolicy
@@ -130,6 +131,7 @@ class RouterConfig:
         launch=True,
     )
     admission: AdmissionPolicy = nested(AdmissionPolicy)
+    media: MediaPolicy = nested(MediaPolicy)
     routing: RoutingPolicy = nested(RoutingPolicy)
     slo: SloPolicy = nested(SloPolicy)
     # Keys clients must send as `authorization: Bearer <key>`; read in serve(), so never held here.

@@ -28,6 +28,7 @@ from router.chat import chat_prompt, check_chat
 from router.choices import choice_ids, choice_seed, merged
 from router.config import RouterConfig
 from router.lora import LoRANames
+from router.media.loader import MediaLoader, takes_images
 from router.metrics import RouterMetrics
 from router.objectives import NotAllowed, for_request
 from router.pool import SchedulerPool
@@ -82,6 +83,7 @@ class Frontend:
         self._sampling_defaults = SamplingConfig.model_defaults(config.model)
         # The LoRA adapters served, loaded and unloaded while serving on every replica (router/lora.py).
         self.loras = LoRANames(config, pool, RequestFailed)
+        self.media = MediaLoader(config.media, takes_images(config.model))  # a chat request's images
         pool.on_link_connected = self.loras.reconnected
         self.priority_keys: ApiKeys | None = None  # --priority-api-key-file (objectives.py for_request)
 
@@ -184,6 +186,7 @@ class Frontend:
                 ids = tok.encode(request.text, add_special_tokens(request))
             return ids, tok.token_strs(ids) if token_strs else None
 
+        await self._checked(self.media.load(request), request)  # images: as generate refuses them
         ids, strs = await self._checked(tok.run(encode), request)
         return ids, strs, limits.max_model_len
 
@@ -202,8 +205,8 @@ class Frontend:
     async def _validate(self, request: generation_pb2.GenerateRequest) -> ValidatedRequest:
         limits = self._ready_limits()
         tok = self.tokenizer
-        if len(request.token_ids) and not request.sampling.bad_words and not _has_grammar(request):
-            # Nothing to tokenize or compile: cheap enough for the event loop.
+        light = not request.sampling.bad_words and not request.sampling.HasField("structured_output")
+        if len(request.token_ids) and light:  # nothing to tokenize or compile: cheap enough for the loop
             return await self._checked(_done(validate_request, request, limits), request)
         # The fields are checked first (they bound what the tokenizer is asked to do; a grammar is compiled),
         # then the prompt (and any bad_words) is tokenized and checked: all of it on the tokenizer's threads.
@@ -226,6 +229,7 @@ class Frontend:
             raise RequestFailed(
                 grpc.StatusCode.NOT_FOUND, f"LoRA adapter {request.lora_name!r} is not served", "lora_name"
             )
+        await self._checked(self.media.load(request), request)  # refused, or read, before anything else
         req = await self._validate(request)
         # Before the tool-call parser and the grammar: both see only the content after a think block.
         parser, tok = self.config.reasoning_parser, self.tokenizer
@@ -439,10 +443,6 @@ class Frontend:
                 "e2e_s": round(e2e, 6),
             },
         )
-
-
-def _has_grammar(request: generation_pb2.GenerateRequest) -> bool:
-    return request.sampling.HasField("structured_output")
 
 
 async def _done(fn, *args):

@@ -146,6 +146,7 @@ async def serve(config: RouterConfig) -> None:
     await stopping
     await pool.close()
     tokenizer.close()
+    await frontend.media.close()
     if provider is not None:
         provider.shutdown()
 

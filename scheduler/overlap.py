@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 
 from common import tracing
-from scheduler import plan, pooling
+from scheduler import pooling
 from scheduler.plan import SchedulerOutput, SequenceUpdate
 from scheduler.reports import StepResult
 from scheduler.scheduler import Scheduler
@@ -144,12 +144,10 @@ def apply(sched: Scheduler, out: SchedulerOutput, sampled: list[list[int]]) -> l
     sampled token replaces its sequence's first placeholder, then the stop conditions are checked.
     Sequences that ended meanwhile are skipped: their tokens are dropped."""
     updates = []
-    for item, tokens in plan.live_results(out, sampled):
+    # A pooling sequence ends here (no step was planned ahead of its one step).
+    for item, tokens in pooling.generating(sched, out, sampled, updates):
         seq = item.seq
         seq.prompt_logprobs_done += item.num_prompt_logprobs
-        if seq.pooling:  # its one step is done (no step was planned ahead of it)
-            updates.append(pooling.end(sched, seq))
-            continue
         known = seq.num_tokens - seq.num_pending
         if tokens:
             seq.token_ids[known] = tokens[0]
