@@ -87,6 +87,8 @@ def sequence_init(msg: worker_pb2.SequenceInit) -> SequenceInit:
         want_prompt_logprobs=msg.want_prompt_logprobs,
         prompt_logprobs=msg.prompt_logprobs,
         lora_name=msg.lora_name,
+        pooling=msg.pooling,
+        token_type_start=msg.token_type_start,
     )
 
 
@@ -190,6 +192,9 @@ class ShardWorkerServicer(LoRAService, worker_pb2_grpc.ShardWorkerServicer):
             ],
             compiled_graphs=compiled,
             cached_graphs=cached,
+            runner=info["runner"],
+            embedding_size=info["embedding_size"],
+            cross_encoder=info["cross_encoder"],
             **lora_settings(self.config),
         )
         speed.fill(response)
@@ -309,6 +314,8 @@ class ShardWorkerServicer(LoRAService, worker_pb2_grpc.ShardWorkerServicer):
             prompt_ranks=out.prompt_ranks,
             prompt_top_token_ids=out.prompt_top_token_ids,
             prompt_top_logprobs=out.prompt_top_logprobs,
+            pooled=out.pooled,
+            pooled_seq_ids=out.pooled_seq_ids,
         )
 
 
@@ -340,6 +347,7 @@ def resolve_dtype(config: WorkerConfig) -> tuple[str, str]:
 
 
 def serve(config: WorkerConfig) -> None:
+    from common.pooling import resolve_runner
     from shard_worker.model_runner import ModelRunner
 
     # Before the model loads, which can take minutes: a taken port fails at once.
@@ -373,6 +381,7 @@ def serve(config: WorkerConfig) -> None:
             lora=(config.lora_modules, config.max_lora_rank, config.max_loras, config.max_cpu_loras)
             if config.enable_lora
             else None,
+            runner=resolve_runner(config.runner, config.model),
         )
     if linear is not None:  # after the model loaded: a refusal is the only line a failed start writes
         log.info(
