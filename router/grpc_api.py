@@ -14,6 +14,7 @@ from grpc_status import rpc_status
 from common import tracing
 from common.pb.tpserve.v1 import generation_pb2, generation_pb2_grpc
 from router.auth import CALLER_AUTHORIZATION
+from router.embedding import Embedder
 from router.frontend import Frontend, RequestFailed
 
 
@@ -30,6 +31,7 @@ def rich_status(e: RequestFailed) -> grpc.Status:
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, frontend: Frontend):
         self.frontend = frontend
+        self.embedder = Embedder(frontend)
 
     async def Generate(self, request, context):
         metadata = context.invocation_metadata() or ()
@@ -68,3 +70,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except RequestFailed as e:
             await context.abort_with_status(rich_status(e))
         return generation_pb2.UnloadLoRAAdapterResponse(requests_finishing=finishing)
+
+    async def Embed(self, request, context):
+        try:
+            return await self.embedder.embed(request)
+        except RequestFailed as e:
+            await context.abort_with_status(rich_status(e))
+
+    async def Score(self, request, context):
+        try:
+            return await self.embedder.score(request)
+        except RequestFailed as e:
+            await context.abort_with_status(rich_status(e))

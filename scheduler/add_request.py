@@ -16,6 +16,7 @@ from common.pb.tpserve.internal.v1.scheduler_pb2 import (
     ERROR_CODE_NOT_FOUND,
     ERROR_CODE_UNAVAILABLE,
 )
+from common.pb.tpserve.v1 import generation_pb2
 from scheduler import images
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import Sequence, from_request
@@ -30,10 +31,15 @@ class RequestError(Exception):
 
 
 def sequence_for(
-    msg: scheduler_pb2.AddRequest, scheduler: Scheduler | None, seq_id: int, lora_names: Container[str]
+    msg: scheduler_pb2.AddRequest,
+    scheduler: Scheduler | None,
+    seq_id: int,
+    lora_names: Container[str],
+    model: generation_pb2.ModelInfo | None = None,
 ) -> Sequence:
     """The request as sequence seq_id; RequestError when this replica refuses it. lora_names: the LoRA
-    adapters it serves."""
+    adapters it serves; model: what it serves (a generation request to a pooling model, or the reverse, is
+    refused)."""
     # Shards lost after they were ready do not refuse a request that was already on its way: it waits
     # with the others for them to return (or for worker_recovery_timeout_s, then UNAVAILABLE).
     if scheduler is None:
@@ -47,6 +53,16 @@ def sequence_for(
             ERROR_CODE_INVALID_ARGUMENT,
             f"num_output_tokens {msg.num_output_tokens} leaves no prompt in "
             f"{len(msg.prompt_token_ids)} tokens",
+        )
+    if model is not None and msg.pooling != (model.runner == "pooling"):
+        served = "pooling (Embed, Score, /v1/embeddings)" if model.runner == "pooling" else "generation"
+        raise RequestError(ERROR_CODE_INVALID_ARGUMENT, f"{model.model_name} is served for {served} only")
+    budget = scheduler.policy.max_num_batched_tokens
+    if msg.pooling and len(msg.prompt_token_ids) > budget:  # it runs whole, in one step (pooling.py)
+        raise RequestError(
+            ERROR_CODE_INVALID_ARGUMENT,
+            f"a pooling prompt of {len(msg.prompt_token_ids)} tokens exceeds --max-num-batched-tokens "
+            f"{budget}",
         )
     reason = images.too_long([im.length for im in msg.images], scheduler.policy.max_num_batched_tokens)
     if reason is not None:

@@ -44,6 +44,8 @@ def sequence_init(seq: Sequence) -> worker_pb2.SequenceInit:
         want_prompt_logprobs=seq.prompt_logprobs is not None,
         prompt_logprobs=seq.prompt_logprobs or 0,
         lora_name=seq.lora_name,
+        pooling=seq.pooling,
+        token_type_start=seq.token_type_start,
     )
 
 

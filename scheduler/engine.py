@@ -44,7 +44,7 @@ from scheduler.overlap import OverlapLoop
 from scheduler.plan import SchedulerOutput, SchedulerSnapshot
 from scheduler.recovery import expire_while_lost
 from scheduler.replies import check_replies
-from scheduler.reports import StepResult, StepTotals, load_report, stats, step_outputs
+from scheduler.reports import StepResult, StepTotals, load_report, model_info, stats, step_outputs
 from scheduler.router_streams import LOAD_REPORT_INTERVAL_S, RouterStream, RouterStreams, speed_of
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import FinishReason
@@ -278,14 +278,7 @@ class Engine:
                 f"the replica's ranks came back holding at most {cap.max_model_len} tokens per sequence, "
                 "fewer than the request needs",
             )
-        self.model_info = generation_pb2.ModelInfo(
-            model_name=first.model_name,
-            vocab_size=first.vocab_size,
-            max_model_len=cap.max_model_len,
-            eos_token_ids=first.eos_token_ids,
-            tensor_parallel_size=len(info.describe),
-            block_size=cfg.block_size,
-        )
+        self.model_info = model_info(first, cap.max_model_len, len(info.describe), cfg.block_size)
         self.routers.speed = speed_of(info.describe)  # sent with model_info
         self._builder.forget_all()
         lost = await self.loras.restore()  # adapters loaded while serving, on ranks that came back
@@ -362,7 +355,7 @@ class Engine:
         """Takes a request in; a refusal goes back on the stream as the request's error."""
         stream.adds_received += 1
         try:
-            seq = sequence_for(msg, self.scheduler, self._next_seq_id, self.loras)
+            seq = sequence_for(msg, self.scheduler, self._next_seq_id, self.loras, self.model_info)
             self.scheduler.add(seq)
         except RequestError as e:
             self.refuse(stream, msg.request_id, e.code, str(e))

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 
 from common import tracing
-from scheduler import plan
+from scheduler import pooling
 from scheduler.plan import SchedulerOutput, SequenceUpdate
 from scheduler.reports import StepResult
 from scheduler.scheduler import Scheduler
@@ -61,8 +61,8 @@ class OverlapLoop:
         ahead: SentStep | None = None
         try:
             while True:
-                if ahead is not None and any(i.seq.has_grammar for i in ahead.out.scheduled):
-                    await self._apply(ahead)  # a grammar may end its sequence: no step ahead of it
+                if ahead is not None and any(i.seq.has_grammar or i.seq.pooling for i in ahead.out.scheduled):
+                    await self._apply(ahead)  # a grammar may end its sequence, pooling does: no step ahead
                     ahead = None
                 out = await self.engine._next_batch() if ahead is None else self._plan()
                 sent = await self._send(out) if out is not None and not out.is_empty else None
@@ -144,7 +144,8 @@ def apply(sched: Scheduler, out: SchedulerOutput, sampled: list[list[int]]) -> l
     sampled token replaces its sequence's first placeholder, then the stop conditions are checked.
     Sequences that ended meanwhile are skipped: their tokens are dropped."""
     updates = []
-    for item, tokens in plan.live_results(out, sampled):
+    # A pooling sequence ends here (no step was planned ahead of its one step).
+    for item, tokens in pooling.generating(sched, out, sampled, updates):
         seq = item.seq
         seq.prompt_logprobs_done += item.num_prompt_logprobs
         known = seq.num_tokens - seq.num_pending

@@ -66,6 +66,7 @@ def step_outputs(result: StepResult) -> list[scheduler_pb2.RequestOutput]:
     whose prompt logprobs this step computed (a chunk of a long prompt: those alone)."""
     logprobs = _logprobs(result.out, result.replies[0])
     prompt = _prompt_logprobs(result.out, result.replies[0])
+    pooled = _pooled(result.replies[0])
     outputs = []
     for u in result.updates:
         seq = u.seq
@@ -77,6 +78,7 @@ def step_outputs(result: StepResult) -> list[scheduler_pb2.RequestOutput]:
         if u.finished:
             output.finish_reason = seq.finish_reason
             output.cached_tokens = seq.num_cached_tokens
+            output.embedding.extend(pooled.get(seq.seq_id, ()))
         outputs.append(output)
     for item in result.out.scheduled if prompt else ():
         if item.seq.seq_id in prompt and not item.seq.is_finished:
@@ -86,6 +88,33 @@ def step_outputs(result: StepResult) -> list[scheduler_pb2.RequestOutput]:
                 )
             )
     return outputs
+
+
+def model_info(
+    first: worker_pb2.DescribeResponse, max_model_len: int, world_size: int, block_size: int
+) -> generation_pb2.ModelInfo:
+    """What the routers validate against, from rank 0's description and the settled capacity; with what
+    the ranks serve: generation, or pooling (vectors of what size, pairs or not)."""
+    return generation_pb2.ModelInfo(
+        model_name=first.model_name,
+        vocab_size=first.vocab_size,
+        max_model_len=max_model_len,
+        eos_token_ids=first.eos_token_ids,
+        tensor_parallel_size=world_size,
+        block_size=block_size,
+        runner=first.runner or "generate",
+        embedding_size=first.embedding_size,
+        cross_encoder=first.cross_encoder,
+    )
+
+
+def _pooled(reply: worker_pb2.StepResponse) -> dict[int, list[float]]:
+    """Rank 0's pooled vectors by sequence (StepResponse.pooled: equal lengths, concatenated)."""
+    ids = reply.pooled_seq_ids
+    if not ids:
+        return {}
+    size = len(reply.pooled) // len(ids)
+    return {seq_id: reply.pooled[i * size : (i + 1) * size] for i, seq_id in enumerate(ids)}
 
 
 def _prompt_logprobs(

@@ -16,7 +16,7 @@ import dataclasses
 from collections import deque
 
 from common.pb.tpserve.v1.generation_pb2 import FINISH_REASON_ABORTED, FINISH_REASON_EOS, FINISH_REASON_LENGTH
-from scheduler import forks, images, lora_slots, plan, priority
+from scheduler import forks, images, lora_slots, pooling, priority
 from scheduler.batch_wait import BatchWait
 from scheduler.block_manager import BlockManager, blocks_for
 from scheduler.plan import Proposer, ScheduledSeq, SchedulerOutput, SchedulerSnapshot, SequenceUpdate
@@ -228,7 +228,7 @@ class Scheduler:
             # shares that one's computed prompt blocks; otherwise its longest cached prefix (whole blocks,
             # never its last token) is reused; only the rest is computed.
             shared = forks.share(seq, self.blocks)
-            num_cached = shared or (self.blocks.match_prefix(seq) if seq.prompt_logprobs is None else 0)
+            num_cached = shared or (self.blocks.match_prefix(seq) if pooling.may_reuse(seq) else 0)
             num_new = self._chunk(seq, num_cached, budget)
             reserve = self._watermark_blocks if self.running else 0
             from_cache = num_cached - shared
@@ -253,7 +253,7 @@ class Scheduler:
 
     def _chunk(self, seq: Sequence, start: int, budget: int) -> int:  # cut for forks and images; 0: none
         num_new = forks.limit(seq, min(seq.num_tokens - start, budget), start, self.blocks.block_size)
-        return images.limit(seq, num_new, start)
+        return pooling.whole(seq, images.limit(seq, num_new, start), start)
 
     def _candidates(self, now: float):
         """The waiting in admission order (slack.py, lora_slots.py), but those not ready (grammar, adapter,
@@ -274,9 +274,9 @@ class Scheduler:
 
     def _scheduled(self, seq: Sequence, num_new: int, drafts: list[int] = ()) -> ScheduledSeq:
         start = seq.num_computed_tokens
-        caught_up = start + num_new == seq.num_tokens
+        sampled = start + num_new == seq.num_tokens and not seq.pooling  # caught up; pooling samples nothing
         drafts = list(drafts)
-        item = ScheduledSeq(seq, num_new + len(drafts), 1 + len(drafts) if caught_up else 0, drafts)
+        item = ScheduledSeq(seq, num_new + len(drafts), 1 + len(drafts) if sampled else 0, drafts)
         if seq.prompt_logprobs is not None:
             # Positions up to the prompt's last but one predict prompt tokens; those not sent yet (a
             # recompute after a preemption computes them again) return their logprobs.
@@ -354,7 +354,7 @@ class Scheduler:
         rest. Proposals not accepted are rolled back: their KV is not counted as computed, and blocks
         the sequence no longer needs go back to the pool. Sequences aborted meanwhile are skipped."""
         updates = []
-        for item, tokens in plan.live_results(out, sampled):
+        for item, tokens in pooling.generating(self, out, sampled, updates):  # a pooling sequence ends
             seq = item.seq
             seq.prompt_logprobs_done += item.num_prompt_logprobs
             # The KV of the proposals the worker rejected is not part of the sequence.

@@ -76,6 +76,10 @@ class Sequence:
     # Async scheduling (scheduler/overlap.py): tokens a step in flight samples for it, not known yet,
     # held as placeholders at the end of token_ids so that the next step can be planned.
     num_pending: int = 0
+    # A pooling request (embeddings, scores): its prompt is computed whole in one step that samples
+    # nothing, it never reads nor fills the prefix cache, and it ends with that step (Scheduler.update).
+    pooling: bool = False
+    token_type_start: int = 0  # a cross-encoder pair's second text (the workers' token types)
 
     @property
     def num_tokens(self) -> int:
@@ -115,4 +119,6 @@ def from_request(msg, seq_id: int, arrival_time: float, fork_of: Sequence | None
         images=tuple(ImageSpan(im.offset, im.length, im.hash) for im in msg.images),
         priority=msg.priority,
         ttft_deadline=arrival_time + msg.ttft_budget_ms / 1000 if msg.ttft_budget_ms else None,
+        pooling=msg.pooling,
+        token_type_start=msg.token_type_start,
     )

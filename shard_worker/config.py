@@ -155,6 +155,14 @@ class WorkerConfig:
         rule=at_least(0),
         launch=True,
     )
+    runner: str = setting(
+        "auto",
+        help="generate (Generate is served), pooling (Embed and Score: embeddings, cross-encoder scores), "
+        "or auto: pooling for an encoder architecture, a *ForSequenceClassification head or a "
+        "sentence-transformers checkpoint (modules.json), generate otherwise",
+        choices=("auto", "generate", "pooling"),
+        launch=True,
+    )
     metrics_port: int | None = None
     tracing: TracingConfig = TracingConfig()
     internal_tls: TlsFiles | None = None  # mutual TLS: only a scheduler with a certificate gets in

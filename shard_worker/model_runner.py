@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from common.pooling import pooling_config
 from shard_worker.attention import Attention, StepBatch, select_backend
 from shard_worker.cuda_graphs import CudaGraphRunner, graphs_unsupported
 from shard_worker.draft import DraftModel
@@ -21,6 +22,7 @@ from shard_worker.model.loader import load_model
 from shard_worker.model.lora import LoRAAdapters, check_lora, lora_batch, step_lora_batch
 from shard_worker.model.quant import base, cpu_linear
 from shard_worker.parallel import TensorParallel
+from shard_worker.pooling import Pooler
 from shard_worker.runner_caches import RunnerCaches
 from shard_worker.sampling import Sampler, SequenceState
 from shard_worker.sampling.grammar import GrammarCompiler
@@ -48,6 +50,7 @@ class ModelRunner(RunnerCaches):
         lora: tuple | None = None,
         kv_cache_dtype: torch.dtype | None = None,
         warm_kernels: bool = False,
+        runner: str = "generate",
     ):
         """load_format "auto" reads the checkpoint's weights; "dummy" fills them with small random values
         on the device from config.json alone (vLLM's name), for benchmarks at real shapes.
@@ -63,7 +66,8 @@ class ModelRunner(RunnerCaches):
         (shard_worker/model/lora), or None.
         kv_cache_dtype: the KV cache's elements (attention/kv_dtype.py), None for dtype.
         warm_kernels: on CPU, compile the attention kernels on a thread while the weights load
-        (shard_worker/warm_up.py: a worker's start-up); warm_up waits for it."""
+        (shard_worker/warm_up.py: a worker's start-up); warm_up waits for it. runner: generate, or
+        pooling (resolved by common/pooling.py): rank 0 pools the sequences that ask (pooling.py)."""
         self.model_dir = Path(model_dir)
         self.dtype = dtype
         self.kv_dtype = kv_cache_dtype or dtype
@@ -101,6 +105,7 @@ class ModelRunner(RunnerCaches):
             if self.kernel_warm_up is not None:
                 self.kernel_warm_up.wait()
             raise
+        self.pooler = Pooler(pooling_config(self.model_dir), self.model) if runner == "pooling" else None
         self.lora = None
         if lora is not None:
             modules, max_rank, *slots = lora
@@ -132,14 +137,21 @@ class ModelRunner(RunnerCaches):
         self.sampler = None
         if tp.rank == 0:
             grammars = GrammarCompiler(self.model_dir, self.config.vocab_size, self.config.eos_token_ids)
-            grammars.start()
+            if self.pooler is None:  # a pooling model samples nothing: no grammar tokenizer to build
+                grammars.start()
             self.sampler = Sampler(self.config.vocab_size, self.device, self.config.eos_token_ids, grammars)
 
     def describe(self) -> dict:
+        pooler, positions = self.pooler, self.config.max_position_embeddings
+        if pooler is not None and pooler.config.max_seq_length:  # sentence-transformers' input cap
+            positions = min(positions, pooler.config.max_seq_length)
         return {
             "model_name": self.model_dir.resolve().name,
             "vocab_size": self.config.vocab_size,
-            "max_position_embeddings": self.config.max_position_embeddings,
+            "max_position_embeddings": positions,
+            "runner": "generate" if pooler is None else "pooling",
+            "embedding_size": 0 if pooler is None else pooler.size,
+            "cross_encoder": pooler is not None and pooler.config.cross_encoder,
             "eos_token_ids": list(self.config.eos_token_ids),
             "weight_bytes": base.weight_bytes(self.model),
             "draft_model_name": self.draft.name if self.draft is not None else "",
@@ -177,10 +189,15 @@ class ModelRunner(RunnerCaches):
         hidden = self.graphs.replay(batch) if self.graphs is not None and lora is None else None
         if hidden is None:  # not a decode step that fits a bucket, or no graphs
             ctx = self.attention.context(batch)
+            types = inputs.token_type_ids  # a cross-encoder's pairs (pooling.py)
+            extra = {} if types is None else {"token_type_ids": torch.from_numpy(types).to(self.device)}
             with lora_batch(lora):
-                hidden = self.model(batch.input_ids, batch.positions, ctx, self.kv_caches)
+                hidden = self.model(batch.input_ids, batch.positions, ctx, self.kv_caches, **extra)
 
         out = StepOutputs(lora_errors=self.lora.take_errors() if self.lora is not None else [])
+        if inputs.pool_index is not None and self.pooler is not None and self.tp.rank == 0:
+            out.pooled = self.pooler.pool(hidden, inputs.query_lens, inputs.pool_index)
+            out.pooled_seq_ids = inputs.seq_ids[inputs.pool_index].tolist()
         if inputs.prompt_rows is not None and len(inputs.prompt_rows):
             prompt_logprobs(self.model, hidden, inputs, out)
         sampled = np.flatnonzero(inputs.sample_counts)

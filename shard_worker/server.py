@@ -57,6 +57,7 @@ def resolve_dtype(config: WorkerConfig) -> tuple[str, str]:
 
 
 def serve(config: WorkerConfig) -> None:
+    from common.pooling import resolve_runner
     from shard_worker.model_runner import ModelRunner
 
     # Before the model loads, which can take minutes: a taken port fails at once.
@@ -90,6 +91,7 @@ def serve(config: WorkerConfig) -> None:
             lora=(config.lora_modules, config.max_lora_rank, config.max_loras, config.max_cpu_loras)
             if config.enable_lora
             else None,
+            runner=resolve_runner(config.runner, config.model),
         )
     if linear is not None:  # after the model loaded: a refusal is the only line a failed start writes
         log.info(

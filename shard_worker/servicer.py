@@ -77,6 +77,8 @@ def sequence_init(msg: worker_pb2.SequenceInit) -> SequenceInit:
         want_prompt_logprobs=msg.want_prompt_logprobs,
         prompt_logprobs=msg.prompt_logprobs,
         lora_name=msg.lora_name,
+        pooling=msg.pooling,
+        token_type_start=msg.token_type_start,
     )
 
 
@@ -180,6 +182,9 @@ class ShardWorkerServicer(LoRAService, worker_pb2_grpc.ShardWorkerServicer):
             ],
             compiled_graphs=compiled,
             cached_graphs=cached,
+            runner=info["runner"],
+            embedding_size=info["embedding_size"],
+            cross_encoder=info["cross_encoder"],
             **lora_settings(self.config),
         )
         speed.fill(response)
@@ -299,4 +304,6 @@ class ShardWorkerServicer(LoRAService, worker_pb2_grpc.ShardWorkerServicer):
             prompt_ranks=out.prompt_ranks,
             prompt_top_token_ids=out.prompt_top_token_ids,
             prompt_top_logprobs=out.prompt_top_logprobs,
+            pooled=out.pooled,
+            pooled_seq_ids=out.pooled_seq_ids,
         )

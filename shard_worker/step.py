@@ -27,6 +27,8 @@ class SequenceInit:
     want_prompt_logprobs: bool = False
     prompt_logprobs: int = 0  # alternatives per prompt position, when wanted
     lora_name: str = ""  # the LoRA adapter it runs on; "": the base model
+    pooling: bool = False  # its prompt comes whole in one step, which pools it (shard_worker/pooling.py)
+    token_type_start: int = 0  # a cross-encoder pair's second text starts here (token type 1); 0: none
 
 
 @dataclass
@@ -55,6 +57,10 @@ class StepInputs:
     # [S] the worker's record of each sequence (worker.py WorkerSequence), where the draft model keeps
     # its progress on it; None for steps of no real sequences (warm-up, profiling).
     sequences: list | None = None
+    # Pooling (rare): the batch positions of the sequences pooled this step, and [T] token type ids
+    # (None: every token's type is 0).
+    pool_index: np.ndarray | None = None
+    token_type_ids: np.ndarray | None = None
 
     def __post_init__(self):
         for name in ("seq_ids", "query_lens", "context_lens", "sample_counts", "input_ids"):
@@ -95,6 +101,9 @@ class StepOutputs:
     prompt_ranks: list[int] = field(default_factory=list)
     prompt_top_token_ids: list[int] = field(default_factory=list)
     prompt_top_logprobs: list[float] = field(default_factory=list)
+    # Rank 0: the pooled vectors of the step's pooling sequences (concatenated) and whose they are.
+    pooled: list[float] = field(default_factory=list)
+    pooled_seq_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

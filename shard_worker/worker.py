@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from shard_worker.block_tables import BlockTables
+from shard_worker.pooling import token_types
 from shard_worker.sampling import SequenceState
 from shard_worker.step import StepInputs, StepOutputs, WorkerStep
 
@@ -39,6 +40,8 @@ class WorkerSequence:
     grammar_pending: bool = False  # rank 0: its grammar is compiling and not yet reported ready
     draft: object | None = None  # the draft model's progress on it (shard_worker/draft.py)
     lora_name: str = ""  # its LoRA adapter (shard_worker/model/lora); "": the base model
+    pooling: bool = False  # pooled in its one step (shard_worker/pooling.py), never sampled
+    token_type_start: int = 0
 
 
 class Worker:
@@ -95,6 +98,8 @@ class Worker:
                 prompt_top=init.prompt_logprobs,
                 grammar_pending=state is not None and init.sampling.structured is not None,
                 lora_name=init.lora_name,
+                pooling=init.pooling,
+                token_type_start=init.token_type_start,
             )
         ready, errors = self._grammars(step.grammar_wait_ms / 1000)
         # Swap out first: its device blocks may be handed to this step's tokens or swap ins.
@@ -126,6 +131,9 @@ class Worker:
         )
         if step.prompt_logprob_counts is not None:
             self._prompt_rows(step, inputs)
+        pool = [i for i, seq in enumerate(batch) if seq.pooling]
+        if pool:
+            self._pool_rows(step, inputs, batch, np.asarray(pool, dtype=np.int64))
         states = None
         if sampler is not None:
             states = [seq.sampling for seq, n in zip(batch, step.sample_counts, strict=True) if n]
@@ -158,6 +166,18 @@ class Worker:
             tokens = self.runner.tp.broadcast_from_rank0(tokens.to(self.runner.device)).cpu()
         ids[holes] = tokens.numpy()
         return ids
+
+    def _pool_rows(self, step: WorkerStep, inputs: StepInputs, batch, index: np.ndarray) -> None:
+        """The step's pooling sequences, each whole (a prompt never chunked), and their token types."""
+        whole = step.query_lens[index] == step.context_lens[index]
+        if not whole.all():
+            raise ValueError(
+                f"pooling sequence {batch[int(index[~whole][0])].seq_id} is not whole in its step"
+            )
+        inputs.pool_index = index
+        inputs.token_type_ids = token_types(
+            step.query_lens, index, [batch[i].token_type_start for i in index]
+        )
 
     def _prompt_rows(self, step: WorkerStep, inputs: StepInputs) -> None:
         """The rows giving prompt logprobs: for a sequence counting n, its last n query positions before

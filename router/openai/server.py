@@ -43,6 +43,7 @@ from router.frontend import Frontend, RequestFailed
 from router.openai import lora, protocol, tokenize
 from router.openai.answer import Answer, started, write_events
 from router.openai.errors import ApiError, bad_request, from_failure
+from router.openai.pooling import PoolingRoutes
 from router.openai.responses_server import ResponsesApi
 
 log = logging.getLogger("tpserve.router")
@@ -126,8 +127,9 @@ class OpenAIServer:
                 web.post("/v1/unload_lora_adapter", self.unload_lora_adapter),
             ]
         )
-        # The other APIs over the same path: each registers its routes, and the error shape of its paths.
-        self.apis = [AnthropicApi(self), ResponsesApi(self, responses_store_size)]
+        # The other APIs over the same path: each registers its routes, and the error shape of its paths
+        # (PoolingRoutes: /v1/embeddings, /v1/score, /v1/rerank, in OpenAI's).
+        self.apis = [AnthropicApi(self), ResponsesApi(self, responses_store_size), PoolingRoutes(self)]
         for api in self.apis:
             app.add_routes(api.routes())
         self._error_shapes = [anthropic_errors]

