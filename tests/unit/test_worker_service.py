@@ -82,7 +82,7 @@ class FakeRunner:
     def describe(self):
         return dict(
             model_name="fake", vocab_size=10, max_position_embeddings=64, eos_token_ids=[1],
-            weight_bytes=0, draft_model_name="",
+            weight_bytes=0, draft_model_name="", runner="generate", embedding_size=0, cross_encoder=False,
         )  # fmt: skip
 
     def warm_up(self, block_size):
