@@ -20,8 +20,8 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 
+from common.kv_cache_spec import HOLE, FullAttentionSpec, KVCacheGroup, KVCacheLayout, blocks_for
 from common.kv_events import KvEventLog
-from scheduler.kv_cache_spec import HOLE, FullAttentionSpec, KVCacheGroup, KVCacheLayout, blocks_for
 from scheduler.prefix_cache import PrefixCache
 from scheduler.sequence import Sequence
 from scheduler.swap import HostBlockPool
@@ -88,6 +88,11 @@ class BlockManager(PrefixCache):
         # step, until it returned. Empty in the serial loop: every free is at once.
         self._in_flight: dict[int, int] = {}
         self._deferred: list[tuple[int, list[int]]] = []
+
+    @classmethod
+    def of(cls, capacity, block_size: int, enable_prefix_caching: bool, host_tier) -> BlockManager:
+        """The pool the ranks settled on (scheduler/capacity.py), laid out in their layer groups."""
+        return cls(capacity.num_blocks, block_size, enable_prefix_caching, host_tier, capacity.layout)
 
     @property
     def num_free_blocks(self) -> int:
@@ -221,7 +226,7 @@ class BlockManager(PrefixCache):
             new = self._new_indices(spec, table, 0, num_tokens, start)
             table += [HOLE] * (new.start - len(table)) + [self._take_fresh_block() for _ in new]
         if len(tables) > 1:
-            self._tables[seq.seq_id] = tables[1:]
+            self._tables[seq.seq_id] = seq.group_tables = tables[1:]
         return True
 
     def share(self, seq: Sequence, source: Sequence, num_tokens: int) -> int:
@@ -237,7 +242,7 @@ class BlockManager(PrefixCache):
             self._ref_count[block] += 1
         seq.block_table = tables[0]
         if len(tables) > 1:
-            self._tables[seq.seq_id] = tables[1:]
+            self._tables[seq.seq_id] = seq.group_tables = tables[1:]
         return num_blocks * self.block_size
 
     def _take_fresh_block(self) -> int:
@@ -280,7 +285,7 @@ class BlockManager(PrefixCache):
         any more stay reusable until evicted; the sequence's tail goes first in eviction order. While a
         step in flight computes for seq, its blocks are released only once that step returned."""
         tables = self.tables(seq)
-        seq.block_table = []
+        seq.block_table, seq.group_tables = [], []
         self._tables.pop(seq.seq_id, None)
         self._seq_hashes.pop(seq.seq_id, None)
         self._seq_registered.pop(seq.seq_id, None)

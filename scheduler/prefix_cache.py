@@ -38,8 +38,8 @@ from __future__ import annotations
 import dataclasses
 
 from common.block_hash import adapter_extra, block_hashes, matchable_blocks
+from common.kv_cache_spec import HOLE
 from common.kv_events import KvEvents
-from scheduler.kv_cache_spec import HOLE
 from scheduler.sequence import Sequence
 
 

@@ -148,6 +148,7 @@ class ModelRunner:
             "eos_token_ids": list(self.config.eos_token_ids),
             "weight_bytes": base.weight_bytes(self.model),
             "draft_model_name": self.draft.name if self.draft is not None else "",
+            "layer_windows": self.model.layer_windows(),
         }
 
     def kv_block_bytes(self, block_size: int) -> int:
@@ -268,7 +269,7 @@ class ModelRunner:
     def _caches(self, host: bool = False) -> list[torch.Tensor]:
         """Every layer's cache (or swap space), the draft model's after the target's."""
         draft = [] if self.draft is None else self.draft.host_kv_caches if host else self.draft.kv_caches
-        return (self.host_kv_caches if host else self.kv_caches) + draft
+        return list({id(t): t for t in (self.host_kv_caches if host else self.kv_caches) + draft}.values())
 
     def _copy_blocks(self, src: list[torch.Tensor], src_blocks, dst: list[torch.Tensor], dst_blocks) -> None:
         if len(src_blocks) != len(dst_blocks):
@@ -305,6 +306,7 @@ class ModelRunner:
             inputs.block_table,
             self.block_size,
             self.device,
+            inputs.group_block_tables,
         )
         if states:
             self.sampler.prepare(states)  # host work for the sampler, overlapping the forward

@@ -14,6 +14,7 @@ layers and knows nothing else about which backend runs.
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -42,6 +43,9 @@ class StepBatch:
     query_lens_host: np.ndarray  # [S] int64
     seq_lens_host: np.ndarray  # [S] int64
     block_size: int
+    # The other layer groups' batches (common/kv_cache_spec.py): the same step through each group's block
+    # table (its own slot_mapping and block_table). Empty for a model with one group.
+    groups: tuple[StepBatch, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -68,9 +72,11 @@ class StepBatch:
         block_table: np.ndarray,
         block_size: int,
         device: torch.device,
+        group_tables: list[np.ndarray] = (),
     ) -> StepBatch:
         """input_ids [T], query_lens and context_lens [S] and block_table [S, max_blocks] (int64 numpy
-        arrays, as the step arrived). Raises ValueError when they do not describe a valid step."""
+        arrays, as the step arrived), and the other layer groups' tables shaped alike. Raises ValueError
+        when they do not describe a valid step."""
         num_seqs, num_tokens = len(query_lens), len(input_ids)
         _check(query_lens, context_lens, block_table, num_tokens, block_size)
         # On the host with numpy, then one copy to the device: these are a few thousand integers, and
@@ -100,6 +106,9 @@ class StepBatch:
             query_lens_host=np.asarray(query_lens, dtype=np.int64),
             seq_lens_host=np.asarray(context_lens, dtype=np.int64),
             block_size=block_size,
+            groups=tuple(
+                cls.build(input_ids, query_lens, context_lens, t, block_size, device) for t in group_tables
+            ),
         )
 
 
@@ -132,6 +141,9 @@ class AttentionContext:
     backend: AttentionBackend
     batch: StepBatch
     metadata: Any  # the backend's own, from prepare()
+    # A model with several layer groups (common/kv_cache_spec.py): each group's context (its own block
+    # table and KV slots), indexed by Attention.kv_group. Empty: every layer reads this one.
+    groups: tuple[AttentionContext, ...] = ()
 
 
 class AttentionBackend(ABC):
@@ -167,7 +179,9 @@ class AttentionBackend(ABC):
         return None
 
     def context(self, batch: StepBatch) -> AttentionContext:
-        return AttentionContext(self, batch, self.prepare(batch))
+        groups = tuple(self.context(b) for b in batch.groups)  # each layer group's (Attention.kv_group)
+        ctx = AttentionContext(self, batch, self.prepare(batch))
+        return dataclasses.replace(ctx, groups=(ctx, *groups)) if groups else ctx
 
     def forward(
         self,

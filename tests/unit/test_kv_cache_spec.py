@@ -11,7 +11,7 @@ import pytest
 
 from common.pb.tpserve.v1.generation_pb2 import FINISH_REASON_ABORTED
 from scheduler.block_manager import HOLE, BlockManager
-from scheduler.kv_cache_spec import (
+from common.kv_cache_spec import (
     FullAttentionSpec,
     SlidingWindowSpec,
     group_layers,

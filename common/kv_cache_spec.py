@@ -10,7 +10,8 @@ that many cache tensors and group g's j-th layer uses tensor j), so a block cost
 holds it, and one budget serves them all. A model whose layers are all of one kind is one group holding
 every layer: a pool block is then every layer's page, as it always was.
 
-Plain Python: tested without workers.
+Plain Python, shared by the scheduler (which blocks each group's table holds) and the workers (which
+cache tensor each layer reads): both build the layout from the same per-layer windows.
 """
 
 from __future__ import annotations
@@ -113,6 +114,15 @@ def group_layers(windows: list[int | None], block_size: int) -> KVCacheLayout:
         layers = kinds[w]
         groups += [KVCacheGroup(spec, tuple(layers[i : i + size])) for i in range(0, len(layers), size)]
     return KVCacheLayout(tuple(groups), size)
+
+
+def from_describe(layer_windows, block_size: int) -> KVCacheLayout | None:
+    """The layout of a worker's DescribeResponse.layer_windows (0: full attention); None when every layer
+    is full attention (one group of every layer: the pool as it always was)."""
+    windows = [w or None for w in layer_windows]
+    if all(w is None for w in windows):
+        return None
+    return group_layers(windows, block_size)
 
 
 def padding(layout: KVCacheLayout) -> int:
