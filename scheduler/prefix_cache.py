@@ -36,6 +36,7 @@ forward (swap-outs first); the scheduler takes them with `take_copies` when the 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 
 from common.block_hash import adapter_extra, block_hashes, matchable_blocks
 from common.kv_cache_spec import HOLE
@@ -146,18 +147,32 @@ class PrefixCache:
             return
         hashes = self._hashes(seq, num_full)
         for g, table in enumerate(tables):
+            cache = self._cached if g == 0 else self._group_cached
             for i in range(start, min(num_full, len(table))):
-                block, h = table[i], hashes[i]
-                if block == HOLE or self._block_hash[block] is not None:
+                block, key = table[i], hashes[i] if g == 0 else (g, hashes[i])
+                known = key in cache
+                if block == HOLE or self._block_hash[block] is not None or not self._take_over(cache, key):
                     continue
-                if g == 0 and h not in self._cached:
-                    self._block_hash[block] = h
-                    self._cached[h] = block
-                    self.events.stored(h)
-                elif g > 0 and (g, h) not in self._group_cached:
-                    self._block_hash[block] = (g, h)
-                    self._group_cached[(g, h)] = block
+                self._block_hash[block] = key
+                cache[key] = block
+                if g == 0 and not known:  # the routers' index: a replaced copy was never removed
+                    self.events.stored(key)
         self._seq_registered[seq.seq_id] = num_full
+
+    def _take_over(self, cache: dict, key) -> bool:
+        """Whether a block just computed may be cached under key: yes when no block is, or when the one
+        that is is held by nobody (an older copy, evictable, which goes back to the free blocks: the
+        copy a sequence holds now is evicted later, so a chain of cached blocks does not keep a hole
+        where an old copy was evicted before its neighbours)."""
+        old = cache.get(key)
+        if old is None:
+            return True
+        if self._ref_count[old] > 0:
+            return False
+        del self._evictable[old], cache[key]
+        self._block_hash[old] = None
+        heapq.heappush(self._free, old)
+        return True
 
     def _count_query(self, num_tokens: int, device_blocks: int, host_blocks: int) -> None:
         self.prefix_cache_queries += num_tokens

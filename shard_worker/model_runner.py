@@ -438,7 +438,7 @@ class ModelRunner:
     def _check_layers(self, model: torch.nn.Module) -> None:
         """Refuses a model whose attention layers the backend cannot run (before its weights load)."""
         for name, layer in model.named_modules():
-            reason = self.attention.unsupported_layer(layer) if isinstance(layer, Attention) else None
+            reason = self.attention.refusal(layer) if isinstance(layer, Attention) else None
             if reason is not None:
                 raise ValueError(f"--attention-backend {self.attention.name}: {name}: {reason}")
 

@@ -111,6 +111,7 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
         threads = None
         if runner.device.type == "cpu":
             threads = StepThreads(config.threads, config.big_step_threads, torch.set_num_threads)
+        runner.model.share_kv_tensors = True  # every step sends each layer group's table (worker.py)
         self.worker = Worker(runner, threads)
 
     def Describe(self, request, context):

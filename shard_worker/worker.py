@@ -46,7 +46,6 @@ class Worker:
         """threads: a config.StepThreads that sizes torch's CPU threads per step, or None."""
         self.runner = runner
         self.threads = threads
-        runner.model.share_kv_tensors = True  # every step sends each layer group's table
         self.tables: BlockTables | None = None
         # The other layer groups' tables (common/kv_cache_spec.py), a sequence's row the same in each.
         self.group_tables: list[BlockTables] = []

@@ -155,6 +155,9 @@ class AttentionBackend(ABC):
     positions j with p - w < j <= p."""
 
     name: ClassVar[str]
+    # Whether attend() honours a layer's attention sinks (Attention.sinks); a model with sinks is refused
+    # at start-up by a backend without (refusal).
+    supports_sinks: ClassVar[bool] = False
     # Whether a CUDA graph captured over one step's metadata stays right when replayed with other
     # lengths in the same tensors: true only of metadata made of device tensors and host bounds (not of
     # host-planned tilings or per-sequence loops). shard_worker/cuda_graphs.py captures only such backends.
@@ -173,6 +176,17 @@ class AttentionBackend(ABC):
         """Why this backend cannot run this layer (its heads, head_dim), in one line; None when it can.
         Checked once at start-up, so a model the kernels cannot serve is refused before its weights load."""
         return None
+
+    def refusal(self, layer: Attention) -> str | None:
+        """Why this backend cannot run this layer, in one line (what every backend lacks, then its own
+        limits); None when it can."""
+        if layer.sinks is not None and not self.supports_sinks:
+            # flex could weight its output by sigmoid(lse - sink) (with_sinks), but torch's compiled CPU
+            # flex returns no log-sum-exp (inductor: "return_lse is not supported yet").
+            return (
+                "gpt-oss's attention sinks are in the reference backend only (--attention-backend reference)"
+            )
+        return self.unsupported_layer(layer)
 
     def prepare(self, batch: StepBatch) -> Any:
         """The backend's per-step metadata, built once and read by every layer."""
@@ -200,6 +214,13 @@ class AttentionBackend(ABC):
         self, layer: Attention, q: torch.Tensor, kv_cache: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
         """[T, heads, head_dim]: each query attended over its sequence's keys (this step's included)."""
+
+
+def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """out [..., d] attended without the sinks, lse [...] its log-sum-exp of scores, sinks broadcasting
+    to lse: out weighted as if each sink's logit had been in the softmax's denominator, which scales
+    the weights by sum / (sum + exp(sink)) = sigmoid(lse - sink)."""
+    return out * torch.sigmoid(lse - sinks.to(lse.dtype)).unsqueeze(-1).to(out.dtype)
 
 
 def write_kv(

@@ -9,8 +9,6 @@ as a wrong key."""
 
 import pytest
 
-from common.pb.tpserve.v1.generation_pb2 import FINISH_REASON_ABORTED
-from scheduler.block_manager import HOLE, BlockManager
 from common.kv_cache_spec import (
     FullAttentionSpec,
     SlidingWindowSpec,
@@ -19,6 +17,8 @@ from common.kv_cache_spec import (
     padding,
     sequences_held,
 )
+from common.pb.tpserve.v1.generation_pb2 import FINISH_REASON_ABORTED
+from scheduler.block_manager import HOLE, BlockManager
 from scheduler.scheduler import Scheduler, SchedulingPolicy
 from scheduler.sequence import SequenceStatus
 from scheduler.swap import HostBlockPool
