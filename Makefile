@@ -22,7 +22,7 @@ MODEL_BUILD_REQS = $(PY) -c 'import shlex, tomllib; \
 	print(shlex.join([d for d in p["dependencies"] if d.startswith("torch==")] \
 	+ p["optional-dependencies"]["model-build"]))'
 
-.PHONY: install proto model model-tiny model-smollm2 model-gemma3 run test lint format bench gpu-check-wheels clean
+.PHONY: install proto model model-tiny model-smollm2 model-gemma3 run test docs lint format bench gpu-check-wheels clean
 
 install: $(VENV)/.installed $(PB_STAMP)
 
@@ -73,8 +73,8 @@ model-smollm2: $(MODEL_DIR)/smollm2/config.json
 
 model-gemma3: $(MODEL_DIR)/gemma3/config.json
 
-# auto: bfloat16 where the CPU multiplies it natively (AVX-512 BF16, AMX), float32 elsewhere; the servers'
-# own default stays float32, which the tests compare with transformers in.
+# auto (every process's default, as vLLM's): bfloat16 where the CPU multiplies it natively (AVX-512 BF16,
+# AMX), float32 elsewhere. RUN_DTYPE=float32 runs float32 in every layer.
 RUN_DTYPE ?= auto
 run: install model
 	$(VENV)/bin/tpserve launch --model $(RUN_MODEL) --port 50051 --http-port 8000 --dtype $(RUN_DTYPE)
@@ -86,6 +86,13 @@ TEST_WORKERS ?= 2
 test: install model-tiny model-smollm2 model-gemma3
 	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) tests
 
+# The site: docs/reference/ regenerated from the code (flags, metrics, OpenAI fields, protos), then built
+# strict into site/ (a broken link or anchor, or a page missing from mkdocs.yml's nav, fails it).
+# `make test` checks the same (tests/unit/test_docs.py). Browse it with `.venv/bin/mkdocs serve`.
+docs: install $(PB_STAMP)
+	$(PY) docs/gen_ref.py
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
+
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -95,7 +102,7 @@ format: install
 	$(VENV)/bin/ruff check --fix .
 
 clean:
-	rm -rf $(PB_OUT)/tpserve $(MODEL_DIR) results .whl
+	rm -rf $(PB_OUT)/tpserve $(MODEL_DIR) results .whl site
 
 # The wheels the GPU check carries to a device machine (Python 3.12, x86-64), which has CUDA torch and
 # transformers but reaches no registry: see bench/gpu_check.py.

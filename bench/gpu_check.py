@@ -17,7 +17,9 @@ a part that would start past --budget-s is skipped and says so. In order:
 2. reference: a random Llama checkpoint (the `small` preset) served in bf16 on CUDA, with graphs and with
    --enforce-eager; greedy outputs of 8 prompts against transformers' generate on the same directory, in
    the same dtype, with the logprob tolerance vLLM's tests use (check_logprobs_close): tokens equal, or
-   at the first divergence each side's token among the other's top-5, and the comparison ends there.
+   at the first divergence each side's token among the other's top-5, and the comparison ends there;
+   and how many prompts equal token for token ("equal": all of them in the CPU float32 run, where the
+   arithmetic is transformers').
 3. benchmark, with graphs and with --enforce-eager: a Llama-3-8B-shaped model (--load-format dummy,
    config.json alone) at --gpu-memory-utilization 0.85: the mixed workload (prompts 50..1024 prefilled
    in chunks beside decodes) in a burst of 2 x max_num_seqs requests, continuous and then static
@@ -129,6 +131,7 @@ def reference_check(a: argparse.Namespace, work: Path, result: dict, out: Path) 
         verdicts = [check_logprobs_close(mine, theirs) for mine, theirs in zip(ours, ref, strict=True)]
         part[variant] = {
             "close": sum(ok for ok, _ in verdicts),
+            "equal": sum(at is None for _, at in verdicts),  # every token transformers' (exact dtypes)
             "first_divergence": [at for _, at in verdicts],
         }
         out.write_text(json.dumps(result, indent=2, default=str))
@@ -162,13 +165,20 @@ def served_greedy(a, model_dir: Path, prompts, new_tokens: int, flags: tuple[str
     return ours
 
 
-def transformers_greedy(a, model_dir: Path, prompts, new_tokens: int) -> list:
-    """The same, from transformers' generate on the same directory and device, in the same dtype."""
+def transformers_greedy(a, model_dir: Path, prompts, new_tokens: int, bf16_inputs: bool = False) -> list:
+    """The same, from transformers' generate on the same directory and device, in the same dtype.
+    bf16_inputs: the projections' inputs rounded to bf16 for the product, as our CPU int8 and int4
+    kernels take them (shard_worker/model/quant/kernels.py), the product back in the model's dtype."""
     import torch
+    import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
     device = torch.device(a.device)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, a.dtype)).to(device).eval()
+    for name, module in model.named_modules() if bf16_inputs else ():
+        if isinstance(module, torch.nn.Linear) and name.endswith("_proj"):
+            w = module.weight.detach()
+            module.forward = lambda x, w=w: F.linear(x.to(torch.bfloat16).to(w.dtype), w)
     model.generation_config.eos_token_id = None
     refs = []
     for ids in prompts:

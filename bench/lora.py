@@ -109,7 +109,8 @@ def serve(args, adapters: dict[str, Path]) -> list[dict]:
 
 def profile(args, adapters: dict[str, Path]) -> list[dict]:
     """One decode step of c sequences at context 256, base against adapters round robin (median of 6)."""
-    from shard_worker.model_runner import ModelRunner, synthetic_step
+    from shard_worker.capacity import synthetic_step
+    from shard_worker.model_runner import ModelRunner
     from shard_worker.parallel import TensorParallel
 
     modules = tuple(f"{n}={p}" for n, p in adapters.items())

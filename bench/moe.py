@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shard_worker.model_runner import ModelRunner, synthetic_step
+from shard_worker.capacity import synthetic_step
+from shard_worker.model_runner import ModelRunner
 from shard_worker.parallel import TensorParallel
 
 BLOCK_SIZE = 16

@@ -90,7 +90,8 @@ def step_costs(model: str, batches=(1, 2, 4, 8, 16, 32), query_lens=(1, 2, 3, 5)
     (1: a decode; 1 + k: a decode verifying k proposals), alternating the shapes over rounds."""
     import torch
 
-    from shard_worker.model_runner import ModelRunner, synthetic_step
+    from shard_worker.capacity import synthetic_step
+    from shard_worker.model_runner import ModelRunner
     from shard_worker.parallel import TensorParallel
 
     runner = ModelRunner(model, torch.float32, torch.device("cpu"), TensorParallel())

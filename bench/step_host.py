@@ -34,14 +34,15 @@ BLOCK_SIZE = 16
 
 def measure(num_seqs: int, context: int, steps: int) -> dict[str, float]:
     max_model_len = context + 4 * steps + 16
-    blocks = BlockManager(num_seqs * (max_model_len // BLOCK_SIZE + 2), BLOCK_SIZE)
+    num_blocks = num_seqs * (max_model_len // BLOCK_SIZE + 2)
+    blocks = BlockManager(num_blocks, BLOCK_SIZE)
     policy = SchedulingPolicy(
         max_num_seqs=num_seqs, max_num_batched_tokens=max(2048, num_seqs), max_model_len=max_model_len
     )
     sched = Scheduler(policy, blocks)
     for i in range(num_seqs):
         sched.add(Sequence(i, f"r{i}", [5] * context, context, max_model_len - context))
-    builder, tables = StepBuilder(), BlockTables(-(-max_model_len // BLOCK_SIZE))
+    builder, tables = StepBuilder(), BlockTables(-(-max_model_len // BLOCK_SIZE), num_blocks, BLOCK_SIZE)
     rows_of: dict[int, int] = {}
 
     def step() -> tuple[list[float], int]:
@@ -56,7 +57,9 @@ def measure(num_seqs: int, context: int, steps: int) -> dict[str, float]:
             if i not in rows_of:
                 rows_of[i] = tables.take_row()
         rows = np.array([rows_of[i] for i in step.seq_ids])
-        table = tables.apply(rows, step.table_reset, step.new_block_counts, step.new_block_ids)
+        table = tables.apply(
+            step.seq_ids, rows, step.table_reset, step.new_block_counts, step.new_block_ids, step.context_lens
+        )
         # What ModelRunner.execute makes of it before the forward (the backend's own metadata aside).
         StepBatch.build(
             step.input_ids, step.query_lens, step.context_lens, table, BLOCK_SIZE, torch.device("cpu")

@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-from common import logs
+from common import flag_groups, logs
 from common.grpc_util import write_port_error
 
 # name -> (help, the module that parses and runs it)
@@ -23,6 +23,16 @@ COMMANDS = {
     "generate": ("stream a completion from a running server", "common.generate"),
     "bench": ("load a server, report latency and throughput", "bench.cli"),
     "check-comm": ("all-reduce sweep: is this node fit for tensor parallel?", "shard_worker.comm_check"),
+}
+# Where each command is explained (paths in the repository; the same pages on the built site).
+DOCS = {
+    "launch": "docs/serving.md",
+    "router": "docs/replicas.md",
+    "scheduler": "docs/serving.md#scheduler-flags",
+    "shard-worker": "docs/serving.md#shard-worker-flags",
+    "generate": "docs/api/grpc.md",
+    "bench": "docs/benchmarks.md",
+    "check-comm": "docs/deployment/kubernetes.md",
 }
 # Options before the subcommand that take a value (to find the subcommand without parsing everything).
 _GLOBAL_VALUES = ("--log-level", "--log-format")
@@ -37,9 +47,17 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (help_text, module) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text)
+        p = sub.add_parser(
+            name,
+            help=help_text,
+            usage="%(prog)s [options]",
+            description=f"tpserve {name}: {help_text}.",
+            epilog=f"Every flag with its default: docs/reference/cli.md#tpserve-{name}; how to use them: "
+            f"{DOCS[name]} (in the repository, or the site `make docs` builds).",
+        )
         if name == command:
             importlib.import_module(module).add_arguments(p)
+            flag_groups.arrange(p, name)
     return parser
 
 

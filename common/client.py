@@ -82,6 +82,7 @@ class Completion:
 
     request_id: str = ""
     text: str = ""
+    reasoning: str = ""  # a reasoning parser's share of the output (GenerateResponse.reasoning_text)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[generation_pb2.Logprobs] = field(default_factory=list)
     finish_reason: int = generation_pb2.FINISH_REASON_UNSPECIFIED
@@ -95,6 +96,7 @@ class Completion:
     def add(self, resp: generation_pb2.GenerateResponse) -> None:
         self.request_id = resp.request_id
         self.text += resp.text
+        self.reasoning += resp.reasoning_text
         self.token_ids.extend(resp.token_ids)
         self.logprobs.extend(resp.logprobs)
         if resp.finish_reason:

@@ -32,9 +32,11 @@ SERVER_OPTIONS = OPTIONS + [
     ("grpc.so_reuseport", 0),
 ]
 
-# gRPC metadata naming the calling scheduler on a shard worker's Describe, InitCache and Step: a worker
-# refuses another scheduler's Describe or InitCache while one holds its step stream (worker.proto).
+# gRPC metadata naming the calling scheduler on every shard worker call (where it serves, host:port),
+# and its epoch (when its process started, ns): a worker is leased to one scheduler at a time, and a
+# later epoch of the same name is that scheduler restarted (shard_worker/lease.py, worker.proto).
 SCHEDULER_METADATA_KEY = "tpserve-scheduler"
+SCHEDULER_EPOCH_KEY = "tpserve-scheduler-epoch"
 
 
 def public_server_options(max_pending_calls: int) -> list[tuple[str, object]]:

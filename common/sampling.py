@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.grammar import GrammarSpec
+from common.reasoning import ReasoningSpec
 
 # The optional fields of tpserve.v1.SamplingParams, in proto order: the client, the CLI and the
 # worker's config all iterate over these.
@@ -48,6 +49,8 @@ class SamplingConfig:
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     # The grammar the output must follow (structured outputs); None: free text.
     structured: GrammarSpec | None = None
+    # The think block of a reasoning model (thinking budget; a grammar starts after it); None: no parser.
+    reasoning: ReasoningSpec | None = None
 
     @property
     def greedy(self) -> bool:
@@ -71,6 +74,7 @@ class SamplingConfig:
             min_tokens=self.min_tokens,
             bad_words_token_ids=[generation_pb2.TokenIds(ids=ids) for ids in self.bad_words_token_ids],
             structured_output=self.structured.to_proto() if self.structured is not None else None,
+            reasoning=self.reasoning.to_proto() if self.reasoning is not None else None,
         )
 
     @classmethod
@@ -89,6 +93,8 @@ class SamplingConfig:
             values["bad_words_token_ids"] = tuple(tuple(t.ids) for t in msg.bad_words_token_ids)
         if msg.HasField("structured_output"):
             values["structured"] = GrammarSpec.from_proto(msg.structured_output)
+        if msg.HasField("reasoning"):
+            values["reasoning"] = ReasoningSpec.from_proto(msg.reasoning)
         return dataclasses.replace(defaults, **values) if defaults is not None else cls(**values)
 
     @classmethod

@@ -3,8 +3,8 @@
 The kubelet's own `grpc:` probe speaks plaintext and cannot present a client certificate, so with
 internal mutual TLS on, the scheduler's and the shard workers' probes run this instead (an exec probe):
 one grpc.health.v1 Check on 127.0.0.1, presenting the pod's own certificate from the mounted Secret and
-verifying the server's against its CA and --server-name, the name its peers check (README "TLS on
-Kubernetes"). `{VAR}` in that name is the container's variable VAR, e.g. a rank's {POD_DNS_NAME}: the
+verifying the server's against its CA and --server-name, the name its peers check (docs/deployment/tls.md).
+`{VAR}` in that name is the container's variable VAR, e.g. a rank's {POD_DNS_NAME}: the
 kubelet expands no downward-API variable in a probe's command. Exit status 0 when SERVING; anything
 else (NOT_SERVING, refused, a handshake failure, a timeout) exits non-zero with the reason, which the
 kubelet records in the pod's events.

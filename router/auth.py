@@ -1,4 +1,5 @@
-"""API keys on the public port: `authorization: Bearer <key>` or UNAUTHENTICATED.
+"""API keys on the public port: `authorization: Bearer <key>` (or Anthropic's `x-api-key: <key>`) or
+UNAUTHENTICATED.
 
 Keys are kept only as SHA-256 digests, and a presented key is hashed and compared with every one of them
 with hmac.compare_digest, with no early exit: how long a check takes says nothing about how close a
@@ -47,15 +48,21 @@ class ApiKeys:
 
 def refusal(keys: ApiKeys, metadata) -> str | None:
     """Why a call with this metadata is refused (for its status message: never the key); None: allowed."""
-    values = [v for k, v in metadata or () if k == "authorization"]
-    if not values:
-        return "missing `authorization: Bearer <key>` metadata"
-    if len(values) > 1:
-        return "more than one authorization header"
-    scheme, _, token = str(values[0]).strip().partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        return "the authorization metadata is not `Bearer <key>`"
-    if not keys.check(token.strip()):
+    metadata = list(metadata or ())
+    values = [v for k, v in metadata if k == "authorization"]
+    # Anthropic's clients send the key bare in x-api-key; the same keys, checked the same way.
+    bare = [v for k, v in metadata if k == "x-api-key"]
+    if not values and not bare:
+        return "missing `authorization: Bearer <key>` (or `x-api-key: <key>`) metadata"
+    if len(values) + len(bare) > 1:
+        return "more than one authorization or x-api-key header"
+    if values:
+        scheme, _, token = str(values[0]).strip().partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            return "the authorization metadata is not `Bearer <key>`"
+    else:
+        token = str(bare[0])
+    if not token.strip() or not keys.check(token.strip()):
         return "the API key is not valid"
     return None
 

@@ -21,7 +21,27 @@ from router.validation_error import ValidationError
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 MAX_TOOLS = 128  # OpenAI's limit
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names
-CHAT_ONLY_FIELDS = ("add_generation_prompt", "continue_final_message", "tools")
+CHAT_ONLY_FIELDS = ("add_generation_prompt", "continue_final_message", "tools", "chat_template_kwargs_json")
+# apply_chat_template's own arguments: chat_template_kwargs may not replace them.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    (
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    )
+)
 
 
 @dataclass(frozen=True)
@@ -33,6 +53,8 @@ class ChatPrompt:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False  # on top of what the template writes
+    # chat_template_kwargs (Qwen3's enable_thinking) and reasoning_effort, for the template's own use.
+    template_kwargs: dict | None = None
 
 
 def check_chat(req: generation_pb2.GenerateRequest, max_messages: int, max_chars: int) -> None:
@@ -68,6 +90,14 @@ def check_chat(req: generation_pb2.GenerateRequest, max_messages: int, max_chars
             chars += len(call.name) + len(call.arguments_json)
         chars += len(m.content)
     _check_tools(req.tools)
+    if req.chat_template_kwargs_json:
+        kwargs = _json_object(req.chat_template_kwargs_json, "chat_template_kwargs")
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+        if reserved:
+            raise ValidationError(
+                "chat_template_kwargs", f"chat_template_kwargs may not set {', '.join(reserved)}"
+            )
+        chars += len(req.chat_template_kwargs_json)
     chars += sum(len(t.name) + len(t.description) + len(t.parameters_json) for t in req.tools)
     if chars > max_chars:
         raise ValidationError("messages", f"messages hold {chars} characters; the limit is {max_chars}")
@@ -84,7 +114,17 @@ def chat_prompt(req: generation_pb2.GenerateRequest) -> ChatPrompt:
         add_generation_prompt=add_generation_prompt,
         continue_final_message=req.continue_final_message,
         add_special_tokens=req.add_special_tokens if req.HasField("add_special_tokens") else False,
+        template_kwargs=template_kwargs(req) or None,
     )
+
+
+def template_kwargs(req: generation_pb2.GenerateRequest) -> dict:
+    """What the template is given besides the conversation: chat_template_kwargs, and reasoning_effort as
+    vLLM passes it (a template that does not read a name ignores it)."""
+    out = json.loads(req.chat_template_kwargs_json) if req.chat_template_kwargs_json else {}
+    if req.reasoning_effort:
+        out.setdefault("reasoning_effort", req.reasoning_effort)
+    return out
 
 
 def _message(m: generation_pb2.ChatMessage) -> dict:

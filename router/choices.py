@@ -104,6 +104,7 @@ def _add_usage(totals: generation_pb2.Usage, u: generation_pb2.Usage, same_promp
         totals.prompt_tokens += u.prompt_tokens
         totals.cached_tokens += u.cached_tokens
     totals.completion_tokens += u.completion_tokens
+    totals.reasoning_tokens += u.reasoning_tokens
 
 
 class _closing:

@@ -16,6 +16,7 @@ from common.settings import above, at_least, nested, setting
 from common.tracing import TracingConfig
 from router.buckets import AdmissionPolicy
 from router.openai.tool_parsers import PARSERS as TOOL_PARSERS
+from router.reasoning import NAMES as REASONING_PARSERS
 from router.replicas import RoutingPolicy
 from router.slo import SloPolicy
 
@@ -48,8 +49,8 @@ class RouterConfig:
     port_file: str | None = setting(None, help="write the bound port here once serving")
     http_port: int | None = setting(
         None,
-        help="also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions) on this "
-        "port, same host, keys and TLS (0: any free port; unset: no HTTP)",
+        help="also serve the HTTP APIs (OpenAI's /v1/completions, /v1/chat/completions, /v1/responses; "
+        "Anthropic's /v1/messages) on this port, same host, keys and TLS (0: any free port; unset: no HTTP)",
         rule=at_least(0),
         launch=True,
     )
@@ -97,6 +98,19 @@ class RouterConfig:
         choices=tuple(TOOL_PARSERS),
         launch=True,
     )
+    reasoning_parser: str | None = setting(
+        None,
+        help="split a reasoning model's chat answers into reasoning and content (vLLM's names: qwen3, "
+        "deepseek_r1); tool calls and structured outputs then apply to the content after the think block",
+        choices=REASONING_PARSERS,
+        launch=True,
+    )
+    served_model_name: tuple[str, ...] = setting(
+        (),
+        help="the model's names in the API (vLLM's flag, one or more): the first is reported, any is "
+        "accepted as `model` [the checkpoint directory's name]",
+        launch=True,
+    )
     # vLLM's structured_outputs_config key of the same name (there: its guidance backend's switch to
     # xgrammar's strict mode); true here by default, as xgrammar, vLLM's default backend, compiles schemas.
     disable_additional_properties: bool = setting(
@@ -105,6 +119,14 @@ class RouterConfig:
         "admit no properties or items beyond those they name unless they set additionalProperties; "
         "--no-disable-additional-properties: JSON Schema's open objects (a request's "
         "structured_outputs.disable_additional_properties still decides for it)",
+        launch=True,
+    )
+    # The Responses API's `store`: kept in this router's memory only, lost on restart.
+    responses_store_size: int = setting(
+        1000,
+        help="stored responses (POST /v1/responses with store) kept for GET and previous_response_id, least "
+        "recently used out first; in memory, lost on restart (0: none kept)",
+        rule=at_least(0),
         launch=True,
     )
     admission: AdmissionPolicy = nested(AdmissionPolicy)

@@ -31,8 +31,9 @@ from router.config import RouterConfig
 from router.lora import LoRANames
 from router.metrics import RouterMetrics
 from router.pool import SchedulerPool
+from router.reasoning import for_request as reasoning_for
 from router.scheduler_link import QueueFull, SchedulerUnavailable
-from router.slo import NO_OBJECTIVES, Objectives, SloRefused, resolve
+from router.slo import NO_OBJECTIVES, Objectives, SloRefused, record_slo, resolve
 from router.text_stream import TextStream
 from router.tokenizer import NoChatTemplate, NoTokenizer, Tokenizer
 from router.validation import (
@@ -89,6 +90,11 @@ class Frontend:
         info = self.pool.model_info
         if info is None:
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, "the scheduler has not reported yet")
+        if self.config.served_model_name:  # the first --served-model-name is the name every API reports
+            named = generation_pb2.ModelInfo()
+            named.CopyFrom(info)
+            named.model_name = self.config.served_model_name[0]
+            return named
         return info
 
     async def stats(self) -> generation_pb2.Stats:
@@ -221,6 +227,9 @@ class Frontend:
                 grpc.StatusCode.NOT_FOUND, f"LoRA adapter {request.lora_name!r} is not served", "lora_name"
             )
         req = await self._validate(request)
+        # Before the tool-call parser and the grammar: both see only the content after a think block.
+        parser, tok = self.config.reasoning_parser, self.tokenizer
+        req, thinking = await self._checked(_done(reasoning_for, parser, tok, request, req), request)
         request_id = req.request_id or uuid.uuid4().hex
         span.set_attributes(
             {"tpserve.request_id": request_id, "tpserve.prompt_tokens": len(req.prompt_token_ids)}
@@ -259,7 +268,17 @@ class Frontend:
                 self.pool.abort(rid)
             raise
         choices = [
-            self._choice(req, request_id, i, rid, queues[i], streams[i], span, start, (objectives, bucket))
+            self._choice(
+                req,
+                request_id,
+                i,
+                rid,
+                queues[i],
+                (streams[i], thinking()),
+                span,
+                start,
+                (objectives, bucket),
+            )
             for i, rid in enumerate(ids)
         ]
         async for resp in merged(choices, prompt_logprobs=req.prompt_logprobs is not None):
@@ -314,8 +333,10 @@ class Frontend:
                 grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e} (the limit: --max-queued-requests {limit})"
             ) from None
 
-    async def _choice(self, req, request_id, index, rid, queue, text_stream, span, start, slo):
-        """One choice's responses: its tokens as text, then its finish (with its own usage)."""
+    async def _choice(self, req, request_id, index, rid, queue, texts, span, start, slo):
+        """One choice's responses: its tokens as text (split into reasoning and content by a reasoning
+        parser), then its finish (with its own usage)."""
+        text_stream, thinking = texts
         decoding = self.tokenizer.decoding
         num_generated = 0
         first_token_at = last_token_at = None
@@ -355,12 +376,15 @@ class Frontend:
                     text_stream.step, out.token_ids, out.finish_reason, out.logprobs
                 )
                 reason = FINISH_STOP if stopped else out.finish_reason
+                reasoning, text = thinking.step(text, out.token_ids, bool(reason)) if thinking else ("", text)
                 resp = generation_pb2.GenerateResponse(
                     request_id=request_id,
                     token_ids=out.token_ids,
                     text=text,
+                    reasoning_text=reasoning,
                     finish_reason=reason,
                     index=index,
+                    stop_string=text_stream.matched_stop if stopped else "",
                 )
                 resp.logprobs.extend(out.logprobs)
                 resp.prompt_logprobs.extend(prompt_logprobs)
@@ -372,6 +396,7 @@ class Frontend:
                             prompt_tokens=len(req.prompt_token_ids),
                             completion_tokens=num_generated,
                             cached_tokens=out.cached_tokens,
+                            reasoning_tokens=thinking.reasoning_tokens if thinking else 0,
                         )
                     )
                     if stopped:
@@ -379,28 +404,13 @@ class Frontend:
                     else:
                         self.pool.done(rid)
                     self._record_finish(span, rid, req, reason, num_generated, start, first_token_at, now)
-                    self._record_slo(slo, first_token_at - start, num_generated, now - first_token_at)
+                    record_slo(self.metrics, slo, first_token_at - start, num_generated, now - first_token_at)
                 yield resp
         finally:
             if not finished:
                 # Cancelled, disconnected or past its deadline: free its KV blocks now.
                 self.pool.abort(rid)
                 span.add_event("cancelled")
-
-    def _record_slo(
-        self, slo: tuple[Objectives, str], ttft: float, num_generated: int, decode_s: float
-    ) -> None:
-        """Met or missed, for a request with objectives: its TTFT and mean TPOT against them."""
-        objectives, bucket = slo
-        if not objectives.any:
-            return
-        tpot = decode_s / (num_generated - 1) if num_generated > 1 else 0.0
-        met = (objectives.ttft_s is None or ttft <= objectives.ttft_s) and (
-            objectives.tpot_s is None or tpot <= objectives.tpot_s
-        )
-        self.metrics.slo.labels(
-            bucket=bucket, priority=str(objectives.priority), outcome="met" if met else "missed"
-        ).inc()
 
     def _record_finish(
         self, span, request_id, req, reason, num_generated, start, first_token_at, now

@@ -38,6 +38,7 @@ class LoRANames:
         )
         self.runtime: set[str] = set()  # loaded while serving: given again to a replica that reconnects
         self._pool = pool
+        self._served_names = tuple(getattr(config, "served_model_name", ()))  # the base model's own names
         self._failed = failed
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
@@ -62,7 +63,7 @@ class LoRANames:
             if not value:
                 raise fail(grpc.StatusCode.INVALID_ARGUMENT, f"{field} is required", field)
         info = self._pool.model_info
-        if info is not None and name == info.model_name:
+        if (info is not None and name == info.model_name) or name in self._served_names:
             raise fail(grpc.StatusCode.INVALID_ARGUMENT, f"{name!r} is the base model's name", "lora_name")
         async with self._lock:
             if name in self.paths:

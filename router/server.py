@@ -113,6 +113,7 @@ async def serve(config: RouterConfig) -> None:
             metrics_registry=router_metrics.registry,  # /metrics on the HTTP port too, as vLLM serves it
             tool_call_parser=config.tool_call_parser,
             strict_schemas=config.disable_additional_properties,
+            responses_store_size=config.responses_store_size,
         )
         http_ports["http_port"] = await http.start(config.host, config.http_port)
     write_port_file(config.port_file, port, metrics_port, **http_ports)

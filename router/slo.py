@@ -326,3 +326,19 @@ class SloEstimator:
             f"({ahead} requests ahead, {wait * 1000:.0f} ms of queue) > {objectives.ttft_s * 1000:.0f} ms",
             math.ceil(retry),
         )
+
+
+def record_slo(
+    metrics, slo: tuple[Objectives, str], ttft: float, num_generated: int, decode_s: float
+) -> None:
+    """Met or missed, for a request with objectives: its TTFT and mean TPOT against them."""
+    objectives, bucket = slo
+    if not objectives.any:
+        return
+    tpot = decode_s / (num_generated - 1) if num_generated > 1 else 0.0
+    met = (objectives.ttft_s is None or ttft <= objectives.ttft_s) and (
+        objectives.tpot_s is None or tpot <= objectives.tpot_s
+    )
+    metrics.slo.labels(
+        bucket=bucket, priority=str(objectives.priority), outcome="met" if met else "missed"
+    ).inc()

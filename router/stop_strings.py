@@ -31,6 +31,7 @@ class StopStringMatcher:
         self._first_chars = {s[0] for s in self._stops}
         self._held = ""
         self._stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     @property
     def stopped(self) -> bool:
@@ -56,7 +57,7 @@ class StopStringMatcher:
             if start >= 0:
                 match = (start + len(stop), start)
                 if best is None or match < best:
-                    best = match
+                    best, self.matched = match, stop
         if best is not None:
             self._stopped = True
             self._held = ""

@@ -67,6 +67,11 @@ class TextStream:
         self.fill_logprob_texts(logprobs)
         return text, stopped
 
+    @property
+    def matched_stop(self) -> str:
+        """The stop string that ended the text ("" if none did)."""
+        return (self._stops.matched if self._stops is not None else None) or ""
+
     def fill_logprob_texts(self, logprobs: Sequence[generation_pb2.Logprobs]) -> None:
         """Each alternative's text, its token decoded alone: one batched decode for the whole message."""
         if not logprobs:

@@ -107,6 +107,7 @@ class Tokenizer:
                 add_generation_prompt=prompt.add_generation_prompt,
                 continue_final_message=prompt.continue_final_message,
                 tokenize=False,
+                **(prompt.template_kwargs or {}),
             )
         except (jinja2.TemplateError, ValueError, TypeError, KeyError) as e:
             reason = " ".join(str(e).split())
@@ -128,6 +129,13 @@ class Tokenizer:
         if self.hf is None:
             return [""] * len(ids)
         return self.hf.batch_decode([[i] for i in ids])
+
+    def is_special(self, token_id: int) -> bool:
+        """Whether decoding with skip_special_tokens drops this token's text."""
+        if self.hf is None:
+            return False
+        added = self.hf.added_tokens_decoder.get(token_id)
+        return token_id in self.hf.all_special_ids or (added is not None and added.special)
 
     def token_strs(self, ids: Sequence[int]) -> list[str]:
         """The vocabulary's own strings for ids (vLLM's /tokenize token_strs), e.g. "Ġworld"."""

@@ -37,7 +37,14 @@ class Capacity:
     layout: KVCacheLayout | None = None  # the model's layer groups; None: one group of every layer
 
 
-class CapacityError(ValueError):
+class UnfitRanks(ValueError):
+    """The ranks answer but cannot serve with this scheduler as they are (their capacity, settings they
+    and the scheduler must share, a draft model missing). At start a misconfiguration (one line, exit 2);
+    after a loss, the requests in flight fail and the scheduler asks the ranks again. Only this error
+    means that: any other in the step loop is a bug, and is not taken for it."""
+
+
+class CapacityError(UnfitRanks):
     """The ranks cannot serve together (imbalanced), or cannot hold even one sequence."""
 
 

@@ -4,7 +4,7 @@ publish what the step did.
     while True:
         out = await self._next_batch()        # Scheduler.schedule(), waiting while there is nothing to do
         replies = await self._execute(out)    # one StepRequest to every rank (scheduler/workers.py)
-        updates = self.scheduler.update(out, sampled_tokens(out, replies[0]))
+        updates = self.scheduler.update(out, self._sampled(out, replies))  # checked whole (replies.py)
         self._publish(StepResult(...))        # routers, traces, metrics, the static fallback, totals
 
 With --async-scheduling, overlap.py's loop runs instead: the next step is sent before this one returns.
@@ -35,12 +35,15 @@ from common.pb.tpserve.v1 import generation_pb2
 from scheduler.add_request import RequestError, sequence_for
 from scheduler.batch import StepBuilder
 from scheduler.block_manager import BlockManager
+from scheduler.capacity import UnfitRanks
 from scheduler.config import SchedulerConfig
 from scheduler.fallback import FallbackPolicy, ThroughputFallback
 from scheduler.lora_admin import LoRAAdmin
 from scheduler.metrics import SchedulerMetrics
 from scheduler.overlap import OverlapLoop
-from scheduler.plan import SchedulerOutput, SchedulerSnapshot, split_sampled
+from scheduler.plan import SchedulerOutput, SchedulerSnapshot
+from scheduler.recovery import expire_while_lost
+from scheduler.replies import check_replies
 from scheduler.reports import StepResult, StepTotals, load_report, stats, step_outputs
 from scheduler.router_streams import LOAD_REPORT_INTERVAL_S, RouterStream, RouterStreams
 from scheduler.scheduler import Scheduler
@@ -48,12 +51,15 @@ from scheduler.sequence import FinishReason
 from scheduler.spans import RequestSpans
 from scheduler.speculation import Speculator
 from scheduler.swap import HostBlockPool
+from scheduler.tasks import TaskEnded, first_to_end
 from scheduler.workers import WorkerGroup, WorkersLost
 
 log = logging.getLogger("tpserve.scheduler")
 
 # How long a scheduler whose ranks came back unfit to serve waits before it asks them again.
 UNFIT_RETRY_S = 5.0
+# How long after a lost rank before the ranks are connected again (a poisonous step must not spin).
+LOST_RETRY_S = 1.0
 
 
 class Engine:
@@ -88,25 +94,25 @@ class Engine:
         """Connects to the ranks and runs the step loop. When a rank is lost, every request keeps its
         tokens here; once the ranks are back they are recomputed and go on. A request still waiting
         worker_recovery_timeout_s after the loss (or after its arrival, if later) gets UNAVAILABLE:
-        none is dropped silently."""
-        expiry = asyncio.create_task(self._expire_while_lost())
-        try:
-            while True:
-                try:
-                    await self._connect()
-                    await self._run()
-                except WorkersLost as e:
-                    await self._workers_lost(e)
-                    # A rank that fails the same step again and again (a poisonous request) must not
-                    # spin: back off; the recovery clock keeps running until a step succeeds.
-                    await asyncio.sleep(1.0)
-                except ValueError as e:  # CapacityError, or ranks that do not fit the configuration
-                    if self.scheduler is None:
-                        raise  # at start-up: a misconfiguration, one line and exit 2
-                    await self._unfit_ranks(e)
-                    await asyncio.sleep(UNFIT_RETRY_S)
-        finally:
-            expiry.cancel()
+        none is dropped silently. Either task failing ends both, with its error (tasks.py)."""
+        ended = await first_to_end({"step loop": self._steps(), "recovery expiry": expire_while_lost(self)})
+        raise TaskEnded(f"the scheduler's {ended} task returned")
+
+    async def _steps(self) -> None:
+        while True:
+            try:
+                await self._connect()
+                await self._run()
+            except WorkersLost as e:  # MalformedReply too: a rank that answered nonsense
+                await self._workers_lost(e)
+                # A rank that fails the same step again and again (a poisonous request) must not
+                # spin: back off; the recovery clock keeps running until a step succeeds.
+                await asyncio.sleep(LOST_RETRY_S)
+            except UnfitRanks as e:  # only these: any other error is a bug, and is not disguised
+                if self.scheduler is None:
+                    raise  # at start-up: a misconfiguration, one line and exit 2
+                await self._unfit_ranks(e)
+                await asyncio.sleep(UNFIT_RETRY_S)
 
     async def _run(self) -> None:
         if self.config.async_scheduling:
@@ -115,7 +121,7 @@ class Engine:
             out = await self._next_batch()
             start = time.perf_counter()
             replies = await self._execute(out)
-            tokens = sampled_tokens(out, replies[0])
+            tokens = self._sampled(out, replies)
             updates = self.scheduler.update(out, tokens)
             self._grammars(replies[0])
             if self.speculator is not None:
@@ -202,6 +208,27 @@ class Engine:
         ]
         self._end([(r, reason) for r in request_ids], outputs)
 
+    def _sampled(self, out: SchedulerOutput, replies: list[worker_pb2.StepResponse]) -> list[list[int]]:
+        """Rank 0's tokens per sampled sequence, every reply checked first (replies.py): a malformed
+        one is a lost rank (MalformedReply), found before any sequence changes. Requests on an adapter
+        a rank could not read end first (NOT_FOUND naming it): their tokens, of the base model, drop."""
+        tokens = check_replies(out, replies, self.model_info.vocab_size, self._next_seq_id)
+        for e in {e.lora_name: e for r in replies for e in r.lora_errors}.values():
+            self._adapter_fetched(e.lora_name, e.message, held_only=False)
+        return tokens
+
+    def _adapter_fetched(self, name: str, error: str | None, held_only: bool = True) -> None:
+        """The ranks read an adapter (LoRAAdmin.prefetch): the requests held for it may be admitted; or
+        its files do not read, and they (with held_only False, every request on it) fail, NOT_FOUND."""
+        seqs = [s for s in self.scheduler.sequences() if s.lora_name == name]
+        held = [s for s in seqs if not s.adapter_ready]
+        if error is not None:
+            self._fail([s.request_id for s in (held if held_only else seqs)], ERROR_CODE_NOT_FOUND, error)
+            return
+        for seq in held:
+            seq.adapter_ready = True
+        self._wakeup.set()
+
     def _grammars(self, reply: worker_pb2.StepResponse) -> None:
         """Rank 0's news of the grammars it compiles: ready ones may be admitted, failed ones end."""
         self.scheduler.grammars_ready(reply.grammar_ready_seq_ids)
@@ -230,7 +257,7 @@ class Engine:
         if cfg.speculative.speculative_method == "draft" and not all(
             i.draft_model_name for i in info.describe
         ):
-            raise ValueError("--speculative-method draft: the shard workers hold no --speculative-model")
+            raise UnfitRanks("--speculative-method draft: the shard workers hold no --speculative-model")
         host_blocks = None
         if cap.num_host_blocks:
             host_blocks = HostBlockPool(cap.num_host_blocks, cache_prefixes=cfg.host_prefix_cache)
@@ -292,7 +319,7 @@ class Engine:
             self.fallback.interrupt()  # recompute after a loss is not a throughput regression
         self._expiry_wakeup.set()
 
-    async def _unfit_ranks(self, error: ValueError) -> None:
+    async def _unfit_ranks(self, error: UnfitRanks) -> None:
         """The ranks came back but cannot serve as they are (imbalanced memory, a cache too small for one
         sequence): the requests in flight cannot wait on it, so each ends with UNAVAILABLE naming why (a
         router sends it to another replica, resumed), and the scheduler keeps trying the ranks."""
@@ -301,34 +328,6 @@ class Engine:
         await self.workers.close()
         message = f"the replica's shard workers cannot serve: {error}"
         self._fail([s.request_id for s in self.scheduler.sequences()], ERROR_CODE_UNAVAILABLE, message)
-
-    async def _expire_while_lost(self) -> None:
-        """While the ranks are lost, fails each request that has waited worker_recovery_timeout_s since
-        the loss or since its own arrival, whichever is later: requests that arrive during an outage
-        expire too, each on its own clock."""
-        timeout = self.config.worker_recovery_timeout_s
-        while True:
-            deadline = None
-            if self._lost_at is not None and self.scheduler is not None:
-                now = time.monotonic()
-                due = []
-                for seq in self.scheduler.sequences():
-                    expires = max(self._lost_at, seq.arrival_time) + timeout
-                    if expires <= now:
-                        due.append(seq.request_id)
-                    else:
-                        deadline = expires if deadline is None else min(deadline, expires)
-                if due:
-                    log.error(
-                        "shard workers still lost after %.0fs: failing %d request(s)", timeout, len(due)
-                    )
-                    self._fail(
-                        due, ERROR_CODE_UNAVAILABLE, "a shard worker was lost and did not return in time"
-                    )
-            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-            self._expiry_wakeup.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._expiry_wakeup.wait(), wait)
 
     def _set_ready(self, ready: bool) -> None:
         if ready:
@@ -376,6 +375,9 @@ class Engine:
         self._next_seq_id += 1
         self.routers.bind(msg.request_id, stream)
         self.spans.start(seq, msg.trace_context)
+        if seq.lora_name:  # held until every rank holds its adapter: no step reads a disk
+            seq.adapter_ready = False
+            self.loras.prefetch(seq.lora_name, self._adapter_fetched)
         self._wakeup.set()
         if self._lost_at is not None:
             self._expiry_wakeup.set()  # its own recovery clock starts now
@@ -438,13 +440,3 @@ class Engine:
 
     def stats(self) -> generation_pb2.Stats:
         return stats(self.snapshot(), self.totals, self.speculator and self.speculator.totals)
-
-
-def sampled_tokens(out: SchedulerOutput, reply: worker_pb2.StepResponse) -> list[list[int]]:
-    """Rank 0's tokens per sampled sequence. A reply that does not fit the step (a group of no tokens, or
-    of more than the sequence sampled) is the rank's failure, WorkersLost, found before any sequence
-    changes: the requests resume on the rebuilt group."""
-    try:
-        return split_sampled(out, reply.token_counts, reply.token_ids)
-    except ValueError as e:
-        raise WorkersLost(f"rank 0's reply does not fit the step: {e}") from None

@@ -18,7 +18,10 @@ from collections.abc import Callable
 
 import grpc
 
+from common.pb.tpserve.internal.v1 import worker_pb2
 from common.pb.tpserve.v1 import generation_pb2
+from scheduler.capacity import UnfitRanks
+from scheduler.tasks import log_failure
 
 log = logging.getLogger("tpserve.scheduler")
 
@@ -37,6 +40,33 @@ class LoRAError(Exception):
         self.message = message
 
 
+def check_lora_settings(enabled: bool, modules: tuple[str, ...], max_loras: int, ranks) -> None:
+    """UnfitRanks, in one line, unless the ranks (their DescribeResponses) share one LoRA configuration
+    and it is the scheduler's: it plans max_loras adapters a step (a rank with fewer slots would fail
+    every step on them) and admits requests by the adapter names it serves (a rank without one would
+    fail the step that brings it)."""
+
+    def settings(r) -> tuple:
+        names = sorted(m.partition("=")[0] for m in r.lora_modules)
+        return (r.enable_lora, r.max_loras, r.max_lora_rank, r.max_cpu_loras, names)
+
+    first = settings(ranks[0])
+    for rank, r in enumerate(ranks[1:], start=1):
+        if settings(r) != first:
+            raise UnfitRanks(
+                f"the ranks differ in their LoRA settings (--enable-lora, --max-loras, --max-lora-rank, "
+                f"--max-cpu-loras, --lora-modules names): rank 0 {first}, rank {rank} {settings(r)}"
+            )
+    ours = sorted(m.partition("=")[0] for m in modules) if enabled else []
+    theirs = (first[0], first[1] if first[0] else max_loras, first[4])
+    if (enabled, max_loras, ours) != theirs:
+        raise UnfitRanks(
+            "the scheduler and the shard workers differ in their LoRA settings: here --enable-lora "
+            f"{enabled}, --max-loras {max_loras}, --lora-modules {ours}; on the workers {theirs[0]}, "
+            f"{first[1]}, {theirs[2]} (give both the same flags; tpserve launch does)"
+        )
+
+
 class LoRAAdmin:
     def __init__(self, enabled: bool, modules: tuple[str, ...], workers, in_use: Callable[[str], int]):
         """modules: --lora-modules (NAME=PATH); workers: the WorkerGroup; in_use(name): the requests
@@ -50,6 +80,7 @@ class LoRAAdmin:
         self._in_use = in_use
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
+        self._prefetching: dict[str, asyncio.Task] = {}
 
     def __contains__(self, name: str) -> bool:
         """Whether a request on this adapter is taken: served, or unloaded moments ago (a request the
@@ -114,6 +145,28 @@ class LoRAAdmin:
         log.info("LoRA adapter %r unloaded (%d request(s) on it finishing first)", name, finishing)
         return finishing
 
+    def prefetch(self, name: str, done: Callable[[str, str | None], None]) -> None:
+        """Has every rank read adapter `name` into its host cache if it is not there (off the step path),
+        unless that is under way; then done(name, error): error is a rank's NOT_FOUND naming why its files
+        do not read, None otherwise (read, already there, or a rank that did not answer: then a step
+        reads it, or the rank is lost and the group rebuilt)."""
+        if name in self._prefetching:
+            return
+        task = asyncio.create_task(self._prefetch(name, done), name=f"prefetch of LoRA adapter {name!r}")
+        self._prefetching[name] = task
+        task.add_done_callback(lambda _: self._prefetching.pop(name, None))
+        task.add_done_callback(log_failure)
+
+    async def _prefetch(self, name: str, done: Callable[[str, str | None], None]) -> None:
+        error = None
+        try:
+            request = worker_pb2.PrefetchLoRAAdapterRequest(lora_name=name)
+            for answer in await self._workers.on_every_rank("PrefetchLoRAAdapter", request):
+                if isinstance(answer, grpc.RpcError) and answer.code() == grpc.StatusCode.NOT_FOUND:
+                    error = answer.details()
+        finally:  # whatever happens, the requests held for it are let go (or failed)
+            done(name, error)
+
     def tidy(self) -> None:
         """Drops from the ranks each unloaded adapter no request runs on any more, UNLOAD_GRACE_S after
         its unload at the earliest. Called when requests end, and with every heartbeat."""
@@ -125,6 +178,7 @@ class LoRAAdmin:
                 task = asyncio.create_task(self._drop(name), name=name)
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
+                task.add_done_callback(log_failure)  # still draining: the next tidy tries again
 
     async def _drop(self, name: str) -> None:
         async with self._lock:

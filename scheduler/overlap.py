@@ -99,15 +99,13 @@ class OverlapLoop:
         return SentStep(out, request.step_id, span, time.perf_counter())
 
     async def _apply(self, sent: SentStep) -> None:
-        from scheduler.engine import sampled_tokens  # the engine imports this module
-
         e = self.engine
         try:
             replies = await e.workers.receive(sent.step_id)
         finally:
             if sent.span is not None:
                 sent.span.end()
-        updates = apply(e.scheduler, sent.out, sampled_tokens(sent.out, replies[0]))
+        updates = apply(e.scheduler, sent.out, e._sampled(sent.out, replies))
         e.scheduler.blocks.step_returned(sent.step_id)
         e._grammars(replies[0])
         # The step's own time: from when the ranks could start it (sent, and the step before answered).

@@ -253,8 +253,10 @@ class Scheduler:
             budget -= num_new
 
     def _candidates(self, now: float):
-        """The waiting in admission order (slack.py, lora_slots.py), but those not ready (grammar, fork)."""
-        ready = [s for s in self.waiting if s.grammar_ready and not forks.waits(s, self.blocks.block_size)]
+        """The waiting in admission order (slack.py, lora_slots.py), but those not ready (grammar, adapter,
+        fork)."""
+        size = self.blocks.block_size
+        ready = [s for s in self.waiting if s.grammar_ready and s.adapter_ready and not forks.waits(s, size)]
         order = admission_order(ready, now, self.step_s, self.policy.max_num_batched_tokens)
         return lora_slots.within_max_loras(order, self.running, self.policy.max_loras)
 

@@ -55,6 +55,9 @@ class Sequence:
     # Structured outputs: False while rank 0 compiles its grammar (it waits in the queue, holding nothing,
     # and is admitted once the worker reports the grammar ready). True for a sequence without a grammar.
     grammar_ready: bool = True
+    # LoRA: False while the ranks prefetch its adapter into their host caches (scheduler/lora_admin.py):
+    # it waits in the queue, holding nothing, so that no step reads an adapter from disk.
+    adapter_ready: bool = True
     has_grammar: bool = False
     # Several choices of one request (n): the choice whose prompt blocks this one shares once computed.
     fork_of: Sequence | None = None

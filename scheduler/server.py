@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import signal
+import socket
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -20,6 +21,8 @@ from scheduler.config import SchedulerConfig
 from scheduler.engine import Engine
 from scheduler.lora_admin import LoRAError
 from scheduler.router_streams import RouterStream
+from scheduler.tasks import TaskEnded, first_to_end, log_failure
+from scheduler.workers import WorkerGroup
 
 log = logging.getLogger("tpserve.scheduler")
 
@@ -34,6 +37,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         # A reader that stops (the router closed its side, or an error) ends this stream too, so the
         # router sees it end and reconnects, rather than heartbeats flowing while its adds go unread.
         reader.add_done_callback(lambda _: router.outbox.put_nowait(None))
+        reader.add_done_callback(log_failure)  # it survives a bad message: an error here is a bug
         self.engine.attach(router)
         try:
             while (msg := await router.outbox.get()) is not None:
@@ -99,6 +103,8 @@ async def serve(config: SchedulerConfig) -> None:
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     port = security.add_port(server, f"{config.host}:{config.port}", config.internal_tls)
+    if isinstance(engine.workers, WorkerGroup):  # its name to the workers: where it serves
+        engine.workers.name_as(f"{socket.gethostname()}:{port}")
     await server.start()
     metrics_port = metrics.serve(engine.metrics.registry, config.host, config.metrics_port)
     write_port_file(config.port_file, port, metrics_port)
@@ -115,25 +121,31 @@ async def serve(config: SchedulerConfig) -> None:
         status = (
             health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
         )
-        asyncio.ensure_future(health_servicer.set("", status))
+        asyncio.ensure_future(health_servicer.set("", status)).add_done_callback(log_failure)
 
     engine.watch_status(on_status)
 
-    async def run_engine():
-        await engine.serve_forever()
-
-    engine_task = asyncio.create_task(run_engine())
-    heartbeat = asyncio.create_task(engine.heartbeat())
-    stop_task = asyncio.create_task(stop.wait())
-    done, _ = await asyncio.wait({engine_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
-    await server.stop(grace=1.0)
-    if engine_task in done:
-        engine_task.result()  # re-raises what stopped the engine
-    engine_task.cancel()
-    heartbeat.cancel()
-    await engine.close()
-    if provider is not None:
-        provider.shutdown()
+    # Every task of the process supervised (scheduler/tasks.py): one that fails ends the process loudly.
+    tasks = {"engine": engine.serve_forever(), "load reports": engine.heartbeat(), "signal": stop.wait()}
+    try:
+        ended = await first_to_end(tasks)
+        if ended != "signal":
+            raise TaskEnded(f"the scheduler's {ended} task returned")
+    except Exception as e:
+        if isinstance(e, ValueError) and engine.scheduler is None:
+            raise  # the ranks do not fit the configuration at start: one line, exit 2 (common/cli.py)
+        log.critical(
+            "scheduler failed: %s; exiting (the launcher or Kubernetes restarts it; the routers resume "
+            "its requests)",
+            e,
+            exc_info=True,
+        )
+        raise SystemExit(1) from None  # a bug, not a misconfiguration: never cli's one line and exit 2
+    finally:
+        await server.stop(grace=1.0)
+        await engine.close()
+        if provider is not None:
+            provider.shutdown()
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -19,16 +19,17 @@ import asyncio
 import logging
 import os
 import socket
-import uuid
+import time
 from dataclasses import dataclass
 
 import grpc
 
 from common import kv_cache_spec, security
-from common.grpc_util import OPTIONS, SCHEDULER_METADATA_KEY
+from common.grpc_util import OPTIONS, SCHEDULER_EPOCH_KEY, SCHEDULER_METADATA_KEY
 from common.pb.tpserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from scheduler.capacity import Capacity, RankCapacity, settle
 from scheduler.config import SchedulerConfig
+from scheduler.lora_admin import check_lora_settings
 
 log = logging.getLogger("tpserve.scheduler")
 
@@ -53,9 +54,15 @@ class WorkerGroup:
         self._channels: list[grpc.aio.Channel] = []
         self._streams: list = []
         self._broken: str | None = None  # why a step stream ended on its own
-        # Who this scheduler is, to its workers: the same across reconnects, another in a new process.
-        self.identity = f"{socket.gethostname()} pid {os.getpid()} ({uuid.uuid4().hex[:8]})"
-        self._metadata = ((SCHEDULER_METADATA_KEY, self.identity),)
+        # Who this scheduler is, to its workers (shard_worker/lease.py): a name, where it serves once
+        # serve() knows its port (name_as), and an epoch: this process's start, so that a restart of
+        # the same scheduler takes its workers over at once while another must wait for their lease.
+        self.epoch = time.time_ns()
+        self.name_as(f"{socket.gethostname()} pid {os.getpid()}")
+
+    def name_as(self, name: str) -> None:
+        self.name = name
+        self._metadata = ((SCHEDULER_METADATA_KEY, name), (SCHEDULER_EPOCH_KEY, str(self.epoch)))
 
     async def connect(self, on_lost=lambda: None) -> WorkerGroupInfo:
         """Describes every rank, settles the capacity, allocates the caches and opens the step streams.
@@ -92,6 +99,7 @@ class WorkerGroup:
                         f"worker {cfg.workers[rank]} says it is rank {info.rank} of {info.world_size}, "
                         f"expected rank {rank} of {len(infos)}"
                     )
+            check_lora_settings(cfg.enable_lora, cfg.lora_modules, policy.max_loras, infos)
             layout = kv_cache_spec.from_describe(infos[0].layer_windows, cfg.block_size)
             capacity = settle(
                 [

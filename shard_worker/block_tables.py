@@ -14,10 +14,15 @@ import numpy as np
 
 
 class BlockTables:
-    def __init__(self, max_blocks_per_seq: int, initial_rows: int = 64):
+    def __init__(self, max_blocks_per_seq: int, num_blocks: int, block_size: int, initial_rows: int = 64):
+        """num_blocks: the KV cache's blocks (ids 0 .. num_blocks - 1); block_size: tokens a block holds.
+        Every id a step writes is checked against the pool, and every sequence's table against its
+        context, here on the host: the kernels then read only blocks of the pool, each sequence its own."""
         if max_blocks_per_seq < 1:
             raise ValueError(f"max_blocks_per_seq must be at least 1, got {max_blocks_per_seq}")
         self.max_blocks_per_seq = max_blocks_per_seq
+        self.num_blocks = num_blocks
+        self.block_size = block_size
         self._table = np.zeros((initial_rows, max_blocks_per_seq), dtype=np.int64)
         self._len = np.zeros(initial_rows, dtype=np.int64)
         self._free_rows = list(range(initial_rows - 1, -1, -1))
@@ -42,35 +47,58 @@ class BlockTables:
 
     def apply(
         self,
+        seq_ids: np.ndarray,
         rows: np.ndarray,
         table_reset: np.ndarray,
         new_block_counts: np.ndarray,
         new_block_ids: np.ndarray,
+        context_lens: np.ndarray,
     ) -> np.ndarray:
-        """Applies one step's changes to the batch's rows (in batch order); returns the batch's tables,
-        [num_seqs, longest table], each row padded with 0 past its sequence's blocks."""
-        if not len(rows) == len(table_reset) == len(new_block_counts):
+        """Applies one step's changes to the batch's rows (in batch order: sequence seq_ids[i] holds row
+        rows[i]); returns the batch's tables, [num_seqs, longest table], each row padded with 0 past its
+        sequence's blocks. Raises ValueError naming the sequence when an id is outside the pool or a
+        table holds fewer blocks than its context_lens needs (nothing is changed by a refused step)."""
+        if not len(seq_ids) == len(rows) == len(table_reset) == len(new_block_counts) == len(context_lens):
             raise ValueError(
-                f"{len(rows)} sequences, {len(table_reset)} resets, {len(new_block_counts)} block counts"
+                f"{len(seq_ids)} sequences, {len(rows)} rows, {len(table_reset)} resets, "
+                f"{len(new_block_counts)} block counts, {len(context_lens)} context lengths"
             )
         if int(new_block_counts.sum()) != len(new_block_ids):
             raise ValueError(
                 f"block counts sum to {int(new_block_counts.sum())}, {len(new_block_ids)} ids given"
             )
         starts = np.cumsum(new_block_counts) - new_block_counts
+        bad = np.flatnonzero((new_block_ids < 0) | (new_block_ids >= self.num_blocks))
+        if len(bad):
+            owner = int(np.searchsorted(starts + new_block_counts, bad[0], side="right"))
+            raise ValueError(
+                f"sequence {int(seq_ids[owner])}: block id {int(new_block_ids[bad[0]])} is outside the KV "
+                f"cache's {self.num_blocks} blocks"
+            )
+        lens = np.where(table_reset, 0, self._len[rows]) + new_block_counts
+        over = np.flatnonzero(lens > self.max_blocks_per_seq)
+        if len(over):
+            raise ValueError(
+                f"sequence {int(seq_ids[over[0]])}: {int(lens[over[0]])} blocks, more than max_model_len "
+                f"allows ({self.max_blocks_per_seq})"
+            )
+        # A table shorter than its context would have the kernels read the padding (block 0: another
+        # sequence's keys and values) for the positions it lacks.
+        short = np.flatnonzero(lens * self.block_size < context_lens)
+        if len(short):
+            i = short[0]
+            raise ValueError(
+                f"sequence {int(seq_ids[i])}: a context of {int(context_lens[i])} tokens needs "
+                f"{-(-int(context_lens[i]) // self.block_size)} blocks, its table holds {int(lens[i])}"
+            )
         # Most sequences of a decode step gain nothing: touch only those that changed.
         for i in np.flatnonzero(table_reset | new_block_counts):
             row, n = rows[i], int(new_block_counts[i])
             at = 0 if table_reset[i] else int(self._len[row])
-            if at + n > self.max_blocks_per_seq:
-                raise ValueError(
-                    f"batch row {i}: {at + n} blocks, more than max_model_len allows "
-                    f"({self.max_blocks_per_seq})"
-                )
             self._table[row, at + n : self._len[row]] = 0  # a reset to a shorter table
             self._table[row, at : at + n] = new_block_ids[starts[i] : starts[i] + n]
             self._len[row] = at + n
-        width = int(self._len[rows].max()) if len(rows) else 0
+        width = int(lens.max()) if len(rows) else 0
         return self._table[rows, :width]
 
     def _grow(self) -> None:

@@ -19,8 +19,8 @@ from shard_worker.startup import DEFAULT_COMPILE_CACHE_DIR
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 DEVICES = ("cpu", "cuda")
-# shard_worker/devices.py's linear_dtype: auto is bfloat16 for float32 models on CPUs with native bf16.
-LINEAR_DTYPES = ("auto", "dtype", "bfloat16")
+# shard_worker/devices.py's linear_dtype: dtype (the default) keeps the linear layers in --dtype.
+LINEAR_DTYPES = ("dtype", "bfloat16")
 LOAD_FORMATS = ("auto", "dummy")
 # shard_worker/model/quant/__init__.py: none, or an online format.
 QUANTIZATION_CHOICES = ("none", "int8", "fp8")
@@ -47,18 +47,21 @@ class WorkerConfig:
     device: str = setting(
         "cpu", help="cpu, or cuda (rank r takes cuda:<r % devices>)", choices=DEVICES, launch=True
     )
+    # auto is the default of the workers and of `tpserve launch` alike (vLLM's): the fast type here. An
+    # explicit dtype is exactly that dtype in every layer (--linear-dtype only opts out for the linears).
     dtype: str = setting(
-        "float32",
-        help="weights, activations and KV cache; auto: bfloat16 on CPUs with native bf16 (AVX-512 BF16, "
-        "AMX) and on GPUs that have it, float16 on older GPUs, float32 on other CPUs",
+        "auto",
+        help="weights, activations and KV cache, in every layer; auto (logged at start with the reason): "
+        "bfloat16 on CPUs that multiply it natively (AVX-512 BF16, AMX) and on GPUs that have it, float16 "
+        "on older GPUs, float32 on other CPUs",
         choices=DTYPES,
         launch=True,
     )
     linear_dtype: str = setting(
-        "auto",
-        help="weights of the projections, MLPs and LM head: dtype (as --dtype), bfloat16 (inputs rounded to "
-        "bf16 for each product, products back in --dtype), or auto (bfloat16 for a float32 model on a "
-        "CPU with native bf16 products: AVX-512 BF16 or AMX; else dtype)",
+        "dtype",
+        help="weights of the projections, MLPs and LM head: dtype (as --dtype), or bfloat16, an explicit "
+        "opt-in for a float32 model (inputs rounded to bf16 for each product, products back in --dtype: "
+        "faster on CPUs with native bf16, no longer float32's results)",
         choices=LINEAR_DTYPES,
         launch=True,
     )

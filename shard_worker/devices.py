@@ -33,16 +33,24 @@ def cuda_index(rank: int, devices: int) -> int:
     return rank % devices
 
 
-def model_dtype(choice: str, device_type: str, cpu_flags: frozenset[str], cuda_native_bf16: bool) -> str:
-    """--dtype: the choice itself, or for auto what is fastest at a quality users accept (vLLM's rule):
-    bfloat16 on a CPU that multiplies it natively (AVX-512 BF16 or AMX: weights, activations and KV cache
-    in bf16, attention in the cpu kernel) and on a GPU that has it, float16 on an older GPU, and float32 on
-    a CPU without native bf16 (AVX2 only), where bf16 products are emulated and slower than float32."""
+def model_dtype(
+    choice: str, device_type: str, cpu_flags: frozenset[str], cuda_native_bf16: bool
+) -> tuple[str, str]:
+    """--dtype as (the dtype, why): the choice itself, or for auto the fast type on this machine (vLLM's
+    rule, and `tpserve launch`'s default): bfloat16 on a CPU that multiplies it natively (AVX-512 BF16 or
+    AMX: weights, activations and KV cache in bf16, attention in the cpu kernel) and on a GPU that has it,
+    float16 on an older GPU, and float32 on a CPU without native bf16 (AVX2 only), where bf16 products are
+    emulated and slower than float32. An explicit dtype is exactly that dtype, everywhere in the model."""
     if choice != "auto":
-        return choice
+        return choice, "asked for"
     if device_type == "cuda":
-        return "bfloat16" if cuda_native_bf16 else "float16"
-    return "bfloat16" if cpu_flags & NATIVE_BF16_CPU_FLAGS else "float32"
+        if cuda_native_bf16:
+            return "bfloat16", "this GPU has native bfloat16"
+        return "float16", "this GPU has no native bfloat16"
+    native = sorted(cpu_flags & NATIVE_BF16_CPU_FLAGS)
+    if native:
+        return "bfloat16", f"this CPU multiplies bfloat16 natively ({', '.join(native)})"
+    return "float32", "this CPU has no native bfloat16 products (no avx512_bf16 or amx_bf16)"
 
 
 def check_dtype(device_type: str, dtype: str, native_bf16: bool) -> None:
@@ -67,17 +75,13 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
     return frozenset()
 
 
-def linear_dtype(choice: str, device_type: str, dtype: str, cpu_flags: frozenset[str]) -> str | None:
+def linear_dtype(choice: str, dtype: str) -> str | None:
     """The dtype linear layers hold their weights in for --linear-dtype choice, None for --dtype's.
 
-    auto picks bfloat16 for a float32 model on a CPU with native bf16 products, where it measured faster
-    at the same greedy tokens (bench/decode_profile.py's figures); everywhere else it keeps --dtype.
+    bfloat16 is an explicit opt-in only (a float32 model with bf16 products is neither float32 nor
+    bf16: --dtype auto is the fast choice), so the default, dtype, keeps every layer in --dtype.
     """
-    if choice == "dtype" or (choice == "bfloat16" and dtype == "bfloat16"):
-        return None
-    if choice == "bfloat16":
-        return "bfloat16"
-    if device_type == "cpu" and dtype == "float32" and cpu_flags & NATIVE_BF16_CPU_FLAGS:
+    if choice == "bfloat16" and dtype != "bfloat16":
         return "bfloat16"
     return None
 

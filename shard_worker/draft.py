@@ -62,6 +62,7 @@ class DraftModel:
                 f"{target_config.vocab_size}: a draft model must share the model's tokenizer"
             )
         self.kv_caches: list[torch.Tensor] = []
+        self.num_blocks = 0
         self.host_kv_caches: list[torch.Tensor] = []
         self.block_size = 0
         # Unseeded proposals' draws (rank 0); seeded ones take the target's (seed, position) uniforms.
@@ -78,6 +79,7 @@ class DraftModel:
         self.kv_caches = []  # the old one first, so that both never take memory at once
         self.kv_caches = self.model.new_kv_caches(num_blocks, block_size, self.dtype, self.device)
         self.block_size = block_size
+        self.num_blocks = num_blocks
 
     def allocate_host(self, num_blocks: int, block_size: int) -> None:
         self.host_kv_caches = []
@@ -153,7 +155,9 @@ class DraftModel:
         return seq.tokens[computed - seq.start : start - seq.start]
 
     def _forward(self, ids: np.ndarray, query_lens: np.ndarray, context_lens: np.ndarray, table):
-        batch = StepBatch.build(ids, query_lens, context_lens, table, self.block_size, self.device)
+        batch = StepBatch.build(
+            ids, query_lens, context_lens, table, self.block_size, self.device, num_blocks=self.num_blocks
+        )
         return self.model(batch.input_ids, batch.positions, self.attention.context(batch), self.kv_caches)
 
     def _remember(self, inputs, segments, starts, ends, drafting, drafts) -> None:

@@ -10,7 +10,6 @@ import sys
 import threading
 import time
 from concurrent import futures
-from pathlib import Path
 
 import grpc
 import numpy as np
@@ -18,16 +17,22 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common import metrics, security, tracing
-from common.grpc_util import SCHEDULER_METADATA_KEY, SERVER_OPTIONS, check_ports_free, write_port_file
+from common.grpc_util import (
+    SCHEDULER_EPOCH_KEY,
+    SCHEDULER_METADATA_KEY,
+    SERVER_OPTIONS,
+    check_ports_free,
+    write_port_file,
+)
 from common.pb.tpserve.internal.v1 import worker_pb2, worker_pb2_grpc
-from common.pb.tpserve.v1 import generation_pb2
 from common.sampling import SamplingConfig
 from shard_worker import config as worker_config
 from shard_worker import devices
 from shard_worker.attention.kv_dtype import kv_cache_dtype
 from shard_worker.config import StepThreads, WorkerConfig
+from shard_worker.lease import Caller, Lease, LeaseRefused
+from shard_worker.lora_service import LoRAService, lora_settings
 from shard_worker.metrics import WorkerMetrics
-from shard_worker.model.lora.adapters import CONFIG_FILE, WEIGHTS_FILE
 from shard_worker.startup import StartupPhases, compile_counts, configure_compile_cache, remember_vec_isa
 from shard_worker.step import SequenceInit, WorkerStep
 from shard_worker.worker import Worker
@@ -40,12 +45,11 @@ def _array(data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype="<i8")
 
 
-def scheduler_of(context) -> str | None:
-    """The calling scheduler's name, from its metadata (scheduler/workers.py)."""
-    for key, value in context.invocation_metadata() or ():
-        if key == SCHEDULER_METADATA_KEY:
-            return value
-    return None
+def caller_of(context) -> Caller:
+    """The calling scheduler's name and epoch, from its metadata (scheduler/workers.py)."""
+    found = dict(context.invocation_metadata() or ())
+    epoch = found.get(SCHEDULER_EPOCH_KEY, "0")
+    return Caller(found.get(SCHEDULER_METADATA_KEY, ""), int(epoch) if epoch.isdigit() else 0)
 
 
 def worker_step(req: worker_pb2.StepRequest) -> WorkerStep:
@@ -86,7 +90,7 @@ def sequence_init(msg: worker_pb2.SequenceInit) -> SequenceInit:
     )
 
 
-class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
+class ShardWorkerServicer(LoRAService, worker_pb2_grpc.ShardWorkerServicer):
     def __init__(
         self, runner, config: WorkerConfig, metrics: WorkerMetrics, phases: StartupPhases | None = None
     ):
@@ -99,13 +103,14 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
         # A failure of the rank itself (not of a stream): its process group may be broken, so the rank
         # must exit for the launcher or Kubernetes to rebuild the group. serve() sets this.
         self.on_failure = lambda reason: None
-        # One scheduler drives this worker; a second stream at once would interleave steps, and a second
-        # scheduler's Describe or InitCache would drop the caches and sequences of the first.
+        # One step stream at a time: a second at once would interleave steps.
         self._step_lock = threading.Lock()
-        self._stepping: str | None = None  # the scheduler holding the step stream (its metadata)
         # Held by each step and by Describe/InitCache: a scheduler that reconnects after a step timeout
-        # must not profile memory or allocate a cache while the old forward still runs.
+        # must not profile memory or allocate a cache while the old forward still runs. The lease (which
+        # scheduler drives this worker, lease.py) is taken and checked under it, so a call that waited
+        # for it is judged by who holds the worker when it runs.
         self._device_lock = threading.Lock()
+        self.lease = Lease()
         # The sequences the scheduler told this rank about, and the steps it runs (shard_worker/worker.py).
         # On CPU, torch's threads are sized per step (config.StepThreads).
         threads = None
@@ -115,21 +120,21 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
         self.worker = Worker(runner, threads)
 
     def Describe(self, request, context):
-        self._refuse_other_scheduler(context, "describe it")
-        with self._device_lock, self._failing_on_error("describing its capacity"):
-            return self._describe(request)
+        with self._device_lock:
+            self._take_lease(context, "describe")
+            with self._failing_on_error("describing its capacity"):
+                response = self._describe(request)
+            self.lease.renew(caller_of(context))  # a Describe that profiled for minutes: from its end
+            return response
 
-    def _refuse_other_scheduler(self, context, what: str) -> None:
-        """FAILED_PRECONDITION when a scheduler other than the caller holds the step stream: its
-        Describe would drop the KV caches, its InitCache every sequence, under the one stepping. The
-        same scheduler reconnecting (after a step timeout) goes on: the device lock orders it."""
-        holder, caller = self._stepping, scheduler_of(context)
-        if holder is not None and holder != caller:
-            context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"scheduler {holder} is stepping this worker; {caller or 'an unnamed caller'} may not "
-                f"{what} while it does",
-            )
+    def _take_lease(self, context, what: str) -> None:
+        """FAILED_PRECONDITION naming the holder when another scheduler holds this worker: its Describe
+        would drop the KV caches, its InitCache every sequence, of the one starting or stepping it. The
+        same scheduler reconnecting (after a step timeout) goes on. Called under the device lock."""
+        try:
+            self.lease.take(caller_of(context), what)
+        except LeaseRefused as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
 
     def _describe(self, request) -> worker_pb2.DescribeResponse:
         info = self.runner.describe()
@@ -184,12 +189,16 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
             ],
             compiled_graphs=compiled,
             cached_graphs=cached,
+            **lora_settings(self.config),
         )
 
     def InitCache(self, request, context):
-        self._refuse_other_scheduler(context, "allocate its cache")
-        with self._device_lock, self._failing_on_error("allocating its KV cache"):
-            return self._init_cache(request)
+        with self._device_lock:
+            self._take_lease(context, "allocate the cache of")
+            with self._failing_on_error("allocating its KV cache"):
+                response = self._init_cache(request)
+            self.lease.renew(caller_of(context))  # CUDA graphs may take minutes to capture
+            return response
 
     def _init_cache(self, request) -> worker_pb2.InitCacheResponse:
         start = time.perf_counter()
@@ -220,15 +229,22 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
         return worker_pb2.InitCacheResponse(kv_cache_bytes=nbytes, host_kv_cache_bytes=host_bytes)
 
     def Step(self, request_iterator, context):
+        caller, refused = caller_of(context), None
         if not self._step_lock.acquire(blocking=False):
             context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"scheduler {self._stepping} is already stepping this worker",
+                grpc.StatusCode.FAILED_PRECONDITION, f"{self.lease.holder} is already stepping this worker"
             )
-        self._stepping = scheduler_of(context) or "(unnamed)"
         try:
-            for req in request_iterator:
+            with self._device_lock:
+                try:
+                    self.lease.start_stepping(caller)
+                except LeaseRefused as e:
+                    refused = str(e)
+            for req in () if refused else request_iterator:
                 with self._device_lock:
+                    if not self.lease.holds(caller):  # its restart took the worker over
+                        refused = f"{self.lease.holder} took this worker over; {caller} may not step it"
+                        break
                     resp = self._step(req)
                 yield resp
         except grpc.RpcError:
@@ -239,29 +255,11 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
             self.on_failure(f"step failed: {type(e).__name__}: {e}")
             raise
         finally:
-            self._stepping = None
-            self._step_lock.release()
-
-    def LoadLoRAAdapter(self, request, context):
-        lora, name, path = self.runner.lora, request.lora_name, request.lora_path
-        if lora is None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the worker was started without --enable-lora")
-        try:
-            weights = lora.read(name, path)  # off the step's lock: reads files and shapes only
-        except (ValueError, OSError) as e:
-            missing = not all((Path(path) / f).is_file() for f in (CONFIG_FILE, WEIGHTS_FILE))
-            context.abort(grpc.StatusCode.NOT_FOUND if missing else grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        with self._device_lock:  # between two steps
-            lora.install(name, path, weights)
-        log.info("rank %d: LoRA adapter %r loaded from %s", self.config.rank, name, path)
-        return generation_pb2.LoadLoRAAdapterResponse()
-
-    def UnloadLoRAAdapter(self, request, context):
-        if self.runner.lora is not None:
             with self._device_lock:
-                if self.runner.lora.remove(request.lora_name):
-                    log.info("rank %d: LoRA adapter %r unloaded", self.config.rank, request.lora_name)
-        return generation_pb2.UnloadLoRAAdapterResponse()
+                self.lease.stop_stepping(caller)
+            self._step_lock.release()
+        if refused is not None:  # out of the try: an abort is no failure of this rank
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, refused)
 
     @contextlib.contextmanager
     def _failing_on_error(self, what: str):
@@ -303,6 +301,7 @@ class ShardWorkerServicer(worker_pb2_grpc.ShardWorkerServicer):
             allreduce_seconds=out.allreduce_seconds,
             grammar_ready_seq_ids=out.grammar_ready_seq_ids,
             grammar_errors=[worker_pb2.GrammarError(seq_id=i, message=m) for i, m in out.grammar_errors],
+            lora_errors=[worker_pb2.LoRAError(lora_name=n, message=m) for n, m in out.lora_errors],
             prompt_logprobs=out.prompt_logprobs,
             prompt_ranks=out.prompt_ranks,
             prompt_top_token_ids=out.prompt_top_token_ids,
@@ -327,12 +326,14 @@ def select_device(config: WorkerConfig, dtype: str) -> torch.device:
     return device
 
 
-def resolve_dtype(config: WorkerConfig) -> str:
-    """--dtype, with auto resolved for this machine (devices.model_dtype)."""
-    if config.dtype != "auto":
-        return config.dtype
-    cuda_bf16 = config.device == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
-    return devices.model_dtype("auto", config.device, devices.cpu_flags(), cuda_bf16)
+def resolve_dtype(config: WorkerConfig) -> tuple[str, str]:
+    """--dtype, with auto resolved for this machine, and why (devices.model_dtype)."""
+    cuda_bf16 = (
+        config.dtype == "auto"
+        and config.device == "cuda"
+        and torch.cuda.is_bf16_supported(including_emulation=False)
+    )
+    return devices.model_dtype(config.dtype, config.device, devices.cpu_flags(), cuda_bf16)
 
 
 def serve(config: WorkerConfig) -> None:
@@ -345,12 +346,12 @@ def serve(config: WorkerConfig) -> None:
 
     torch.set_num_threads(config.threads)
     cache_dir = configure_compile_cache(config.compile_cache_dir)  # before anything compiles
-    dtype = resolve_dtype(config)
+    dtype, why = resolve_dtype(config)
     if config.dtype == "auto":
-        log.info("rank %d: --dtype auto is %s on this %s", config.rank, dtype, config.device)
+        log.info("rank %d: --dtype auto is %s: %s", config.rank, dtype, why)
     device = select_device(config, dtype)
     tp = init_tensor_parallel(config.rank, config.world_size, config.dist_init, device)
-    linear = devices.linear_dtype(config.linear_dtype, device.type, dtype, devices.cpu_flags())
+    linear = devices.linear_dtype(config.linear_dtype, dtype)
     phases = StartupPhases(config.rank, cache_dir)
     with phases.phase("load_weights"):
         runner = ModelRunner(

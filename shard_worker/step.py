@@ -90,6 +90,7 @@ class StepOutputs:
     # Rank 0: sequences whose grammar became ready since the last step, and those whose failed.
     grammar_ready_seq_ids: list[int] = field(default_factory=list)
     grammar_errors: list[tuple[int, str]] = field(default_factory=list)
+    lora_errors: list[tuple[str, str]] = field(default_factory=list)  # (adapter, why): it did not read
     grammar_mask_seconds: float = 0.0  # host time on grammar masks this step, on the critical path
     grammar_fill_seconds: float = 0.0  # llguidance's mask filling, overlapping the forward
     # Rank 0, per prompt-logprob row: the next prompt token's logprob and rank, then its alternatives.

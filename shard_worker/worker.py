@@ -65,9 +65,11 @@ class Worker:
         bytes the cache and the swap space take."""
         if self.tables is not None:
             self.forget(list(self.sequences))
-        self.tables = BlockTables(-(-max_model_len // block_size))
+        self.tables = BlockTables(-(-max_model_len // block_size), num_blocks, block_size)
         groups = self.runner.model.kv_layout.num_groups if self.runner.model.kv_layout is not None else 1
-        self.group_tables = [BlockTables(-(-max_model_len // block_size)) for _ in range(groups - 1)]
+        self.group_tables = [
+            BlockTables(-(-max_model_len // block_size), num_blocks, block_size) for _ in range(groups - 1)
+        ]
         nbytes = self.runner.allocate_kv_cache(num_blocks, block_size)
         host_bytes = self.runner.allocate_host_kv_cache(num_host_blocks, block_size)
         self.runner.capture_cuda_graphs(max_num_seqs, max_model_len)
@@ -120,7 +122,9 @@ class Worker:
         if (step.input_ids < 0).any():
             step.input_ids = self._fill_placeholders(step, batch)
         rows = np.fromiter((seq.row for seq in batch), dtype=np.int64, count=len(batch))
-        block_table = self.tables.apply(rows, step.table_reset, step.new_block_counts, step.new_block_ids)
+        block_table = self.tables.apply(
+            step.seq_ids, rows, step.table_reset, step.new_block_counts, step.new_block_ids, step.context_lens
+        )
         group_ids = (
             step.group_new_block_ids if step.group_new_block_ids is not None else np.zeros(0, np.int64)
         )
@@ -131,7 +135,7 @@ class Worker:
             )
         group_ids = np.split(group_ids, len(self.group_tables)) if self.group_tables else []
         group_block_tables = [
-            t.apply(rows, step.table_reset, step.new_block_counts, ids)
+            t.apply(step.seq_ids, rows, step.table_reset, step.new_block_counts, ids, step.context_lens)
             for t, ids in zip(self.group_tables, group_ids, strict=True)
         ]
         inputs = StepInputs(

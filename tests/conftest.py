@@ -70,7 +70,11 @@ def pki(tmp_path_factory) -> dict[str, str]:
 def launch(model: Path, *flags: str, startup_timeout: float = 180.0, log_level: str = "WARNING"):
     """Runs `tpserve launch` on a free port; yields (router target, ready info). Stops it by pid.
 
+    Test stacks run --dtype float32 unless the flags name a dtype: the tests compare with transformers'
+    float32, and launch's own default (auto) is bfloat16 on CPUs that multiply it natively.
     info["launcher"] is its Popen; info["log"] the path of the stack's combined output (removed after)."""
+    if "--dtype" not in flags:
+        flags = ("--dtype", "float32", *flags)
     tmp = Path(os.environ.get("PYTEST_TMPDIR", "/tmp"))
     log_path = tmp / f"tpserve-{os.getpid()}-{time.monotonic_ns()}.log"
     try:
@@ -87,11 +91,11 @@ def launch(model: Path, *flags: str, startup_timeout: float = 180.0, log_level: 
 @pytest.fixture(scope="session")
 def smollm2_stack():
     """One SmolLM2 stack for every module that serves it (each start costs 40-50 s): (gRPC target, ready
-    info with the HTTP port). float32 with exact float32 products (the chat tests compare with
-    transformers' float32; --linear-dtype auto would take bf16 on some CPUs), hermes tool calls."""
+    info with the HTTP port). float32 (the chat tests compare with transformers' float32), hermes tool
+    calls."""
     if not (SMOLLM2 / "config.json").is_file():
         pytest.skip("models/smollm2 is not built (`make model-smollm2`; `make test` does it first)")
-    flags = ("--http-port", "0", "--dtype", "float32", "--linear-dtype", "dtype")
+    flags = ("--http-port", "0", "--dtype", "float32")
     flags += ("--tool-call-parser", "hermes")
     with launch(SMOLLM2, *flags, startup_timeout=600) as (target, info):
         yield target, info

@@ -31,12 +31,21 @@ FINISH_REASONS = {
 MIN_LOGPROB = -9999.0
 
 
-def usage(u: pb.Usage) -> dict:
-    return {
+def usage(u: pb.Usage, reasoning: bool = False) -> dict:
+    """reasoning: a reasoning parser ran (OpenAI's completion_tokens_details.reasoning_tokens)."""
+    out = {
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
     }
+    if reasoning:
+        out["completion_tokens_details"] = {"reasoning_tokens": u.reasoning_tokens}
+    return out
+
+
+def _reasoning(text: str | None) -> dict:
+    # vLLM's field, and its older name that clients written for it still read.
+    return {"reasoning": text, "reasoning_content": text}
 
 
 def _logprob(value: float) -> float:
@@ -90,9 +99,12 @@ class Encoder:
         created: int | None = None,
         tool_parser: Callable[[], ToolParser] | None = None,
         echo_texts: list[str] | None = None,
+        reasoning: bool = False,
     ):
-        """tool_parser: makes each choice's parser; echo_texts: the text of each prompt (echo)."""
+        """tool_parser: makes each choice's parser; echo_texts: the text of each prompt (echo); reasoning:
+        the server's reasoning parser splits this chat's answers (GenerateResponse.reasoning_text)."""
         self.req = req
+        self.reasoning = reasoning and req.chat
         self.model = model
         self.created = int(time.time()) if created is None else created
         self.id = ("chatcmpl-" if req.chat else "cmpl-") + req.generate.request_id
@@ -203,7 +215,9 @@ class Encoder:
         head, _, _ = self._start(c, resp.index, resp)
         parsed = self._parse(c, resp.text, final=bool(resp.finish_reason))
         content = head + parsed.content
-        delta = {"content": content} if content else {}
+        delta = _reasoning(resp.reasoning_text) if resp.reasoning_text else {}
+        if content:
+            delta["content"] = content
         if parsed.calls:
             delta["tool_calls"] = [_tool_call(call, c.calls_sent + i) for i, call in enumerate(parsed.calls)]
             c.calls_sent += len(parsed.calls)
@@ -215,7 +229,7 @@ class Encoder:
 
     def usage_chunk(self, u: pb.Usage) -> dict:
         """The last chunk with stream_options.include_usage: no choices, the usage."""
-        return self._chunk([]) | {"usage": usage(u)}
+        return self._chunk([]) | {"usage": usage(u, self.reasoning)}
 
     def _chunk(self, choices: list) -> dict:
         out = self._object("chat.completion.chunk" if self.req.chat else "text_completion", choices)
@@ -235,7 +249,7 @@ class Encoder:
                 total = resp.usage
         choices = [self._whole_choice(i, prompt_lps[i]) for i in sorted(self._choices)]
         kind = "chat.completion" if self.req.chat else "text_completion"
-        out = self._object(kind, choices) | {"usage": usage(total)}
+        out = self._object(kind, choices) | {"usage": usage(total, self.reasoning)}
         if self.req.chat and self.req.prompt_logprobs is not None and choices:
             out["prompt_logprobs"] = prompt_logprobs(prompt_lps[min(self._choices)])  # vLLM: one, on top
         return out
@@ -268,6 +282,10 @@ class Encoder:
                 }
             else:
                 message["content"] = head + parsed.content
+        if self.reasoning:
+            message |= _reasoning(done.reasoning or None)
+            if done.reasoning and not message["content"]:
+                message["content"] = None  # as vLLM: an answer cut inside its think block has no content
         choice = {"index": index, "message": message, "logprobs": logprobs}
         choice["finish_reason"] = self._finish_reason(c, done.finish_reason)
         return choice

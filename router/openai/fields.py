@@ -4,8 +4,8 @@ them, with what tpserve does with it, and the readers that check a field's JSON 
 A field is supported (it does what OpenAI or vLLM documents), accepted (it changes nothing a client can see
 in the answer, as OpenAI documents: `user`, `metadata`), or refused: a 400 naming it, unless it has a value
 that means "not used" (`n: 1`, `echo: false`). An unknown field is refused too, as OpenAI does: ignoring
-it would answer a different question than the one asked. README's table is generated from FIELDS
-(`markdown_table`, checked by tests/unit/test_openai_fields.py).
+it would answer a different question than the one asked. docs/reference/openai-fields.md is generated
+from FIELDS (`markdown_table`, checked by tests/unit/test_docs.py).
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ FIELDS = (
     _r("modalities", CHAT, "OpenAI", "text only", (None, ["text"])),
     _r("audio", CHAT, "OpenAI", "text only"),
     _r("prediction", CHAT, "OpenAI", "predicted outputs need speculative decoding"),
-    _r("reasoning_effort", CHAT, "OpenAI", "no reasoning models served"),
+    _s("reasoning_effort", CHAT, "OpenAI", "given to the chat template as reasoning_effort (as vLLM)"),
     _r("verbosity", CHAT, "OpenAI", "no such control"),
     _r("web_search_options", CHAT, "OpenAI", "no tools run on the server"),
     # ---- vLLM ----
@@ -111,7 +111,7 @@ FIELDS = (
     _s("continue_final_message", CHAT, "vLLM", "the model continues the last message"),
     _s("request_id", BOTH, "vLLM", "the request's id, as X-Request-Id"),
     _a("session_id", BOTH, "vLLM", "a routing hint: no effect"),
-    _a("include_reasoning", CHAT, "vLLM", "no reasoning parser: nothing to separate"),
+    _s("include_reasoning", CHAT, "vLLM", "false: the reasoning is left out of the answer [true]"),
     _r("use_beam_search", BOTH, "vLLM", "no beam search", (None, False)),
     _r("length_penalty", BOTH, "vLLM", "beam search only", (None, 1, 1.0)),
     _r("early_stopping", BOTH, "vLLM", "beam search only", (None, False)),
@@ -141,7 +141,7 @@ FIELDS = (
     _a("guided_decoding_backend", BOTH, "vLLM", "llguidance always: the constraint is the same"),
     _r("guided_whitespace_pattern", BOTH, "vLLM", "JSON is always in the compact form"),
     _r("chat_template", CHAT, "vLLM", "the checkpoint's template only"),
-    _r("chat_template_kwargs", CHAT, "vLLM", "the checkpoint's template only", (None, {})),
+    _s("chat_template_kwargs", CHAT, "vLLM", "extra template variables (Qwen3's enable_thinking)"),
     _r("documents", CHAT, "vLLM", "no RAG templates", (None, [])),
     _r("mm_processor_kwargs", CHAT, "vLLM", "text only"),
     _r("media_io_kwargs", CHAT, "vLLM", "text only"),
@@ -161,7 +161,12 @@ FIELDS = (
     _r("kv_transfer_params", BOTH, "vLLM", "no disaggregated serving"),
     _r("ec_transfer_params", BOTH, "vLLM", "no disaggregated serving"),
     _r("vllm_xargs", BOTH, "vLLM", "no custom extensions"),
-    _r("thinking_token_budget", BOTH, "vLLM", "no reasoning models served"),
+    _s(
+        "thinking_token_budget",
+        CHAT,
+        "vLLM",
+        "the think block is closed (its end tag forced) after this many tokens; needs --reasoning-parser",
+    ),
     _r("repetition_detection", BOTH, "vLLM", "not implemented"),
     _r("stream_interval", BOTH, "vLLM", "each message as it comes", (None, 1)),
     _r("watermarking", BOTH, "vLLM", "not implemented", (None, False)),
@@ -192,7 +197,7 @@ def check_fields(body: dict, chat: bool) -> None:
 
 
 def markdown_table() -> str:
-    """README's table of request fields."""
+    """The table of request fields (docs/reference/openai-fields.md, written by docs/gen_ref.py)."""
     rows = ["| field | endpoint | from | tpserve |", "|---|---|---|---|"]
     for f in FIELDS:
         status = "**refused** (400)" if f.status == "refused" else f.status

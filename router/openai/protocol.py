@@ -258,6 +258,28 @@ def parse_message(m: object, where: str) -> pb.ChatMessage:
     )
 
 
+def _reasoning_fields(body: dict, kwargs: dict) -> None:
+    """chat_template_kwargs, reasoning_effort, include_reasoning, thinking_token_budget."""
+    template_kwargs = body.get("chat_template_kwargs")
+    if template_kwargs is not None:
+        if not isinstance(template_kwargs, dict):
+            raise bad_request(
+                "chat_template_kwargs",
+                f"chat_template_kwargs must be an object, got {f.kind(template_kwargs)}",
+            )
+        kwargs["chat_template_kwargs_json"] = json.dumps(template_kwargs)
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if not isinstance(effort, str):
+            raise bad_request("reasoning_effort", f"reasoning_effort must be a string, got {f.kind(effort)}")
+        kwargs["reasoning_effort"] = effort
+    if body.get("include_reasoning") is not None:
+        kwargs["include_reasoning"] = f.boolean(body, "include_reasoning")
+    budget = f.integer(body, "thinking_token_budget", 0, f.UINT32_MAX)
+    if budget is not None:
+        kwargs["thinking_token_budget"] = budget
+
+
 def parse_chat(
     body: object, request_id: str, tool_parser: str | None = None, strict: bool = True
 ) -> ApiRequest:
@@ -283,6 +305,7 @@ def parse_chat(
     if body.get("add_generation_prompt") is not None:
         kwargs["add_generation_prompt"] = f.boolean(body, "add_generation_prompt")
     kwargs["continue_final_message"] = f.boolean(body, "continue_final_message")
+    _reasoning_fields(body, kwargs)
     # max_completion_tokens is the current name, max_tokens the deprecated one; unset: as much as fits.
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _max_tokens(body, name)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import importlib.metadata
 import json
 import logging
@@ -37,14 +36,14 @@ from common import tracing
 from common.grpc_util import MAX_MESSAGE_BYTES
 from common.pb.tpserve.v1 import generation_pb2 as pb
 from common.security import TlsFiles
+from router.anthropic.server import ERROR_SHAPE as anthropic_errors
+from router.anthropic.server import AnthropicApi
 from router.auth import ApiKeys, refusal
-from router.choices import merged
 from router.frontend import Frontend, RequestFailed
 from router.openai import lora, protocol, tokenize
-from router.openai.encoder import Encoder
+from router.openai.answer import Answer, started, write_events
 from router.openai.errors import ApiError, bad_request, from_failure
-from router.openai.tool_parsers import PARSERS, ForcedCalls
-from router.openai.tools import FUNCTION, REQUIRED
+from router.openai.responses_server import ResponsesApi
 
 log = logging.getLogger("tpserve.router")
 
@@ -63,11 +62,11 @@ def ssl_context(tls: TlsFiles) -> ssl.SSLContext:
     return ctx
 
 
-def _error(e: ApiError) -> web.Response:
+def _error(e: ApiError, body: dict) -> web.Response:
     headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
     if e.retry_after_s is not None:  # RFC 9110: whole seconds
         headers = {"Retry-After": str(max(1, math.ceil(e.retry_after_s)))}
-    return web.json_response(e.body(), status=e.status, headers=headers)
+    return web.json_response(body, status=e.status, headers=headers)
 
 
 def _sse(obj: dict) -> bytes:
@@ -93,8 +92,10 @@ class OpenAIServer:
         metrics_registry=None,
         tool_call_parser: str | None = None,
         strict_schemas: bool = True,
+        responses_store_size: int = 1000,
     ):
-        """strict_schemas: --disable-additional-properties (JSON Schemas closed unless a request says)."""
+        """strict_schemas: --disable-additional-properties (JSON Schemas closed unless a request says);
+        responses_store_size: --responses-store-size (the Responses API's stored responses)."""
         self.frontend = frontend
         self.keys = keys
         self.on_refused = on_refused
@@ -105,6 +106,7 @@ class OpenAIServer:
         self.strict_schemas = strict_schemas
         # Any path naming the served directory is the served model (resolved once: it does not move).
         self._model_path = os.path.realpath(frontend.config.model)
+        self._served_names = frontend.config.served_model_name  # --served-model-name: all accepted
         # Token-id prompts of long contexts are megabytes: the same bound as gRPC messages.
         app = web.Application(middlewares=[self._errors, self._auth], client_max_size=MAX_MESSAGE_BYTES)
         app.add_routes(
@@ -124,6 +126,11 @@ class OpenAIServer:
                 web.post("/v1/unload_lora_adapter", self.unload_lora_adapter),
             ]
         )
+        # The other APIs over the same path: each registers its routes, and the error shape of its paths.
+        self.apis = [AnthropicApi(self), ResponsesApi(self, responses_store_size)]
+        for api in self.apis:
+            app.add_routes(api.routes())
+        self._error_shapes = [anthropic_errors]
         self.app = app
         self._runner = web.AppRunner(
             # Past the drain timeout the router ends what is left with FINISH_REASON_ABORTED (pool.drain):
@@ -155,18 +162,24 @@ class OpenAIServer:
         try:
             return await handler(request)
         except ApiError as e:
-            return _error(e)
+            return _error(e, self._error_body(request, e))
         except web.HTTPException as e:
             if e.status < 400:
                 raise
-            # aiohttp's own refusals (unknown path, wrong method, body too large) in OpenAI's shape too.
-            return _error(ApiError(e.status, f"{request.method} {request.path}: {e.reason}"))
+            # aiohttp's own refusals (unknown path, wrong method, body too large) in the API's shape too.
+            e = ApiError(e.status, f"{request.method} {request.path}: {e.reason}")
+            return _error(e, self._error_body(request, e))
+
+    def _error_body(self, request: web.Request, e: ApiError) -> dict:
+        shape = next((shape for prefix, shape in self._error_shapes if request.path.startswith(prefix)), None)
+        return e.body() if shape is None else shape(e)
 
     @web.middleware
     async def _auth(self, request: web.Request, handler) -> web.StreamResponse:
         if self.keys is not None and request.path not in EXEMPT_PATHS:
-            values = request.headers.getall("Authorization", [])
-            message = refusal(self.keys, [("authorization", v) for v in values])
+            presented = [("authorization", v) for v in request.headers.getall("Authorization", [])]
+            presented += [("x-api-key", v) for v in request.headers.getall("X-Api-Key", [])]  # Anthropic's
+            message = refusal(self.keys, presented)
             if message is not None:
                 self.on_refused()
                 raise ApiError(401, message, code="UNAUTHENTICATED")  # the message holds no key
@@ -216,16 +229,16 @@ class OpenAIServer:
         return web.json_response({"object": "list", "data": cards})
 
     async def load_lora_adapter(self, request: web.Request) -> web.Response:
-        return await lora.load(self.frontend, await self._body(request))
+        return await lora.load(self.frontend, await self.body(request))
 
     async def unload_lora_adapter(self, request: web.Request) -> web.Response:
-        return await lora.unload(self.frontend, await self._body(request))
+        return await lora.unload(self.frontend, await self.body(request))
 
     async def model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
         if name in self.frontend.loras:
             return web.json_response(self._lora_card(self._model_info(), name))
-        return web.json_response(self._card(self._check_model(name)))
+        return web.json_response(self._card(self.check_model(name)))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(
@@ -239,8 +252,8 @@ class OpenAIServer:
         )
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        req = tokenize.parse_tokenize(await self._body(request))
-        self._check_model(req.model)
+        req = tokenize.parse_tokenize(await self.body(request))
+        self.check_model(req.model)
         try:
             ids, strs, max_model_len = await self.frontend.tokenize(req.generate, req.return_token_strs)
         except RequestFailed as e:
@@ -248,8 +261,8 @@ class OpenAIServer:
         return web.json_response(tokenize.tokenize_response(ids, max_model_len, strs))
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        model, ids = tokenize.parse_detokenize(await self._body(request))
-        self._check_model(model)
+        model, ids = tokenize.parse_detokenize(await self.body(request))
+        self.check_model(model)
         try:
             return web.json_response({"prompt": await self.frontend.detokenize(ids)})
         except RequestFailed as e:
@@ -263,11 +276,11 @@ class OpenAIServer:
         except RequestFailed as e:
             raise from_failure(e, {}) from None
 
-    def _check_model(self, name: str | None) -> pb.ModelInfo:
+    def check_model(self, name: str | None) -> pb.ModelInfo:
         """The served model, or 404 for another name. Its name (as /v1/models lists it) and any path to the
         directory the router was given (--model) are the served model."""
         info = self._model_info()
-        if name is None or name in (info.model_name, self.frontend.config.model):
+        if name is None or name in (info.model_name, self.frontend.config.model, *self._served_names):
             return info
         if os.sep in name and os.path.realpath(name) == self._model_path:
             return info
@@ -278,7 +291,7 @@ class OpenAIServer:
             code="NOT_FOUND",
         )
 
-    async def _body(self, request: web.Request) -> object:
+    async def body(self, request: web.Request) -> object:
         if self.draining:
             raise ApiError(503, "the server is shutting down", code="UNAVAILABLE")
         try:
@@ -286,112 +299,56 @@ class OpenAIServer:
         except ValueError as e:
             raise bad_request(None, f"the request body is not valid JSON: {e}") from None
 
-    async def _generate(self, request: web.Request, parse) -> web.StreamResponse:
-        req = parse(await self._body(request), request.headers.get("X-Request-Id") or uuid.uuid4().hex)
-        if req.model in self.frontend.loras:  # an adapter of the served model
-            name = req.model  # the responses name the adapter, as vLLM's do
+    def served_name(self, req: protocol.ApiRequest) -> str:
+        """The name answers carry: an adapter's (which the request then runs on, as vLLM's), else the served
+        model's (404 for another)."""
+        if req.model in self.frontend.loras:
             for g in req.generates:
                 g.lora_name = req.model
-        else:
-            name = self._check_model(req.model).model_name
-        parser, choice = None, req.tool_choice
-        if choice is not None and choice.mode in (REQUIRED, FUNCTION):
-            parser = functools.partial(
-                ForcedCalls, choice.name
-            )  # the answer is the call, made by its grammar
-        elif choice is not None and choice.parses:
-            parser = PARSERS[self.tool_call_parser]
-            if parser.needs_special_tokens and not req.generate.HasField("skip_special_tokens"):
-                req.generate.skip_special_tokens = False  # the parser's marker is a special token
+            return req.model
+        return self.check_model(req.model).model_name
+
+    @contextlib.asynccontextmanager
+    async def answer(self, request: web.Request, req: protocol.ApiRequest) -> AsyncIterator[Answer]:
+        """req started through the Frontend (answer.py), for any of the APIs to render."""
+        name = self.served_name(req)
         parent = tracing.context_from_metadata((k.lower(), v) for k, v in request.headers.items())
-        encoder = Encoder(req, name, tool_parser=parser, echo_texts=await self._echo_texts(req))
-        async with contextlib.aclosing(self._responses(req, parent)) as responses:
-            try:
-                first = await anext(responses)
-            except RequestFailed as e:
-                raise from_failure(e, req.params) from None
+        reasoning = self.frontend.config.reasoning_parser is not None
+        async with started(self.frontend, req, name, self.tool_call_parser, parent, reasoning) as a:
+            yield a
+
+    @staticmethod
+    def request_id(request: web.Request) -> str:
+        return request.headers.get("X-Request-Id") or uuid.uuid4().hex
+
+    async def _generate(self, request: web.Request, parse) -> web.StreamResponse:
+        req = parse(await self.body(request), self.request_id(request))
+        async with self.answer(request, req) as a:
             if req.stream:
-                return await self._stream(request, req, encoder, first, responses)
-            whole = [first]
-            try:
-                whole += [resp async for resp in responses]
-            except RequestFailed as e:
-                raise from_failure(e, req.params) from None
+                return await write_events(request, _chunks(a), a.encoder.id)
+            whole = [resp async for resp in a.responses()]
             if req.best_of is not None:
                 whole = best_of(whole, req.best_of, req.n)
-            return web.json_response(encoder.whole(whole))
+            return web.json_response(a.encoder.whole(whole))
 
-    def _responses(self, req: protocol.ApiRequest, parent) -> AsyncIterator[pb.GenerateResponse]:
-        """Every prompt's choices in one stream, choice i of prompt p as index p * n + i (the Frontend
-        numbers each prompt's own from 0)."""
-        generated = req.best_of or req.n
 
-        async def numbered(p: int, g: pb.GenerateRequest):
-            async with contextlib.aclosing(self.frontend.generate(g, parent)) as responses:
-                async for resp in responses:
-                    resp.index += p * generated
-                    yield resp
-
-        streams = [numbered(p, g) for p, g in enumerate(req.generates)]
-        return merged(streams, same_prompt=len(streams) == 1, finishes=generated * len(streams))
-
-    async def _echo_texts(self, req: protocol.ApiRequest) -> list[str] | None:
-        """echo: each prompt's text (completions), or the last message's when it is the assistant's turn
-        being continued (chat, as vLLM)."""
-        if not req.echo:
-            return None
-        if req.chat:
-            last = req.generate.messages[-1]
-            return [last.content if last.role == "assistant" else ""]
-        texts = []
-        for g in req.generates:
-            texts.append(g.text if g.text else await self._detokenize(list(g.token_ids), req))
-        return texts
-
-    async def _detokenize(self, ids: list[int], req: protocol.ApiRequest) -> str:
-        try:
-            return await self.frontend.detokenize(ids)
-        except RequestFailed as e:
-            raise from_failure(e, req.params) from None
-
-    async def _stream(
-        self,
-        request: web.Request,
-        req: protocol.ApiRequest,
-        encoder: Encoder,
-        first: pb.GenerateResponse,
-        rest: AsyncIterator[pb.GenerateResponse],
-    ) -> web.StreamResponse:
-        response = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-        )
-        await response.prepare(request)
-        try:
-            if req.chat:
-                for chunk in encoder.role_chunks():
-                    await response.write(_sse(chunk))
-            resp, usage = first, None
-            while True:
-                chunk = encoder.chunk(resp)
-                if chunk is not None:
-                    await response.write(_sse(chunk))
-                if resp.HasField("usage"):  # the very last message: every choice has finished
-                    usage = resp.usage
-                try:
-                    resp = await anext(rest)
-                except StopAsyncIteration:
-                    break
-                except RequestFailed as e:
-                    await response.write(_sse(from_failure(e, req.params).body()))
-                    break
-            if req.include_usage and usage is not None:
-                await response.write(_sse(encoder.usage_chunk(usage)))
-            await response.write(b"data: [DONE]\n\n")
-            await response.write_eof()
-        except ConnectionResetError:
-            # The client went away between tokens: leaving closes the generator, which aborts the request.
-            log.debug("client of %s disconnected", encoder.id)
-        return response
+async def _chunks(a: Answer) -> AsyncIterator[bytes]:
+    """A completions or chat stream: OpenAI's chunks, a failure as an error chunk, then [DONE]."""
+    if a.req.chat:
+        for chunk in a.encoder.role_chunks():
+            yield _sse(chunk)
+    usage = None
+    try:
+        async for resp, chunk in a.chunks():
+            if chunk is not None:
+                yield _sse(chunk)
+            if resp.HasField("usage"):  # the very last message: every choice has finished
+                usage = resp.usage
+    except ApiError as e:
+        yield _sse(e.body())
+    if a.req.include_usage and usage is not None:
+        yield _sse(a.encoder.usage_chunk(usage))
+    yield b"data: [DONE]\n\n"
 
 
 def best_of(responses: list[pb.GenerateResponse], generated: int, n: int) -> list[pb.GenerateResponse]:

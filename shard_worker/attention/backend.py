@@ -72,13 +72,18 @@ class StepBatch:
         block_table: np.ndarray,
         block_size: int,
         device: torch.device,
+        num_blocks: int | None = None,
         group_tables: list[np.ndarray] = (),
     ) -> StepBatch:
         """input_ids [T], query_lens and context_lens [S] and block_table [S, max_blocks] (int64 numpy
         arrays, as the step arrived), and the other layer groups' tables shaped alike. Raises ValueError
-        when they do not describe a valid step."""
+        when they do not describe a valid step, or (given num_blocks, the cache's) when a table holds an
+        id outside the cache: no backend then reads or writes past it (the Triton kernels and the C++
+        one would, unchecked)."""
         num_seqs, num_tokens = len(query_lens), len(input_ids)
         _check(query_lens, context_lens, block_table, num_tokens, block_size)
+        if num_blocks is not None and block_table.size:
+            _check_ids(block_table, num_blocks)
         # On the host with numpy, then one copy to the device: these are a few thousand integers, and
         # torch's CPU repeat_interleave runs a parallel region even for 128 elements, which costs
         # milliseconds on a loaded machine (measured: 7.7 ms against 0.05 ms).
@@ -107,7 +112,8 @@ class StepBatch:
             seq_lens_host=np.asarray(context_lens, dtype=np.int64),
             block_size=block_size,
             groups=tuple(
-                cls.build(input_ids, query_lens, context_lens, t, block_size, device) for t in group_tables
+                cls.build(input_ids, query_lens, context_lens, t, block_size, device, num_blocks)
+                for t in group_tables
             ),
         )
 
@@ -131,6 +137,18 @@ def _check(query_lens, context_lens, block_table, num_tokens: int, block_size: i
         raise ValueError(
             f"a context of {int(context_lens.max())} tokens needs more blocks than the block table's "
             f"{block_table.shape[1]} columns"
+        )
+
+
+def _check_ids(block_table: np.ndarray, num_blocks: int) -> None:
+    """Every id of the table (padding included: 0) in the cache's [0, num_blocks): a few thousand
+    integers, compared on the host before anything reaches the device."""
+    bad = (block_table < 0) | (block_table >= num_blocks)
+    if bad.any():
+        row, column = (int(x) for x in np.argwhere(bad)[0])
+        raise ValueError(
+            f"batch row {row}: block id {int(block_table[row, column])} (its block {column}) is outside "
+            f"the KV cache's {num_blocks} blocks"
         )
 
 

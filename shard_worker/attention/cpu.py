@@ -44,6 +44,7 @@ class CpuMetadata:
     plan: cpu_ops.StepPlan | None = None  # the same rows for tp_attention_layer (None: no library)
     plan_address: int = 0
     num_tokens: int = 0  # the step's rows (the plan's slots)
+    fault: torch.Tensor | None = None  # [3] int64 the plan's: what the kernel refused (cpu_kernel.check)
 
 
 class CpuBackend(AttentionBackend):
@@ -79,9 +80,10 @@ class CpuBackend(AttentionBackend):
         )
         as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))  # noqa: E731
         tokens, seq, positions = as_tensor(tokens), as_tensor(seq), as_tensor(positions)
-        plan = _plan(batch, tokens, seq, positions)
+        fault = cpu_kernel.new_fault()
+        plan = _plan(batch, tokens, seq, positions, fault)
         address = ctypes.addressof(plan) if plan is not None else 0
-        return CpuMetadata(tokens, seq, positions, prefills, plan, address, batch.num_tokens)
+        return CpuMetadata(tokens, seq, positions, prefills, plan, address, batch.num_tokens, fault)
 
     def forward(self, layer, q, k, v, kv_cache, ctx):
         md: CpuMetadata = ctx.metadata
@@ -126,8 +128,9 @@ class CpuBackend(AttentionBackend):
             1.0,
             layer.sliding_window or 0,
         )
-        if rc != 0:
-            raise ValueError(f"the CPU attention kernel refused its arguments (code {rc})")
+        if rc == -4:
+            raise ValueError(f"a KV slot of this step is outside the KV cache's {num_blocks} blocks")
+        cpu_kernel.check(rc, md.fault, num_blocks)
         self._prefills(layer, q, kv_cache, ctx, out)
         return out
 
@@ -157,7 +160,7 @@ class CpuBackend(AttentionBackend):
             out[start : start + q_len] = attend_sequence(layer, q, kv_cache, table[seq], start, q_len, c_len)
 
 
-def _plan(batch: StepBatch, tokens, seq, positions) -> cpu_ops.StepPlan | None:
+def _plan(batch: StepBatch, tokens, seq, positions, fault) -> cpu_ops.StepPlan | None:
     """The step's rows for tp_attention_layer; None without the library. The metadata keeps the tensors
     it points into alive."""
     table, slots = batch.block_table, batch.slot_mapping
@@ -172,6 +175,9 @@ def _plan(batch: StepBatch, tokens, seq, positions) -> cpu_ops.StepPlan | None:
         tokens.shape[0],
         table.data_ptr(),
         table.stride(0),
+        table.shape[0],
+        table.shape[1],
+        fault.data_ptr(),
         slots.data_ptr(),
         slots.shape[0],
         torch.get_num_threads(),

@@ -19,7 +19,7 @@ EXT = cpu_ext.Extension(
     "cpu_attention",
     CSRC / "cpu_paged_attention.cpp",
     "tp_paged_attention_abi",
-    1,
+    2,
     "the CPU attention kernel",
     more=(CSRC / "cpu_small_ops.cpp", CSRC / "cpu_kernels.h"),
 )
@@ -34,7 +34,7 @@ DTYPE_CODES = {
 QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_HEAD_DIM = 1024
 
-__all__ = ["EXT", "KernelUnavailable", "load", "paged_attention", "unavailable"]
+__all__ = ["EXT", "KernelUnavailable", "check", "load", "new_fault", "paged_attention", "unavailable"]
 
 
 @functools.cache
@@ -45,7 +45,7 @@ def load() -> ctypes.CDLL:
     fn = lib.tp_paged_attention
     i, i64, ptr, f = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     fn.argtypes = [i, i, ptr, ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i64]
-    fn.argtypes += [i, i, i, i, f, f, f, i64, i]
+    fn.argtypes += [i, i, i, i, f, f, f, i64, i, i64, i64, i64, ptr]
     fn.restype = ctypes.c_int
     return lib
 
@@ -69,7 +69,9 @@ def paged_attention(
     window: int | None = None,
 ) -> None:
     """Each selected token attended over keys max(0, p - window + 1) .. p of its sequence (p its
-    position), in float32 arithmetic, written into out. The cache must already hold this step's keys."""
+    position), in float32 arithmetic, written into out. The cache must already hold this step's keys.
+    Every block id read is checked against the cache and every position against the table's width:
+    ValueError naming the batch row and the id (check) rather than a read outside them."""
     n = tokens.shape[0]
     if n == 0:
         return
@@ -84,6 +86,7 @@ def paged_attention(
             raise ValueError("tokens, seq and positions must be contiguous int64")
     if kv_cache.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
         k_scale = v_scale = 1.0  # only fp8 caches hold scaled values (kv_dtype.store)
+    fault = new_fault()
     rc = load().tp_paged_attention(
         DTYPE_CODES[q.dtype],
         DTYPE_CODES[kv_cache.dtype],
@@ -112,6 +115,33 @@ def paged_attention(
         v_scale,
         window or 0,
         torch.get_num_threads(),
+        block_table.shape[0],
+        block_table.shape[1],
+        kv_cache.shape[1],
+        fault.data_ptr(),
     )
-    if rc != 0:
-        raise ValueError(f"the CPU attention kernel refused its arguments (code {rc})")
+    check(rc, fault, kv_cache.shape[1])
+
+
+def new_fault() -> torch.Tensor:
+    """Where the kernel says what it refused: {batch row, block column, block id or the table's width}."""
+    return torch.zeros(3, dtype=torch.int64)
+
+
+def check(rc: int, fault: torch.Tensor, num_blocks: int) -> None:
+    """Raises ValueError for a non-zero return code of the kernel, naming what it refused."""
+    if rc == 0:
+        return
+    row, column, value = fault.tolist()
+    if rc == -5:
+        raise ValueError(
+            f"batch row {row}: block id {value} (its block {column}) is outside the KV cache's "
+            f"{num_blocks} blocks"
+        )
+    if rc == -6:
+        raise ValueError(
+            f"batch row {row}: a position needs its block {column}, the block table holds {value}"
+        )
+    if rc == -7:
+        raise ValueError(f"batch row {row} is not in the block table's {value} rows")
+    raise ValueError(f"the CPU attention kernel refused its arguments (code {rc})")

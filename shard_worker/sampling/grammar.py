@@ -29,6 +29,7 @@ import torch
 
 from common.grammar import GrammarError, GrammarSpec, llguidance_grammar
 from shard_worker.sampling.processors import LogitsProcessor, SequenceState
+from shard_worker.sampling.thinking import content_ids, inside
 
 log = logging.getLogger("tpserve.shard_worker")
 
@@ -138,10 +139,14 @@ class GrammarProcessor(LogitsProcessor):
         return config.structured is not None
 
     def init(self, state, token_ids, num_prompt_tokens):
-        state.extra["grammar"] = _Pending(
-            self.compiler.compiled(state.config.structured), list(token_ids[num_prompt_tokens:])
-        )
+        # After a think block only the content is the grammar's (ThinkingProcessor, before this, has
+        # replayed the output).
+        output = content_ids(state, list(token_ids[num_prompt_tokens:]))
+        state.extra["grammar"] = _Pending(self.compiler.compiled(state.config.structured), output)
         self.ready(state)
+
+    def idle(self, state):
+        return inside(state)
 
     def release(self, state):
         state.extra.pop("grammar", None)
@@ -168,7 +173,7 @@ class GrammarProcessor(LogitsProcessor):
     def prepare(self, states: list[SequenceState]) -> None:
         """Starts filling the masks of these states (a step's sampled grammar sequences, in batch order)
         while the forward runs; apply takes the result."""
-        members = [s for s in states if self in s.processors]
+        members = [s for s in states if self in s.processors and not self.idle(s)]
         if members:
             matchers = [self._matcher(s) for s in members]  # built here, on the step's thread
             self._prepared = (tuple(map(id, members)), self._fill_thread.submit(self._fill, matchers))

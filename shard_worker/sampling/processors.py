@@ -53,6 +53,10 @@ class LogitsProcessor:
         """Edits logits[rows[i]] for states[i], in place."""
         raise NotImplementedError
 
+    def idle(self, state: SequenceState) -> bool:
+        """The sequence uses this processor but not at this token (a grammar inside a think block)."""
+        return False
+
     def accept(self, states: list[SequenceState], tokens: torch.Tensor) -> None:
         """tokens[i] was chosen for states[i] (before num_sampled counts it)."""
 

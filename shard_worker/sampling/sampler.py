@@ -34,6 +34,7 @@ from shard_worker.sampling.processors import (
     SequenceState,
 )
 from shard_worker.sampling.speculative import rejection_sample
+from shard_worker.sampling.thinking import ThinkingProcessor
 from shard_worker.step import SequenceInit
 
 
@@ -63,6 +64,9 @@ class Sampler:
             LogitBias(self.device),
             MinTokens(eos_token_ids, self.device),
             BadWords(self.device),
+            # After the others, so a spent thinking budget's end tag wins over them; before the grammar,
+            # which waits for the block to close.
+            ThinkingProcessor(self.device),
         ]
         self.grammar = GrammarProcessor(grammars, self.device) if grammars is not None else None
         if self.grammar is not None:
@@ -159,8 +163,14 @@ class Sampler:
         for the rows whose token is a draft model's proposal judged by the rejection rule."""
         raw = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         edited = None
+        # Decided once per pass: a processor that shaped a row's logits hears the token chosen there (the
+        # grammar must not hear the end tag that closes a think block, though it is active right after).
+        members_of = {
+            p: [i for i, s in enumerate(states) if p in s.processors and not p.idle(s)]
+            for p in self.processors
+        }
         for p in self.processors:
-            members = [i for i, s in enumerate(states) if p in s.processors]
+            members = members_of[p]
             if members:
                 if edited is None:
                     edited = logits.clone()  # the raw logits stay for the logprobs
@@ -181,7 +191,7 @@ class Sampler:
             d = torch.tensor([d for _, _, d in verify], device=self.device)
             tokens = tokens.index_copy(0, at, rejection_sample(p, q, d, self._generator))
         for p in self.processors:
-            members = [i for i, s in enumerate(states) if p in s.processors]
+            members = members_of[p]
             if members:
                 p.accept([states[i] for i in members], tokens[torch.tensor(members, device=self.device)])
         for s, t in zip(states, tokens.tolist(), strict=True):

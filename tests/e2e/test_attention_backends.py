@@ -38,8 +38,7 @@ def test_every_cpu_backend_serves_transformers_greedy_tokens(tiny_model, monkeyp
     for backend in ("cpu", "flex", "reference", "triton"):
         if backend == "triton":  # inherited by the stack's processes, read when they import the kernels
             monkeypatch.setenv("TRITON_INTERPRET", "1")
-        # Exact float32 products whatever the CPU (--linear-dtype auto takes bf16 on some).
-        flags = ("--dtype", "float32", "--attention-backend", backend, "--linear-dtype", "dtype")
+        flags = ("--dtype", "float32", "--attention-backend", backend)
         with (
             launch(tiny_model, *flags, *SMALL_LIMITS) as (target, _),
             grpc.insecure_channel(target) as channel,
@@ -116,10 +115,10 @@ def test_a_bfloat16_model_on_the_cpu_kernel_serves_transformers_bfloat16_tokens(
 
 def test_dtype_auto_is_resolved_by_the_worker_for_this_machine(tiny_model):
     """--dtype auto through the real processes: the worker picks what devices.model_dtype gives for this
-    CPU (bfloat16 with native bf16 products, else float32), says so, and serves with it."""
+    CPU (bfloat16 with native bf16 products, else float32), says so with the reason, and serves with it."""
     from shard_worker import devices
 
-    want = devices.model_dtype("auto", "cpu", devices.cpu_flags(), False)
+    want, why = devices.model_dtype("auto", "cpu", devices.cpu_flags(), False)
     request = dict(token_ids=[5, 6, 7], max_new_tokens=NEW_TOKENS, ignore_eos=True, sampling=GREEDY)
     with (
         launch(tiny_model, "--dtype", "auto", *SMALL_LIMITS, log_level="INFO") as (target, info),
@@ -128,4 +127,4 @@ def test_dtype_auto_is_resolved_by_the_worker_for_this_machine(tiny_model):
         ((tokens, *_),) = run_concurrently(generation_pb2_grpc.GenerationStub(channel), [request])
         log = info["log"].read_text()
     assert len(tokens) == NEW_TOKENS
-    assert f"rank 0: --dtype auto is {want} on this cpu" in log
+    assert f"rank 0: --dtype auto is {want}: {why}" in log

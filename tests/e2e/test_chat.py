@@ -5,6 +5,8 @@ generate on the same directory with its own apply_chat_template, token for token
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import grpc
 import pytest
 import torch
@@ -100,6 +102,39 @@ def test_concurrent_chats_equal_transformers_token_for_token(stack, reference):
             assert reason == pb.FINISH_REASON_LENGTH and len(tokens) == NEW_TOKENS, question
     assert stopped >= 1  # the EOS path was exercised ("The capital of France is Paris." ends well within 32)
     assert "Paris" in results[0][1]
+
+
+def test_float32_logprobs_equal_transformers_float32_within_1e_4(stack, reference, one_thread):
+    """--dtype float32 is float32 in every layer (no bf16 linear layers on a CPU with native bf16): the
+    chosen token's logprob along each greedy path within 1e-4 of transformers' float32, teacher forced.
+    Served concurrently, so the rows share batched steps; transformers on one thread (conftest)."""
+    from transformers import AutoModelForCausalLM
+
+    prompts = reference[0][:4]
+    stub = generation_pb2_grpc.GenerationStub(stack)
+
+    def served(ids):
+        request = pb.GenerateRequest(
+            token_ids=ids, max_new_tokens=NEW_TOKENS, ignore_eos=True, top_logprobs=1
+        )
+        request.sampling.temperature = 0.0
+        tokens, logprobs = [], []
+        for resp in stub.Generate(request, timeout=120):
+            tokens += resp.token_ids
+            logprobs += [lp.chosen.logprob for lp in resp.logprobs]
+        return tokens, logprobs
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(served, prompts))
+    model = AutoModelForCausalLM.from_pretrained(SMOLLM2, dtype=torch.float32)
+    worst = 0.0
+    for ids, (tokens, logprobs) in zip(prompts, results, strict=True):
+        assert len(tokens) == len(logprobs) == NEW_TOKENS
+        with torch.no_grad():
+            logits = model(torch.tensor([ids + tokens])).logits[0, len(ids) - 1 : -1]
+        want = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+        worst = max(worst, (torch.tensor(logprobs) - want).abs().max().item())
+    assert worst < 1e-4, worst
 
 
 def test_reflection_lists_the_generation_service(stack):

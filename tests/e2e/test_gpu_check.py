@@ -26,7 +26,8 @@ def test_the_gpu_check_runs_every_part_at_toy_sizes(tmp_path):
     (timing,) = doc["decode_timing"]["cases"]
     assert all(isinstance(timing[f"{name}_ms"], float) for name in ("triton", "reference", "flex"))
     ref = doc["reference"]["graphs"]
-    assert ref["close"] == doc["reference"]["prompts"] == 8  # greedy tokens as transformers gives them
+    # float32 on CPU: every greedy token is transformers' (vLLM's looser rule is for bf16 on a GPU).
+    assert ref["equal"] == ref["close"] == doc["reference"]["prompts"] == 8
     assert "eager" not in doc["reference"]  # on CPU the --enforce-eager runs would repeat these
     bench = doc["benchmark"]["graphs"]
     for workload in ("continuous", "static", "decode"):
@@ -46,7 +47,9 @@ def test_the_gpu_check_runs_every_part_at_toy_sizes(tmp_path):
     for batch in ("batch 1", "batch 8"):
         assert all(quant["timing"][batch][fmt]["eager_ms"] > 0 for fmt in ("dense", "int4", "int8", "fp8"))
     served = doc["quant_reference"]
-    assert served["int8"]["close"] == served["prompts"] and "fp8" not in served, served  # quick: one stack
+    # Exact against the dequantized model with its projections' inputs rounded to bf16, as the CPU int8
+    # kernel rounds them. quick: one stack.
+    assert served["int8"]["equal"] == served["prompts"] and "fp8" not in served, served
     stack = doc["quant_stack"]["int4"]  # quick: the int4 stack only (every format's config: unit-tested)
     assert stack["batch 1"]["ok"] == 1 and stack["batch 4"]["ok"] == 4, stack
     assert stack["batch 4"]["output_tokens_per_s"] > 0

@@ -10,10 +10,12 @@ are tests/unit/test_lora.py's."""
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -106,6 +108,7 @@ def test_adapters_and_base_in_one_batch_serve_transformers_peft_tokens(
         assert 'tpserve_lora_requests_in_flight{lora_name="chat"} 0.0' in metrics
         assert "nope" not in metrics
         check_loading_while_serving(stub, http, adapters, references, tmp_path)
+        check_an_adapter_whose_files_vanished(stub, http, adapters, references, tmp_path, info)
 
 
 class Streams:
@@ -182,6 +185,32 @@ def check_loading_while_serving(stub, http: str, adapters, references, tmp) -> N
     assert set(cards) - {c["id"] for c in cards.values() if c["parent"] is None} == {"sql", "chat2"}
     assert cards["chat2"]["root"] == str(adapters["chat"])
     assert_served(stub, {"": references[""], "sql": references["sql"], "chat2": references["chat"]})
+
+
+def check_an_adapter_whose_files_vanished(stub, http: str, adapters, references, tmp, info) -> None:
+    """An adapter deleted from disk while it is served, once evicted from the ranks' host caches (--max-
+    cpu-loras 1: the next adapter used evicts it): its requests get NOT_FOUND / 404 naming it, and the
+    ranks live on, serving the others. Before, the step that read it again ended the rank."""
+
+    def first(name: str) -> dict:  # one reference prompt of each: the point is not the tokens here
+        return dict([next(iter(references[name].items()))])
+
+    path = copy_adapter(adapters["sql"], tmp / "vanishing")
+    stub.LoadLoRAAdapter(pb.LoadLoRAAdapterRequest(lora_name="vanishing", lora_path=str(path)))
+    assert_served(stub, {"vanishing": first("sql")})
+    assert_served(stub, {"chat2": first("chat")})  # evicts it from the host
+    shutil.rmtree(path)
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(pb.GenerateRequest(token_ids=[5, 6], max_new_tokens=2, lora_name="vanishing")))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND and "'vanishing'" in e.value.details()
+    body = {"model": "vanishing", "prompt": [5, 6], "max_tokens": 2}
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(_post(f"{http}/completions", body), timeout=60)
+    assert e.value.code == 404 and "vanishing" in e.value.read().decode()
+    for name, pid in info["pids"].items():  # every process of the stack is the one that started
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        assert state != "Z", f"{name} (pid {pid}) ended"
+    assert_served(stub, {"": first(""), "sql": first("sql")})
 
 
 def _post(url: str, body: dict) -> urllib.request.Request:

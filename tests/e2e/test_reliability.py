@@ -109,7 +109,7 @@ def test_a_second_scheduler_cannot_reset_a_worker_another_is_stepping(stack, ref
         with pytest.raises(grpc.RpcError) as e:
             getattr(worker, call)(request, metadata=((SCHEDULER_METADATA_KEY, "intruder"),), timeout=30)
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert "is stepping this worker" in e.value.details() and "intruder" in e.value.details()
+    assert "is stepping it" in e.value.details() and "intruder" in e.value.details()
     prompt, expected = next(iter(reference.items()))
     kw = dict(token_ids=list(prompt), max_new_tokens=len(expected), ignore_eos=True, sampling=GREEDY)
     assert generate(stub, **kw)[0] == expected

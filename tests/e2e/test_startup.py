@@ -28,8 +28,9 @@ def start_and_describe(model, port_file, cache_dir) -> worker_pb2.DescribeRespon
     cmd = [sys.executable, "-m", "common.cli", "shard-worker", "--model", str(model), "--port", "0"]
     cmd += ["--port-file", str(port_file), "--compile-cache-dir", str(cache_dir)]
     # flex: the backend that compiles at start-up (the default cpu backend's kernel is built once per
-    # machine, not per start: tests/unit/test_cpu_kernel.py).
-    cmd += ["--attention-backend", "flex"]
+    # machine, not per start: tests/unit/test_cpu_kernel.py). It runs float32 only: --dtype auto would be
+    # bf16 on a CPU with native bf16.
+    cmd += ["--attention-backend", "flex", "--dtype", "float32"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         port = read_port_file(port_file, 180, lambda: proc.poll() is None)["port"]

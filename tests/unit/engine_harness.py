@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import numpy as np
 
 from common.pb.tpserve.internal.v1 import scheduler_pb2, worker_pb2
@@ -42,10 +43,13 @@ class FakeWorkerGroup:
         # step number -> a function that mangles that step's reply (a rank answering nonsense)
         self.mangle: dict = {}
         self.connect_errors: list[Exception] = []  # raised by the next connects, one each
+        self.unreadable: dict[str, str] = {}  # LoRA adapters whose files do not read: name -> why
+        self.prefetched: list[str] = []  # PrefetchLoRAAdapter calls, by adapter
         self.steps = 0
         self.connects = 0
         self.forgotten: list[int] = []
         self._tokens: dict[int, list[int]] = {}
+        self._asks: dict[int, tuple[int, bool, int]] = {}  # seq id -> (top_logprobs, prompt ones, their k)
         self._broken: str | None = None
         self._on_lost = None
 
@@ -77,6 +81,7 @@ class FakeWorkerGroup:
         req = worker_pb2.StepRequest.FromString(data)
         for init in req.new_sequences:
             self._tokens[init.seq_id] = list(init.token_ids)
+            self._asks[init.seq_id] = (init.top_logprobs, init.want_prompt_logprobs, init.prompt_logprobs)
         self.forgotten += list(req.forgotten_seq_ids)
         if self.gate is not None:
             await self.gate.acquire()
@@ -91,18 +96,58 @@ class FakeWorkerGroup:
                 self._tokens[seq_id].append(t)
                 tokens.append(t)
         reply = worker_pb2.StepResponse(step_id=step_id, token_ids=tokens, token_counts=[1] * len(tokens))
+        self._logprobs(req, seq_ids, counts, reply)
         if self.steps in self.mangle:
             self.mangle[self.steps](reply)
         return [reply]
+
+    def _logprobs(self, req, seq_ids, counts, reply) -> None:
+        """What rank 0's sampler adds when sequences ask (shard_worker/sampling): a logprob per token once
+        any sampled one asked, its alternatives per token; a row per prompt position asked for."""
+        sampled = [int(i) for i, n in zip(seq_ids, counts, strict=True) if n]
+        if any(self._asks[i][0] for i in sampled):
+            for i, token in zip(sampled, reply.token_ids, strict=True):
+                reply.logprobs.append(-0.5)
+                reply.top_token_ids.extend([token] * self._asks[i][0])
+                reply.top_logprobs.extend([-0.5] * self._asks[i][0])
+        rows = np.frombuffer(req.prompt_logprob_counts, "<i8") if req.prompt_logprob_counts else ()
+        for i, n in zip(seq_ids.tolist(), list(rows), strict=False):
+            k = self._asks[i][2]
+            for _ in range(int(n)):
+                reply.prompt_logprobs.append(-1.0)
+                reply.prompt_ranks.append(1)
+                reply.prompt_top_token_ids.extend([2] * k)
+                reply.prompt_top_logprobs.extend([-1.0] * k)
+
+    async def on_every_rank(self, method: str, request) -> list:
+        """The one rank's answer to a unary call: only PrefetchLoRAAdapter is faked (NOT_FOUND for an
+        adapter in `unreadable`)."""
+        assert method == "PrefetchLoRAAdapter", method
+        self.prefetched.append(request.lora_name)
+        why = self.unreadable.get(request.lora_name)
+        return [worker_pb2.PrefetchLoRAAdapterResponse() if why is None else NotFound(why)]
 
     async def close(self) -> None:
         pass
 
 
-def add_request(request_id: str, prompt: list[int], max_new: int) -> scheduler_pb2.AddRequest:
+class NotFound(grpc.RpcError):
+    """A rank's NOT_FOUND, as grpc.aio raises it."""
+
+    def __init__(self, details: str):
+        self._details = details
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.NOT_FOUND
+
+    def details(self) -> str:
+        return self._details
+
+
+def add_request(request_id: str, prompt: list[int], max_new: int, **fields) -> scheduler_pb2.AddRequest:
     greedy = generation_pb2.SamplingParams(temperature=0.0)
     return scheduler_pb2.AddRequest(
-        request_id=request_id, prompt_token_ids=prompt, max_new_tokens=max_new, sampling=greedy
+        request_id=request_id, prompt_token_ids=prompt, max_new_tokens=max_new, sampling=greedy, **fields
     )
 
 

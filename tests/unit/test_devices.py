@@ -54,18 +54,12 @@ BF16_CPU = frozenset({"avx512f", "avx512_bf16"})
 AVX2_CPU = frozenset({"avx2", "fma"})
 
 
-def test_auto_linear_dtype_is_bfloat16_only_for_float32_on_a_cpu_with_native_bf16():
-    assert linear_dtype("auto", "cpu", "float32", BF16_CPU) == "bfloat16"
-    assert linear_dtype("auto", "cpu", "float32", frozenset({"amx_bf16"})) == "bfloat16"
-    assert linear_dtype("auto", "cpu", "float32", AVX2_CPU) is None
-    assert linear_dtype("auto", "cpu", "float64", BF16_CPU) is None  # exact tests stay exact
-    assert linear_dtype("auto", "cuda", "float32", BF16_CPU) is None
-
-
-def test_explicit_linear_dtypes_are_kept_whatever_the_cpu():
-    assert linear_dtype("dtype", "cpu", "float32", BF16_CPU) is None
-    assert linear_dtype("bfloat16", "cpu", "float32", AVX2_CPU) == "bfloat16"
-    assert linear_dtype("bfloat16", "cpu", "bfloat16", AVX2_CPU) is None  # already the model's dtype
+def test_linear_dtype_is_the_models_unless_bfloat16_is_asked_whatever_the_cpu():
+    # No CPU makes a float32 model's linear layers bf16 on its own: bf16 is an explicit opt-in only.
+    assert linear_dtype("dtype", "float32") is None
+    assert linear_dtype("dtype", "float64") is None
+    assert linear_dtype("bfloat16", "float32") == "bfloat16"
+    assert linear_dtype("bfloat16", "bfloat16") is None  # already the model's dtype
 
 
 def test_cpu_flags_are_read_from_cpuinfo(tmp_path):
@@ -79,14 +73,37 @@ def test_dtype_auto_is_bf16_where_it_is_native_and_float32_on_other_cpus():
     avx512_bf16 = frozenset({"avx2", "avx512f", "avx512_bf16"})
     amx = frozenset({"avx2", "amx_bf16", "amx_tile"})
     avx2 = frozenset({"avx2", "fma"})
-    assert model_dtype("auto", "cpu", avx512_bf16, False) == "bfloat16"
-    assert model_dtype("auto", "cpu", amx, False) == "bfloat16"
-    assert model_dtype("auto", "cpu", avx2, False) == "float32"
-    assert model_dtype("auto", "cuda", frozenset(), True) == "bfloat16"
-    assert model_dtype("auto", "cuda", frozenset(), False) == "float16"
-    # An explicit choice is kept as it is.
-    assert model_dtype("float32", "cpu", avx512_bf16, False) == "float32"
-    assert model_dtype("float64", "cuda", frozenset(), True) == "float64"
+    assert model_dtype("auto", "cpu", avx512_bf16, False) == (
+        "bfloat16",
+        "this CPU multiplies bfloat16 natively (avx512_bf16)",
+    )
+    assert model_dtype("auto", "cpu", amx, False)[0] == "bfloat16"
+    assert model_dtype("auto", "cpu", avx2, False) == (
+        "float32",
+        "this CPU has no native bfloat16 products (no avx512_bf16 or amx_bf16)",
+    )
+    assert model_dtype("auto", "cuda", frozenset(), True)[0] == "bfloat16"
+    assert model_dtype("auto", "cuda", frozenset(), False)[0] == "float16"
+    # An explicit choice is exactly that dtype, whatever the machine.
+    assert model_dtype("float32", "cpu", avx512_bf16, False) == ("float32", "asked for")
+    assert model_dtype("float64", "cuda", frozenset(), True)[0] == "float64"
+
+
+def test_launch_and_the_worker_default_to_dtype_auto_and_linear_layers_in_it():
+    """`tpserve launch` (as vLLM's serve) and a worker started alone both default to --dtype auto, and
+    launch hands it to every rank; --linear-dtype stays the model's unless asked."""
+    from common import settings
+    from common.cli import parse_args
+    from shard_worker.config import WorkerConfig
+
+    launch = parse_args(["launch", "--model", "m"])
+    worker = parse_args(["shard-worker", "--model", "m"])
+    assert launch.dtype == worker.dtype == "auto"
+    assert launch.linear_dtype == worker.linear_dtype == "dtype"
+    argv = settings.to_argv(launch, WorkerConfig)
+    assert argv[argv.index("--dtype") + 1] == "auto"
+    with pytest.raises(SystemExit):  # the old implicit choice is gone
+        parse_args(["shard-worker", "--model", "m", "--linear-dtype", "auto"])
 
 
 def cgroup(tmp_path, lines: str, files: dict[str, str]) -> dict[str, str]:

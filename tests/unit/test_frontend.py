@@ -5,14 +5,16 @@ stream meanwhile."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
 import types
+
+import grpc
+import pytest
 
 from common.pb.tpserve.internal.v1 import scheduler_pb2
 from common.pb.tpserve.v1 import generation_pb2 as pb
 from router.config import RouterConfig
-from router.frontend import Frontend
+from router.frontend import Frontend, RequestFailed
 from router.metrics import RouterMetrics
 from router.tokenizer import Tokenizer
 
@@ -192,12 +194,15 @@ def test_a_choice_that_fails_ends_the_request_and_aborts_the_others():
     req = pb.GenerateRequest(request_id="r", token_ids=[5], max_new_tokens=2, n=2)
 
     async def run():
-        with contextlib.suppress(Exception):
-            async for _ in frontend(hf, pool).generate(req):
-                pass
+        async for _ in frontend(hf, pool).generate(req):
+            pass
 
-    asyncio.run(run())
-    assert pool.aborted == ["r"]  # the held choice, aborted; the failed one ended itself
+    with pytest.raises(RequestFailed) as failed:
+        asyncio.run(run())
+    # The client gets the failed choice's error, with its status; the held choice is aborted (the failed
+    # one ended itself).
+    assert failed.value.code == grpc.StatusCode.INTERNAL and failed.value.message == "boom"
+    assert pool.aborted == ["r"]
 
 
 def test_a_full_queue_at_a_later_choice_aborts_the_choices_already_submitted():
@@ -213,11 +218,14 @@ def test_a_full_queue_at_a_later_choice_aborts_the_choices_already_submitted():
     req = pb.GenerateRequest(request_id="r", token_ids=[5], max_new_tokens=2, n=2)
 
     async def run():
-        with contextlib.suppress(Exception):
-            async for _ in frontend(RecordingTokenizer(), pool).generate(req):
-                pass
+        async for _ in frontend(RecordingTokenizer(), pool).generate(req):
+            pass
 
-    asyncio.run(run())
+    with pytest.raises(RequestFailed) as failed:
+        asyncio.run(run())
+    # The client is told the queue is full (RESOURCE_EXHAUSTED); the choice already submitted is aborted.
+    assert failed.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert failed.value.message.startswith("queue full")
     assert [a.request_id for a in pool.adds] == ["r"] and pool.aborted == ["r"]
 
 

@@ -12,6 +12,7 @@ import torch
 from transformers import AutoTokenizer
 
 from common.grammar import GrammarError, GrammarSpec, validate
+from common.reasoning import ReasoningSpec
 from common.sampling import SamplingConfig
 from shard_worker.sampling import Sampler
 from shard_worker.sampling.grammar import GrammarCompiler
@@ -181,3 +182,42 @@ def test_lark_gbnf_and_choices_with_quotes(compiler, tokenizer, spec, allowed):
     states = [new(sampler, spec, i, temperature=1.0, seed=i) for i in range(4)]
     for tokens in run(sampler, states, 20):
         assert tokens[-1] == EOS and tokenizer.decode(tokens[:-1]) in allowed
+
+
+def test_a_grammar_starts_after_the_think_block_that_the_budget_closes(compiler, tokenizer):
+    """A reasoning model's sequence (common/reasoning.py): free tokens inside the think block, its end tag
+    forced once the thinking budget is spent (however unlikely), then the grammar over the content only;
+    rebuilt at any point (inside the block, or after it) it continues exactly as an undisturbed one."""
+    end = 100
+    think = ReasoningSpec(start_ids=(99,), end_ids=(end,), starts_inside=True, budget=6)
+    spec = GrammarSpec("choice", json.dumps(["yes", "no"]))
+
+    def logits_stream():
+        generator = torch.Generator().manual_seed(3)
+        while True:
+            logits = torch.randn(1, VOCAB, generator=generator) * 3
+            logits[0, end] = -1e4  # the model would never close the block on its own
+            yield logits
+
+    sampler = Sampler(VOCAB, "cpu", [EOS], compiler)
+    state = new(sampler, spec, reasoning=think)
+    whole = []
+    for logits in logits_stream():
+        [t] = sampler.sample([state], [1], [[]], logits).token_ids
+        whole.append(t)
+        if t == EOS or len(whole) > 30:
+            break
+    assert whole[6] == end and end not in whole[:6]
+    assert whole[-1] == EOS and tokenizer.decode(whole[7:-1]) in ("yes", "no")
+    for cut in (3, 7, 8):
+        got, stream = [], logits_stream()
+        state = new(sampler, spec, reasoning=think)
+        for step, logits in enumerate(stream):
+            if step == cut:
+                sampler.release(state)
+                state = new(sampler, spec, 1, output=got, reasoning=think)
+            [t] = sampler.sample([state], [1], [[]], logits).token_ids
+            got.append(t)
+            if t == EOS or len(got) > 30:
+                break
+        assert got == whole, cut

@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 from shard_worker.attention import StepBatch
 from shard_worker.attention.backend import write_kv
 from shard_worker.attention.kv_dtype import kv_cache_dtype
-from shard_worker.model_runner import ModelRunner, synthetic_step
+from shard_worker.capacity import synthetic_step
+from shard_worker.model_runner import ModelRunner
 from shard_worker.parallel import TensorParallel
 
 torch.set_flush_denormal(True)

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from common.launcher import Child, LaunchConfig, Stack
+from common.launch import LaunchConfig
+from common.stack import Child, Stack
 from tests.conftest import ROOT
 
 SLEEPER = "import time; time.sleep(120)"  # a rank blocked on its process group, waiting for the others

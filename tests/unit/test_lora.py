@@ -15,6 +15,7 @@ from scheduler.scheduler import Scheduler, SchedulingPolicy
 from scheduler.sequence import Sequence
 from shard_worker.model.layers.linear import QKVParallelLinear, RowParallelLinear
 from shard_worker.model.lora import LoRAAdapters, check_lora
+from shard_worker.model.lora.adapters import AdapterUnreadable
 from shard_worker.model.lora.layers import LoRABatch, _grouped_ok, lora_delta, stack_layer
 from shard_worker.model.quant.unquantized import UnquantizedLinearMethod
 from shard_worker.parallel import TensorParallel
@@ -103,7 +104,15 @@ def test_refusals_are_one_line_naming_the_adapter(tiny_model, adapter, tmp_path)
     )
     dora = copy_adapter(adapter, tmp_path / "dora", config={"use_dora": True})
     assert "DoRA is not served" in refused(dora)
-    assert "expected adapter_config.json" in refused(tmp_path)
+    # Files that do not read (gone since the first start) do not stop the rank: the adapter is served
+    # unreadable, a prefetch of it is NOT_FOUND naming it, and a step on it reports it and runs base rows.
+    gone = LoRAAdapters(runner.model, [f"gone={tmp_path}"], 16, torch.float32, "cpu")
+    gone.check("gone")
+    with pytest.raises(AdapterUnreadable, match="'gone'.*expected adapter_config.json"):
+        gone.fetch("gone")
+    assert gone.batch(["gone", ""], np.array([3, 2])) is None
+    [(name, why)] = gone.take_errors()
+    assert name == "gone" and "expected adapter_config.json" in why and not gone.take_errors()
     # A served one: unknown names are a KeyError naming them ("" is the base model).
     lora = LoRAAdapters(runner.model, [f"good={adapter}"], 16, torch.float32, "cpu")
     check_lora(lora, "good")
@@ -166,3 +175,22 @@ def test_at_most_max_loras_adapters_per_step_and_none_starves():
             later += 1
         assert steps < 500, "a request starved"
     assert {f"r{i}" for i in range(12)} <= finished
+
+
+def test_a_prefetched_adapter_is_never_read_on_the_step_path(tiny_model, adapter, tmp_path):
+    """Before, a step read an adapter evicted from the host from disk, on every rank. fetch (any
+    thread) and keep (between steps) put it back before the step that needs it."""
+    runner = new_runner(tiny_model, torch.float32)
+    other = copy_adapter(adapter, tmp_path / "b")
+    lora = LoRAAdapters(runner.model, [f"a={adapter}", f"b={other}"], 16, torch.float32, "cpu", 1, 1)
+    lens = np.array([2])
+    assert lora.batch(["b"], lens) is not None and "a" not in lora.host  # one on the host: b evicted a
+    fetched = lora.fetch("a")
+    assert fetched is not None and lora.fetch("b") is None  # b is on the host: nothing to read
+
+    def no_reading(name, path):
+        raise AssertionError(f"{name} read on the step path")
+
+    lora.keep("a", fetched)
+    lora.read = no_reading
+    assert lora.batch(["a"], lens) is not None and not lora.take_errors()

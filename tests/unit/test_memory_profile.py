@@ -11,7 +11,8 @@ from torch._dynamo.utils import counters
 
 from common.sampling import SamplingConfig
 from shard_worker.attention import StepBatch
-from shard_worker.model_runner import ModelRunner, synthetic_step, worst_step
+from shard_worker.capacity import synthetic_step, worst_step
+from shard_worker.model_runner import ModelRunner
 from shard_worker.parallel import TensorParallel
 from shard_worker.step import SequenceInit
 
@@ -101,7 +102,7 @@ class FakeCudaMemory:
 def test_the_cuda_budget_does_not_count_the_scratch_cache():
     """The worst step's scratch KV cache is replaced by the real cache, so it must not shrink the real
     one's budget (it did by ~1.5 GiB at Llama-3-8B, 8k context)."""
-    from shard_worker.model_runner import kv_budget
+    from shard_worker.capacity import kv_budget
 
     mem = FakeCudaMemory()
     weights = mem.allocated()

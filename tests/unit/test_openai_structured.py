@@ -8,7 +8,7 @@ import json
 from common.pb.tpserve.v1 import generation_pb2 as pb
 from router.openai.encoder import Encoder
 from router.openai.protocol import parse_chat, parse_completion
-from tests.unit.test_openai_api import responses, tok
+from tests.unit.test_openai_protocol import responses, tok
 
 
 def test_structured_outputs_and_several_choices_are_read_into_the_request():

@@ -13,7 +13,7 @@ from common.pb.tpserve.internal.v1 import worker_pb2
 from common.pb.tpserve.v1 import generation_pb2 as pb
 from scheduler.batch import StepBuilder
 from scheduler.block_manager import BlockManager
-from scheduler.engine import sampled_tokens
+from scheduler.replies import sampled_tokens
 from scheduler.reports import StepResult, step_outputs
 from scheduler.scheduler import Scheduler, SchedulingPolicy
 from scheduler.sequence import Sequence

@@ -9,7 +9,8 @@ import torch
 from torch._dynamo.utils import counters
 
 from common.sampling import SamplingConfig
-from shard_worker.model_runner import ModelRunner, synthetic_step
+from shard_worker.capacity import synthetic_step
+from shard_worker.model_runner import ModelRunner
 from shard_worker.parallel import TensorParallel
 from shard_worker.step import SequenceInit
 from shard_worker.warm_up import attention_kinds

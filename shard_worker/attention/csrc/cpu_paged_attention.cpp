@@ -10,12 +10,18 @@
 // Token i (step row tokens[i]) belongs to sequence seq[i] and sits at position pos[i]; it sees the keys at
 // positions max(0, pos - window + 1) .. pos (window <= 0: from 0), its own included: the caller has
 // written this step's keys and values before calling.
+// Bounds: the table has num_seqs rows of table_width ids, the cache num_blocks blocks. A token whose
+// sequence is past the rows (-7) or whose position needs a column past the width (-6) is refused before
+// anything runs, and a block id outside [0, num_blocks) when it is read (-5: that item stops, the others
+// go on, the call fails); fault then holds {sequence row, column, the id (-6: the width; -7: the rows)}.
+// Never a read outside the cache or the table.
 //
 // One work item is a token's query heads of one or all of its KV heads: the heads that share a KV head
 // share every key and value row read.
 // Scores for the whole visible context are computed first (one pass over the keys), then softmax, then
 // one pass over the values. The scores buffer is per thread and grows to the longest context seen.
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -108,6 +114,16 @@ inline void store_row(const float* src, int dtype, int d, void* p) {
   }
 }
 
+// The first bad block id a thread met (the call then fails with it).
+struct Fault {
+  std::atomic<int> set{0};
+  int64_t row = 0, column = 0, id = 0;
+  void record(int64_t r, int64_t c, int64_t i) {
+    int expected = 0;
+    if (set.compare_exchange_strong(expected, 1)) row = r, column = c, id = i;
+  }
+};
+
 struct Args {
   int q_dtype, kv_dtype;
   const char* q;
@@ -124,6 +140,8 @@ struct Args {
   int heads, kv_heads, d, block_size;
   float scale, k_scale, v_scale;
   int64_t window;
+  int64_t num_blocks;
+  Fault* fault;
 };
 
 struct Scratch {
@@ -142,20 +160,27 @@ inline const float* kv_row(const char* p, int d, float* buf) {
 }
 
 // Calls f(j - first, g - g0, row as float32) for the rows of KV heads g0 .. g1-1 of keys first .. p in
-// cache (keys or values), block by block through the sequence's table.
+// cache (keys or values), block by block through the sequence's table (row `row`). False, with the fault
+// recorded, at a block id outside the cache (nothing of it read).
 template <int KV, typename F>
-inline void for_each_row(const Args& a, const char* cache, const int32_t* blocks, int d, int g0, int g1,
-                         int64_t first, int64_t p, float* buf, F&& f) {
+inline bool for_each_row(const Args& a, const char* cache, int64_t row, int d, int g0, int g1, int64_t first,
+                         int64_t p, float* buf, F&& f) {
   constexpr int64_t es = KV == F32 ? 4 : (KV == BF16 || KV == F16) ? 2 : 1;
   const int bs = a.block_size;
+  const int32_t* blocks = a.table + row * a.table_stride;
   for (int64_t j = first; j <= p;) {
     const int64_t b = j / bs, end = (b + 1) * bs < p + 1 ? (b + 1) * bs : p + 1;
+    if (blocks[b] < 0 || blocks[b] >= a.num_blocks) {
+      a.fault->record(row, b, blocks[b]);
+      return false;
+    }
     const char* base = cache + (blocks[b] * a.block_stride + static_cast<int64_t>(g0) * d) * es;
     for (; j < end; ++j) {
       const char* slot = base + (j - b * bs) * a.slot_stride * es;
       for (int g = 0; g < g1 - g0; ++g) f(j - first, g, kv_row<KV>(slot + static_cast<int64_t>(g) * d * es, d, buf));
     }
   }
+  return true;
 }
 
 // One item: token i's query heads of KV heads g0 .. g1-1. Every visible key's row is read once for all of
@@ -171,7 +196,6 @@ void attend_item(const Args& a, int64_t i, int g0, int g1, Scratch& s) {
   const int64_t p = a.pos[i];
   const int64_t first = a.window > 0 ? (p - a.window + 1 > 0 ? p - a.window + 1 : 0) : 0;
   const int64_t count = p - first + 1;
-  const int32_t* blocks = a.table + a.seq[i] * a.table_stride;
   const char* qrow = a.q + a.tokens[i] * a.q_token_stride * q_es;
   float* qf = s.q.data();
   const float sc = a.scale * a.k_scale;
@@ -183,7 +207,7 @@ void attend_item(const Args& a, int64_t i, int g0, int g1, Scratch& s) {
   if (static_cast<int64_t>(s.scores.size()) < nh * count) s.scores.resize(nh * count);
   float* scores = s.scores.data();
   // Scores: one pass over the visible keys.
-  for_each_row<KV>(a, a.k_cache, blocks, d, g0, g1, first, p, s.row.data(), [&](int64_t j, int g, const float* k) {
+  const bool keys_read = for_each_row<KV>(a, a.k_cache, a.seq[i], d, g0, g1, first, p, s.row.data(), [&](int64_t j, int g, const float* k) {
     for (int r = 0; r < rep; ++r) {
       const float* qh = qf + (g * rep + r) * d;
       float acc = 0.f;
@@ -192,6 +216,7 @@ void attend_item(const Args& a, int64_t i, int g0, int g1, Scratch& s) {
       scores[(g * rep + r) * count + j] = acc;
     }
   });
+  if (!keys_read) return;
   // Softmax per head (v_scale folded into the normaliser).
   for (int h = 0; h < nh; ++h) {
     float* sr = scores + h * count;
@@ -212,7 +237,8 @@ void attend_item(const Args& a, int64_t i, int g0, int g1, Scratch& s) {
   if (static_cast<int64_t>(s.acc.size()) < nh * d) s.acc.resize(nh * d);
   float* acc = s.acc.data();
   std::fill(acc, acc + nh * d, 0.f);
-  for_each_row<KV>(a, a.v_cache, blocks, d, g0, g1, first, p, s.row.data(), [&](int64_t j, int g, const float* v) {
+  // The same blocks as the keys': every id was checked there.
+  for_each_row<KV>(a, a.v_cache, a.seq[i], d, g0, g1, first, p, s.row.data(), [&](int64_t j, int g, const float* v) {
     for (int r = 0; r < rep; ++r) {
       const float w = scores[(g * rep + r) * count + j];
       float* ah = acc + (g * rep + r) * d;
@@ -260,25 +286,39 @@ ItemFn item_for(int d, int kv_dtype) {
 
 extern "C" {
 
-int tp_paged_attention_abi() { return 1; }
+int tp_paged_attention_abi() { return 2; }
 
-// Returns 0, or a negative value for arguments it cannot take (checked by the caller too).
+// Returns 0, or a negative value for arguments it cannot take (checked by the caller too); -5, -6 and -7
+// with fault[3] filled (see the bounds at the top).
 int tp_paged_attention(int q_dtype, int kv_dtype, const void* q, void* out, int64_t q_token_stride,
                        int64_t q_head_stride, int64_t o_token_stride, int64_t o_head_stride, const void* k_cache,
                        const void* v_cache, int64_t block_stride, int64_t slot_stride, const int64_t* tokens,
                        const int64_t* seq, const int64_t* pos, int64_t n, const int32_t* table,
                        int64_t table_stride, int heads, int kv_heads, int d, int block_size, float scale,
-                       float k_scale, float v_scale, int64_t window, int num_threads) {
+                       float k_scale, float v_scale, int64_t window, int num_threads, int64_t num_seqs,
+                       int64_t table_width, int64_t num_blocks, int64_t* fault) {
   if (kv_heads <= 0 || heads % kv_heads || d <= 0 || d > 1024 || heads > 1024 || block_size <= 0) return -1;
   if (q_dtype != F32 && q_dtype != BF16 && q_dtype != F16) return -2;
   if (kv_dtype < F32 || kv_dtype > E5M2) return -3;
+  if (table_width > table_stride || num_blocks < 0) return -1;
+  for (int64_t i = 0; i < n; ++i) {
+    if (seq[i] < 0 || seq[i] >= num_seqs) {
+      fault[0] = seq[i], fault[1] = 0, fault[2] = num_seqs;
+      return -7;
+    }
+    if (pos[i] < 0 || pos[i] / block_size >= table_width) {
+      fault[0] = seq[i], fault[1] = pos[i] < 0 ? -1 : pos[i] / block_size, fault[2] = table_width;
+      return -6;
+    }
+  }
+  Fault bad;
   const Args a{q_dtype,        kv_dtype,       static_cast<const char*>(q),       static_cast<char*>(out),
                q_token_stride, q_head_stride,  o_token_stride,                    o_head_stride,
                static_cast<const char*>(k_cache), static_cast<const char*>(v_cache), block_stride, slot_stride,
                tokens,         seq,            pos,                               table,
                table_stride,   heads,          kv_heads,                          d,
                block_size,     scale,          k_scale,                           v_scale,
-               window};
+               window,         num_blocks,     &bad};
   const ItemFn item = item_for(d, kv_dtype);
   // Small steps run on the calling thread: a parallel region costs more than a few short rows.
   int64_t total_keys = 0;
@@ -302,6 +342,10 @@ int tp_paged_attention(int q_dtype, int kv_dtype, const void* q, void* out, int6
       const int g0 = static_cast<int>(it % groups) * per_item;
       item(a, it / groups, g0, g0 + per_item, s);
     }
+  }
+  if (bad.set.load()) {
+    fault[0] = bad.row, fault[1] = bad.column, fault[2] = bad.id;
+    return -5;
   }
   return 0;
 }

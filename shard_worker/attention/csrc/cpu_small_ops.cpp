@@ -300,6 +300,9 @@ struct StepPlan {
   int64_t n;
   const int32_t* table;  // [S, table_stride] the block table
   int64_t table_stride;
+  int64_t num_seqs;     // S: the table's rows
+  int64_t table_width;  // ids a row holds (<= table_stride)
+  int64_t* fault;       // [3] where tp_paged_attention says what it refused
   const int64_t* slots;  // [num_tokens] each step row's KV slot
   int64_t num_tokens;
   int32_t num_threads;
@@ -329,7 +332,8 @@ int tp_attention_layer(const StepPlan* st, int q_dtype, int kv_dtype, const void
   return tp_paged_attention(q_dtype, kv_dtype, q, out, q_tok, q_head, o_tok, d, k_cache, v_cache,
                             static_cast<int64_t>(block_size) * row, row, st->tokens, st->seq, st->pos, st->n,
                             st->table, st->table_stride, heads, kv_heads, d, block_size, scale, k_scale,
-                            v_scale, window, st->num_threads);
+                            v_scale, window, st->num_threads, st->num_seqs, st->table_width, num_blocks,
+                            st->fault);
 }
 
 }  // extern "C"

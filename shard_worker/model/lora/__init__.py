@@ -1,7 +1,11 @@
 """Multi-LoRA serving on the worker: the adapters this rank serves by name (--lora-modules at start, and
 LoadLoRAAdapter while serving), read into a host cache of --max-cpu-loras (cache.py: the least recently
-used evicted, and read again from its path when a step needs it), and copied into one of --max-loras
-device slots of every adaptable layer's stacked weights (layers.py) when a step uses it.
+used evicted), and copied into one of --max-loras device slots of every adaptable layer's stacked
+weights (layers.py) when a step uses it. An evicted adapter is read again off the step path: the
+scheduler holds a request on it until every rank has prefetched it (fetch/keep, PrefetchLoRAAdapter).
+Only if it was evicted again since does a step read it; and an adapter whose files no longer read
+(AdapterUnreadable) fails its requests, never the rank: its rows run on the base model and the step
+reports it (take_errors), and one named in --lora-modules is served unreadable until its files return.
 
 Every layer an adapter may adapt (q/k/v/o, gate/up/down: adapters.TARGET_MODULES) is wrapped at start,
 so an adapter loaded later may adapt any of them; a layer skips the product in a step whose adapters
@@ -16,7 +20,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from shard_worker.model.lora.adapters import TARGET_MODULES, parse_lora_modules, place_adapter, read_adapter
+from shard_worker.model.lora.adapters import (
+    TARGET_MODULES,
+    AdapterUnreadable,
+    parse_lora_modules,
+    place_adapter,
+    read_adapter,
+)
 from shard_worker.model.lora.cache import DeviceSlots, HostCache
 from shard_worker.model.lora.layers import LoRABatch, LoRALinearMethod, lora_batch, stack_layer
 
@@ -57,8 +67,13 @@ class LoRAAdapters:
         self.paths: dict[str, str] = {}
         self.host = HostCache(max_cpu_loras or max_loras)
         self.slots = DeviceSlots(max_loras)
+        self._errors: list[tuple[str, str]] = []  # this step's adapters that did not read
         for name, path in parse_lora_modules(modules):
-            self.install(name, path, self.read(name, path))
+            try:
+                self.install(name, path, self.read(name, path))
+            except AdapterUnreadable as e:  # gone since the first start: the rank still (re)starts
+                log.error("%s; its requests fail with NOT_FOUND until its files return", e)
+                self.paths[name] = str(path)
         nbytes = sum(m.lora_a.nbytes + m.lora_b.nbytes for m in self.methods.values())
         log.info(
             "LoRA: %d adapters served, %d on the host (--max-cpu-loras %d), %d device slots on %d "
@@ -96,6 +111,29 @@ class LoRAAdapters:
         self.slots.drop(name)
         return self.paths.pop(name, None) is not None
 
+    def fetch(self, name: str):
+        """Prefetch, first half (no lock: any thread): the weights of a served adapter that is not on
+        the host, read from its path; None when it is there. KeyError for a name not served,
+        AdapterUnreadable when its files no longer read."""
+        self.check(name)
+        if not name or name in self.host:
+            return None
+        path = self.paths[name]
+        return path, self.read(name, path)
+
+    def keep(self, name: str, fetched) -> None:
+        """Prefetch, second half (between steps): the weights fetch() read go on the host, unless the
+        adapter was unloaded or replaced meanwhile."""
+        path, weights = fetched
+        if self.paths.get(name) == path and name not in self.host:
+            for evicted in self.host.put(name, weights):
+                self.slots.drop(evicted)
+
+    def take_errors(self) -> list[tuple[str, str]]:
+        """(adapter, why) for each adapter the last step could not read."""
+        errors, self._errors = self._errors, []
+        return errors
+
     def check(self, name: str) -> None:
         """KeyError naming an adapter this rank does not serve ("" is the base model)."""
         if name and name not in self.paths:
@@ -105,12 +143,20 @@ class LoRAAdapters:
         """The step's rows per device slot, each sequence's adapter (names, "" for the base model) put
         on a slot first; None when no sequence has one."""
         wanted = [n for n in dict.fromkeys(names) if n]
+        for name in list(wanted):
+            if self.host.get(name) is None:  # evicted again since its prefetch: read on the step path
+                try:
+                    weights = self.read(name, self.paths[name])
+                except AdapterUnreadable as e:  # its rows run on the base model; its requests fail
+                    log.error("%s: its requests fail", e)
+                    self._errors.append((name, str(e)))
+                    wanted.remove(name)
+                    continue
+                log.warning("LoRA adapter %r read on the step path (evicted since its prefetch)", name)
+                for evicted in self.host.put(name, weights, keep=wanted):
+                    self.slots.drop(evicted)
         if not wanted:
             return None
-        for name in wanted:
-            if self.host.get(name) is None:  # evicted from the host: read again from its path
-                for evicted in self.host.put(name, self.read(name, self.paths[name]), keep=wanted):
-                    self.slots.drop(evicted)
         slot_of, writes = self.slots.assign(wanted)
         for slot, name in writes:
             self._write(slot, self.host.get(name))

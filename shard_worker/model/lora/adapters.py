@@ -36,6 +36,12 @@ class Adapter:
     pairs: dict[tuple[str, int | None], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
+class AdapterUnreadable(ValueError):
+    """The adapter's files are missing or do not read (gone from disk, unreadable, corrupt): its requests
+    fail with NOT_FOUND naming it, and the rank goes on (a refusal of what the files hold is a plain
+    ValueError: never servable, refused at start and at load)."""
+
+
 def parse_lora_modules(entries) -> list[tuple[str, str]]:
     """--lora-modules entries `name=path` as (name, path), in order; ValueError naming a bad entry."""
     out: list[tuple[str, str]] = []
@@ -54,8 +60,12 @@ def read_adapter(name: str, path: str | Path, max_rank: int, dtype: torch.dtype)
     path = Path(path)
     where = f"LoRA adapter {name!r} ({path})"
     if not (path / CONFIG_FILE).is_file() or not (path / WEIGHTS_FILE).is_file():
-        raise ValueError(f"{where}: expected {CONFIG_FILE} and {WEIGHTS_FILE} in it (a PEFT directory)")
-    config = json.loads((path / CONFIG_FILE).read_text())
+        expected = f"expected {CONFIG_FILE} and {WEIGHTS_FILE} in it (a PEFT directory)"
+        raise AdapterUnreadable(f"{where}: {expected}")
+    try:
+        config = json.loads((path / CONFIG_FILE).read_text())
+    except (OSError, ValueError) as e:
+        raise AdapterUnreadable(f"{where}: {CONFIG_FILE} does not read: {e}") from None
     if config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{where}: peft_type {config.get('peft_type')!r} is not served; only LORA")
     for key, why in (
@@ -74,8 +84,11 @@ def read_adapter(name: str, path: str | Path, max_rank: int, dtype: torch.dtype)
     alpha = float(config.get("lora_alpha", rank))
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     adapter = Adapter(name, str(path), rank, scale)
-    with safe_open(path / WEIGHTS_FILE, framework="pt", device="cpu") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
+    try:
+        with safe_open(path / WEIGHTS_FILE, framework="pt", device="cpu") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
+    except Exception as e:  # OSError, or safetensors' own error for a truncated or corrupt file
+        raise AdapterUnreadable(f"{where}: {WEIGHTS_FILE} does not read: {type(e).__name__}: {e}") from None
     modules = {}
     for key in tensors:
         head, sep, tail = key.rpartition(".lora_")

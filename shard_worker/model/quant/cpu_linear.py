@@ -41,7 +41,7 @@ stream from memory. One thread, AMD EPYC Zen 4 (AVX-512 BF16, no AMX), shared ma
   4-bit weights (--int8's int4 column, group 64 on SmolLM2, 128 on Llama-3-8B's layer; quiet machine):
       1.13x / 0.85x / 0.83x the int8 kernel at 1 / 8 / 32 rows on SmolLM2 (per-call costs weigh on its
       small layers), 1.60x / 0.83x / 0.85x on a Llama-3-8B layer, 1.2-2.1x tinygemm; fp8 1.16x / 0.96x
-      / 0.73x our bf16 kernel. README.md's quantization section has the whole table.
+      / 0.73x our bf16 kernel. docs/quantization.md has the whole table.
 
 `PackedLinear.pack(weight)` holds the layout (e4m3 as int8 bytes; pack_int4 the 4-bit one; weight dtype
 float32 or bfloat16: bfloat16 16-row blocks with k in pairs, float32 16-row blocks with AVX-512F, 8-row ones
@@ -71,7 +71,12 @@ EXT = cpu_ext.Extension(
     "tp_linear_abi",
     7,
     "the CPU linear kernel",
-    more=(_CSRC / "cpu_linear_int8.cpp", _CSRC / "cpu_linear_int4.cpp", _CSRC / "cpu_linear.h"),
+    more=(
+        _CSRC / "cpu_linear_int8.cpp",
+        _CSRC / "cpu_linear_int4.cpp",
+        _CSRC / "cpu_linear.h",
+        _CSRC / "cpu_linear_tiles.h",
+    ),
 )
 CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 5}
 X_CODES = {torch.float32: 0, torch.bfloat16: 1}  # what x, y and a bias may be
