@@ -65,7 +65,10 @@ SERVER_GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "objectives": (
         "latency objectives and admission by them",
-        ("--slo-ttft-ms", "--slo-tpot-ms", "--slo-tpot-margin"),
+        (
+            "--slo-ttft-ms", "--slo-tpot-ms", "--slo-tpot-margin", "--min-ttft-objective-ms",
+            "--min-tpot-objective-ms", "--priority-api-key-file",
+        ),
     ),
     "API": (
         "ports and what a request may ask",
@@ -74,6 +77,13 @@ SERVER_GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
             "--default-max-new-tokens", "--tool-call-parser", "--reasoning-parser",
             "--disable-additional-properties", "--responses-store-size",
             "--drain-timeout-s",
+        ),
+    ),
+    "images": (
+        "image parts in chat requests: what the router may read, and how much",
+        (
+            "--allowed-media-domains", "--allowed-local-media-path", "--limit-mm-per-prompt",
+            "--max-image-pixels", "--max-image-bytes", "--media-fetch-timeout-s",
         ),
     ),
     "start-up and recovery": (

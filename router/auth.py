@@ -14,12 +14,18 @@ import hashlib
 import hmac
 import logging
 from collections.abc import Callable, Iterable
+from contextvars import ContextVar
 
 import grpc
 
 log = logging.getLogger("tpserve.router")
 
 EXEMPT_PREFIXES = ("/grpc.health.v1.Health/",)
+
+# The credentials the call being served presented, ("authorization" or "x-api-key", value) pairs, set
+# where each API takes a call (the gRPC servicer, the HTTP auth middleware; each call is its own task, so
+# its own context): what the rules that depend on the caller read (may_prioritize).
+CALLER_AUTHORIZATION: ContextVar[tuple[tuple[str, str], ...]] = ContextVar("caller_authorization", default=())
 
 
 def _digest(key: str) -> bytes:
@@ -65,6 +71,14 @@ def refusal(keys: ApiKeys, metadata) -> str | None:
     if not token.strip() or not keys.check(token.strip()):
         return "the API key is not valid"
     return None
+
+
+def may_prioritize(keys: ApiKeys | None) -> bool:
+    """Whether the caller being served may ask a priority below the default: it presents one of keys
+    (--priority-api-key-file), or the operator gave none."""
+    if keys is None:
+        return True
+    return refusal(keys, CALLER_AUTHORIZATION.get()) is None
 
 
 def _abort_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:

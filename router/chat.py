@@ -88,7 +88,7 @@ def check_chat(req: generation_pb2.GenerateRequest, max_messages: int, max_chars
                 raise ValidationError(f"{field}.function.name", f"{field}.function.name is empty")
             _json_object(call.arguments_json or "{}", f"{field}.function.arguments")
             chars += len(call.name) + len(call.arguments_json)
-        chars += len(m.content)
+        chars += len(m.content) + sum(len(p.text) for p in m.parts)
     _check_tools(req.tools)
     if req.chat_template_kwargs_json:
         kwargs = _json_object(req.chat_template_kwargs_json, "chat_template_kwargs")
@@ -128,7 +128,7 @@ def template_kwargs(req: generation_pb2.GenerateRequest) -> dict:
 
 
 def _message(m: generation_pb2.ChatMessage) -> dict:
-    out: dict = {"role": m.role, "content": m.content}
+    out: dict = {"role": m.role, "content": _parts(m.parts) if m.parts else m.content}
     if m.name:
         out["name"] = m.name
     if m.tool_call_id:
@@ -143,6 +143,15 @@ def _message(m: generation_pb2.ChatMessage) -> dict:
             for c in m.tool_calls
         ]
     return out
+
+
+def _parts(parts) -> list[dict]:
+    """Content parts as Hugging Face templates read them: an image is {"type": "image"} (the template
+    writes the family's image marker, which the processor expands), text is {"type": "text", "text"}."""
+    return [
+        {"type": "text", "text": p.text} if p.WhichOneof("kind") == "text" else {"type": "image"}
+        for p in parts
+    ]
 
 
 def _tool(t: generation_pb2.Tool) -> dict:

@@ -15,6 +15,7 @@ from common.security import TlsFiles
 from common.settings import above, at_least, nested, setting
 from common.tracing import TracingConfig
 from router.buckets import AdmissionPolicy
+from router.media.policy import MediaPolicy
 from router.openai.tool_parsers import PARSERS as TOOL_PARSERS
 from router.reasoning import NAMES as REASONING_PARSERS
 from router.replicas import RoutingPolicy
@@ -130,12 +131,21 @@ class RouterConfig:
         launch=True,
     )
     admission: AdmissionPolicy = nested(AdmissionPolicy)
+    media: MediaPolicy = nested(MediaPolicy)
     routing: RoutingPolicy = nested(RoutingPolicy)
     slo: SloPolicy = nested(SloPolicy)
     # Keys clients must send as `authorization: Bearer <key>`; read in serve(), so never held here.
     api_key_file: str | None = setting(
         None,
         help="require `authorization: Bearer <key>` with a key from this file (one a line, # comments)",
+        launch=True,
+    )
+    # Keys whose callers may ask a priority below the default (router/objectives.py); read in serve().
+    priority_api_key_file: str | None = setting(
+        None,
+        help="only callers presenting `authorization: Bearer <key>` with a key from this file (one a "
+        "line) may ask a priority below 0 (served first, preempting); others get PERMISSION_DENIED "
+        "(HTTP 403). Without it any caller may",
         launch=True,
     )
     metrics_port: int | None = None

@@ -14,7 +14,6 @@ import dataclasses
 import logging
 import time
 import uuid
-from bisect import bisect_right
 from collections.abc import AsyncIterator
 
 import grpc
@@ -24,16 +23,18 @@ from common import tracing
 from common.pb.tpserve.internal.v1 import scheduler_pb2
 from common.pb.tpserve.v1 import generation_pb2
 from common.sampling import SamplingConfig
-from router.buckets import bucket_name
+from router.auth import ApiKeys, may_prioritize
 from router.chat import chat_prompt, check_chat
 from router.choices import choice_ids, choice_seed, merged
 from router.config import RouterConfig
 from router.lora import LoRANames
+from router.media.loader import MediaLoader, takes_images
 from router.metrics import RouterMetrics
+from router.objectives import NotAllowed, for_request
 from router.pool import SchedulerPool
 from router.reasoning import for_request as reasoning_for
 from router.scheduler_link import QueueFull, SchedulerUnavailable
-from router.slo import NO_OBJECTIVES, Objectives, SloRefused, record_slo, resolve
+from router.slo import NO_OBJECTIVES, Objectives, SloRefused, record_slo
 from router.text_stream import TextStream
 from router.tokenizer import NoChatTemplate, NoTokenizer, Tokenizer
 from router.validation import (
@@ -82,7 +83,9 @@ class Frontend:
         self._sampling_defaults = SamplingConfig.model_defaults(config.model)
         # The LoRA adapters served, loaded and unloaded while serving on every replica (router/lora.py).
         self.loras = LoRANames(config, pool, RequestFailed)
+        self.media = MediaLoader(config.media, takes_images(config.model))  # a chat request's images
         pool.on_link_connected = self.loras.reconnected
+        self.priority_keys: ApiKeys | None = None  # --priority-api-key-file (objectives.py for_request)
 
     # ---- what the APIs call ----
 
@@ -166,9 +169,8 @@ class Frontend:
     async def tokenize(
         self, request: generation_pb2.GenerateRequest, token_strs: bool = False
     ) -> tuple[list[int], list[str] | None, int]:
-        """A text or chat prompt's token ids as generate renders it (vLLM's /tokenize), the vocabulary's
-        strings for them when asked, and max_model_len. No length rule: tokenizing is how a client finds out
-        whether its prompt fits."""
+        """A text or chat prompt's token ids as generate renders it (vLLM's /tokenize), their vocabulary
+        strings when asked, and max_model_len; no length rule (tokenizing is how a client learns it fits)."""
         limits = self._ready_limits()
         tok = self.tokenizer
 
@@ -184,6 +186,7 @@ class Frontend:
                 ids = tok.encode(request.text, add_special_tokens(request))
             return ids, tok.token_strs(ids) if token_strs else None
 
+        await self._checked(self.media.load(request), request)  # images: as generate refuses them
         ids, strs = await self._checked(tok.run(encode), request)
         return ids, strs, limits.max_model_len
 
@@ -202,8 +205,8 @@ class Frontend:
     async def _validate(self, request: generation_pb2.GenerateRequest) -> ValidatedRequest:
         limits = self._ready_limits()
         tok = self.tokenizer
-        if len(request.token_ids) and not request.sampling.bad_words and not _has_grammar(request):
-            # Nothing to tokenize or compile: cheap enough for the event loop.
+        light = not request.sampling.bad_words and not request.sampling.HasField("structured_output")
+        if len(request.token_ids) and light:  # nothing to tokenize or compile: cheap enough for the loop
             return await self._checked(_done(validate_request, request, limits), request)
         # The fields are checked first (they bound what the tokenizer is asked to do; a grammar is compiled),
         # then the prompt (and any bad_words) is tokenized and checked: all of it on the tokenizer's threads.
@@ -226,6 +229,7 @@ class Frontend:
             raise RequestFailed(
                 grpc.StatusCode.NOT_FOUND, f"LoRA adapter {request.lora_name!r} is not served", "lora_name"
             )
+        await self._checked(self.media.load(request), request)  # refused, or read, before anything else
         req = await self._validate(request)
         # Before the tool-call parser and the grammar: both see only the content after a think block.
         parser, tok = self.config.reasoning_parser, self.tokenizer
@@ -310,13 +314,11 @@ class Frontend:
     def _objectives(
         self, request: generation_pb2.GenerateRequest, prompt_tokens: int
     ) -> tuple[Objectives, str]:
-        """The request's objectives (its own, else its length bucket's defaults) and that bucket's name."""
-        edges = self.config.admission.bucket_edges
-        b = bisect_right(edges, prompt_tokens)
-        name = bucket_name(edges[b - 1] if b else 0, edges[b] if b < len(edges) else None)
-        ttft = request.ttft_objective_ms if request.HasField("ttft_objective_ms") else None
-        tpot = request.tpot_objective_ms if request.HasField("tpot_objective_ms") else None
-        return resolve(self.config.slo, b, ttft, tpot, request.priority), name
+        edges, may = self.config.admission.bucket_edges, may_prioritize(self.priority_keys)
+        try:
+            return for_request(self.config.slo, edges, request, prompt_tokens, may)
+        except NotAllowed as e:
+            raise RequestFailed(grpc.StatusCode[e.status], str(e), e.field) from None
 
     def _submit(self, add: scheduler_pb2.AddRequest, objectives: Objectives = NO_OBJECTIVES):
         try:
@@ -325,6 +327,8 @@ class Frontend:
             raise RequestFailed(
                 grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), retry_after_s=e.retry_after_s
             ) from None
+        except NotAllowed as e:  # a TPOT objective no step meets: no retry helps (slo.py TpotInfeasible)
+            raise RequestFailed(grpc.StatusCode[e.status], str(e), e.field) from None
         except SchedulerUnavailable as e:
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, str(e)) from None
         except QueueFull as e:
@@ -439,10 +443,6 @@ class Frontend:
                 "e2e_s": round(e2e, 6),
             },
         )
-
-
-def _has_grammar(request: generation_pb2.GenerateRequest) -> bool:
-    return request.sampling.HasField("structured_output")
 
 
 async def _done(fn, *args):

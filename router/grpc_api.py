@@ -13,6 +13,7 @@ from grpc_status import rpc_status
 
 from common import tracing
 from common.pb.tpserve.v1 import generation_pb2, generation_pb2_grpc
+from router.auth import CALLER_AUTHORIZATION
 from router.frontend import Frontend, RequestFailed
 
 
@@ -31,7 +32,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.frontend = frontend
 
     async def Generate(self, request, context):
-        parent = tracing.context_from_metadata(context.invocation_metadata())
+        metadata = context.invocation_metadata() or ()
+        parent = tracing.context_from_metadata(metadata)
+        CALLER_AUTHORIZATION.set(
+            tuple((k, str(v)) for k, v in metadata if k in ("authorization", "x-api-key"))
+        )
         try:
             async for resp in self.frontend.generate(request, parent):
                 yield resp

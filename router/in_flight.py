@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from common.block_hash import adapter_extra, block_hashes, matchable_blocks
+from common.block_hash import ImageSpan, adapter_extra, block_hashes, matchable_blocks
 from common.pb.tpserve.internal.v1 import scheduler_pb2
 from router.replicas import Routed
 from router.slo import NO_OBJECTIVES, Objectives
@@ -38,8 +38,10 @@ class InFlight:
             return []
         ids = self.add.prompt_token_ids
         n = matchable_blocks(len(ids), block_size)
-        if len(self.hashes) < n:  # keyed by its adapter, as the scheduler's prefix cache keys them
-            self.hashes = block_hashes(ids, block_size, n, adapter_extra(self.add.lora_name), self.hashes)
+        if len(self.hashes) < n:  # keyed by its adapter and images, as the scheduler's prefix cache keys them
+            images = [ImageSpan(im.offset, im.length, im.hash) for im in self.add.images]
+            extra = adapter_extra(self.add.lora_name)
+            self.hashes = block_hashes(ids, block_size, n, extra, self.hashes, images)
         return self.hashes[:n]
 
     def resumed(self) -> scheduler_pb2.AddRequest:

@@ -20,7 +20,7 @@ cap. Outputs that still arrive from a replica for a request that moved away are 
 replica is up, requests (new ones too, once the model is known) wait up to replica_wait_timeout_s for
 one to come back, then get UNAVAILABLE. Health is SERVING while at least one replica is up.
 
-Which replicas exist is router/membership.py's to say; GetStats across them is router/stats.py's.
+Which replicas exist is router/membership.py's; GetStats across them is router/stats.py's.
 """
 
 from __future__ import annotations
@@ -153,8 +153,7 @@ class SchedulerPool:
 
     @property
     def model_info(self) -> generation_pb2.ModelInfo | None:
-        """The model, as the replicas that answered describe it; the smallest max_model_len wins, since a
-        request may run on any of them."""
+        """The model as the replicas describe it; the smallest max_model_len (a request may run on any)."""
         infos = [link.model_info for link in self.links.values() if link.model_info is not None]
         return min(infos, key=lambda i: i.max_model_len) if infos else None
 
@@ -172,13 +171,14 @@ class SchedulerPool:
         return time.monotonic() - self._unready_since < self._queued_timeout_s
 
     def submit(self, add: scheduler_pb2.AddRequest, objectives: Objectives = NO_OBJECTIVES) -> asyncio.Queue:
-        """Queues the request; its outputs come on the returned queue. SloRefused: it would miss its TTFT."""
+        """Queues the request; its outputs come on the returned queue. SloRefused, TpotInfeasible: slo.py."""
         if not self.accepting:
             raise SchedulerUnavailable("no replica is ready")
         now = time.monotonic()
         # Its TTFT behind those that leave the queue first; SloRefused when that misses its objective.
         ahead = self.admission.ahead(len(add.prompt_token_ids), add.priority)
         loads, pending = self._loads(now)
+        self.slo.infeasible_tpot(objectives, loads)
         free = sum(
             self.links[t].credits.available
             for t in loads
@@ -212,8 +212,7 @@ class SchedulerPool:
             self._left(req.routed.replica, request_id, None)
 
     async def drain(self, timeout_s: float) -> None:
-        """Waits up to timeout_s for the requests in flight to end; those left end with
-        FINISH_REASON_ABORTED, their KV freed."""
+        """Waits up to timeout_s for the requests in flight to end; the rest end ABORTED, KV freed."""
         deadline = time.monotonic() + timeout_s
         while self._requests and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -276,7 +275,7 @@ class SchedulerPool:
             req.attempts += 1
             req.routed = Routed(target, len(req.add.prompt_token_ids), req.attempts)
             req.sent_at, req.first_seen = now, False
-            self.slo.sent(target, req.add.request_id, req.objectives)
+            self.slo.sent(target, req.add.request_id, req.objectives, len(req.prompt), req.add.max_new_tokens)
             req.add.ttft_budget_ms = ttft_budget_ms(req.objectives, now - req.arrival)  # the scheduler's
             self.on_admit(req.add, now - req.arrival)
             link.send(req.add)
@@ -350,6 +349,8 @@ class SchedulerPool:
             self.slo.first_token(link.target, now - req.sent_at, out.request_id, now)
             if req.predicted_ttft and len(req.generated) == len(out.token_ids):  # not a resume
                 self.slo.observed_ttft(req.predicted_ttft, now - req.arrival)
+        elif out.token_ids and len(req.generated) % 8 == 0:  # its TPOT so far, every 8 tokens
+            self.slo.progressed(link.target, out.request_id, len(req.generated), now)
         if out.finish_reason or out.error:
             self._requests.pop(out.request_id, None)
             seconds = None if out.error else now - req.sent_at

@@ -17,7 +17,9 @@ from common import security
 from common.grpc_util import OPTIONS
 from common.pb.tpserve.internal.v1 import scheduler_pb2, scheduler_pb2_grpc
 from common.pb.tpserve.v1 import generation_pb2
+from common.speed import StackSpeed
 from router.buckets import Credits
+from router.slo import SloEstimator
 
 log = logging.getLogger("tpserve.router")
 
@@ -31,6 +33,8 @@ class QueueFull(Exception):
 
 
 class LinkOwner(Protocol):
+    slo: SloEstimator  # told the replica's measured speed
+
     def on_connected(self, link: SchedulerLink) -> None: ...
     def on_load(self, link: SchedulerLink, load: scheduler_pb2.LoadReport) -> None: ...
     def on_kv_events(self, link: SchedulerLink, events: scheduler_pb2.KvEvents) -> None: ...
@@ -148,6 +152,12 @@ class SchedulerLink:
     def _receive(self, msg: scheduler_pb2.SchedulerMessage) -> None:
         if msg.HasField("model_info"):  # the shards came back, maybe with another max_model_len
             self.model_info = msg.model_info
+        if msg.HasField("speed"):
+            try:
+                # The admission estimates hold from the replica's first request (router/slo.py).
+                self.owner.slo.speed(self.target, StackSpeed.from_message(msg.speed))
+            except ValueError as e:  # no scheduler sends one; the router measures the replica instead
+                log.error("%s: a speed that is not one: %s", self.target, e)
         if msg.HasField("shards_ready"):
             log.log(
                 logging.INFO if msg.shards_ready else logging.WARNING,

@@ -94,6 +94,10 @@ async def serve(config: RouterConfig) -> None:
     pool.on_failover = router_metrics.count_failover
     pool.on_resume = lambda request_id: router_metrics.resumed.inc()
     frontend = Frontend(config, tokenizer, pool, router_metrics)
+    if config.priority_api_key_file:
+        frontend.priority_keys = ApiKeys(
+            security.read_api_keys(config.priority_api_key_file, "--priority-api-key-file")
+        )
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(frontend), server)
     # Server reflection: grpcurl, Postman and evans work without the .proto files.
     reflection.enable_server_reflection((GENERATION, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -142,6 +146,7 @@ async def serve(config: RouterConfig) -> None:
     await stopping
     await pool.close()
     tokenizer.close()
+    await frontend.media.close()
     if provider is not None:
         provider.shutdown()
 

@@ -96,6 +96,11 @@ class Tokenizer:
         """The conversation in the model's own template: the ids transformers' apply_chat_template gives
         for the same messages, tools and options. A template that fails on them (it raised, or the last
         message to continue is not in its output) is a ValidationError on messages."""
+        # The template writes the special tokens it wants (BOS included) itself.
+        return self.hf(self.chat_text(prompt), add_special_tokens=prompt.add_special_tokens)["input_ids"]
+
+    def chat_text(self, prompt: ChatPrompt) -> str:
+        """render_chat's text, before tokenizing (a processor tokenizes it with its images)."""
         if self.hf is None:
             raise NoTokenizer("the model has no tokenizer: send the prompt as token_ids")
         if not self.has_chat_template:
@@ -114,8 +119,7 @@ class Tokenizer:
             raise ValidationError(
                 "messages", f"the model's chat template failed on messages: {reason}"
             ) from None
-        # The template writes the special tokens it wants (BOS included) itself.
-        return self.hf(text, add_special_tokens=prompt.add_special_tokens)["input_ids"]
+        return text
 
     async def run(self, fn, *args):
         """fn(*args) on the tokenizer's threads (it tokenizes: never on the event loop)."""

@@ -16,6 +16,7 @@ from common.pb.tpserve.internal.v1.scheduler_pb2 import (
     ERROR_CODE_NOT_FOUND,
     ERROR_CODE_UNAVAILABLE,
 )
+from scheduler import images
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import Sequence, from_request
 
@@ -47,6 +48,9 @@ def sequence_for(
             f"num_output_tokens {msg.num_output_tokens} leaves no prompt in "
             f"{len(msg.prompt_token_ids)} tokens",
         )
+    reason = images.too_long([im.length for im in msg.images], scheduler.policy.max_num_batched_tokens)
+    if reason is not None:
+        raise RequestError(ERROR_CODE_INVALID_ARGUMENT, reason)
     # Another choice of the same request, with the same prompt, whose prompt blocks this one shares.
     first = scheduler.get(msg.fork_of) if msg.fork_of else None
     if first is not None and first.token_ids[: first.num_prompt_tokens] != list(msg.prompt_token_ids):

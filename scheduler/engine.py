@@ -45,7 +45,7 @@ from scheduler.plan import SchedulerOutput, SchedulerSnapshot
 from scheduler.recovery import expire_while_lost
 from scheduler.replies import check_replies
 from scheduler.reports import StepResult, StepTotals, load_report, stats, step_outputs
-from scheduler.router_streams import LOAD_REPORT_INTERVAL_S, RouterStream, RouterStreams
+from scheduler.router_streams import LOAD_REPORT_INTERVAL_S, RouterStream, RouterStreams, speed_of
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import FinishReason
 from scheduler.spans import RequestSpans
@@ -286,13 +286,11 @@ class Engine:
             tensor_parallel_size=len(info.describe),
             block_size=cfg.block_size,
         )
+        self.routers.speed = speed_of(info.describe)  # sent with model_info
         self._builder.forget_all()
         lost = await self.loras.restore()  # adapters loaded while serving, on ranks that came back
-        self._fail(
-            [s.request_id for s in self.scheduler.sequences() if s.lora_name in lost],
-            ERROR_CODE_NOT_FOUND,
-            "its LoRA adapter no longer loads on the replica's ranks",
-        )
+        gone = [s.request_id for s in self.scheduler.sequences() if s.lora_name in lost]
+        self._fail(gone, ERROR_CODE_NOT_FOUND, "its LoRA adapter no longer loads on the replica's ranks")
         log.info(
             "model %s on %d rank(s) (%s), max_model_len %d",
             first.model_name,
@@ -385,7 +383,7 @@ class Engine:
     def refuse(self, stream: RouterStream, request_id: str, code: int, message: str) -> None:
         """The error, and the credit the refused add used given back, in one message."""
         error = scheduler_pb2.RequestOutput(request_id=request_id, error=message, error_code=code)
-        window = None if self.scheduler is None else self._admission_window()
+        window = None if self.scheduler is None else self._admission_window
         share = self.routers.shares(window).get(stream)
         stream.send(stream.message([error], share, self.load_report()))
 
@@ -400,17 +398,17 @@ class Engine:
         self._wakeup.set()
         self._report()
 
-    def _admission_window(self) -> int:
-        """The credit to share among the routers: free slots, and places a request they queue would take
-        by priority (scheduler/priority.py)."""
-        return self.scheduler.admission_window(self.config.admission_window, self.routers.best_priority())
+    def _admission_window(self, best_priority: int | None = None) -> int:
+        """The credit for a router whose best queued request has best_priority: the free slots, and the
+        places it would take by preempting (scheduler/priority.py), split by RouterStreams.shares."""
+        return self.scheduler.admission_window(self.config.admission_window, best_priority)
 
     def _report(self, outputs=(), force_load: bool = False) -> None:
         """Sends each router its outputs, with the credit and the load when they changed, and what the
         prefix cache stored and evicted since the last report (a snapshot to a router that needs one)."""
         window = load = kv = cached = None
         if self.scheduler is not None:
-            window = self._admission_window()
+            window = self._admission_window
             load = self.load_report()
             kv, cached = self.scheduler.blocks.take_events(), self.scheduler.blocks.snapshot_events
         elif force_load:

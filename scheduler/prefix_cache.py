@@ -108,9 +108,9 @@ class PrefixCache:
         known = self._seq_hashes.get(seq.seq_id, [])
         if len(known) < num_full_blocks:
             # The adapter is every block's extra key: KV computed under one LoRA adapter is never another's
-            # (nor the base model's, whose extra is empty).
+            # (nor the base model's, whose extra is empty); so is each image in the blocks it lies in.
             extra = adapter_extra(seq.lora_name)
-            known = block_hashes(seq.token_ids, self.block_size, num_full_blocks, extra, known)
+            known = block_hashes(seq.token_ids, self.block_size, num_full_blocks, extra, known, seq.images)
             self._seq_hashes[seq.seq_id] = known
         return known[:num_full_blocks]
 

@@ -16,7 +16,7 @@ import dataclasses
 from collections import deque
 
 from common.pb.tpserve.v1.generation_pb2 import FINISH_REASON_ABORTED, FINISH_REASON_EOS, FINISH_REASON_LENGTH
-from scheduler import forks, lora_slots, plan, priority
+from scheduler import forks, images, lora_slots, plan, priority
 from scheduler.batch_wait import BatchWait
 from scheduler.block_manager import BlockManager
 from scheduler.plan import Proposer, ScheduledSeq, SchedulerOutput, SchedulerSnapshot, SequenceUpdate
@@ -138,11 +138,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.num_pending and self._stop_reason(seq, -1, ahead=seq.num_pending) is not None:
+            num_new = self._chunk(seq, seq.num_computed_tokens, budget)  # 0: the rest would split an image
+            ends = seq.num_pending and self._stop_reason(seq, -1, ahead=seq.num_pending) is not None
+            if ends or not num_new:
                 i += 1  # async scheduling (overlap.py): its token in flight ends it; no step after that
                 continue
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            num_new = forks.limit(seq, num_new, seq.num_computed_tokens, self.blocks.block_size)
             drafts = self._propose(seq, budget - num_new) if num_new == 1 else []
             if drafts and not self.blocks.can_allocate(seq, seq.num_tokens + len(drafts), later[i]):
                 drafts = []
@@ -194,9 +194,9 @@ class Scheduler:
             seq = self.swapped[0]
             if not lora_slots.fits(seq, self.running, self.policy.max_loras) or priority.yields_to(seq, head):
                 break
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = self._chunk(seq, seq.num_computed_tokens, budget)
             reserve = self._watermark_blocks if self.running else 0
-            if not self.blocks.can_allocate(seq, seq.num_computed_tokens + num_new, reserve):
+            if not num_new or not self.blocks.can_allocate(seq, seq.num_computed_tokens + num_new, reserve):
                 break
             self.blocks.allocate(seq, seq.num_computed_tokens + num_new, count_query=False)
             out.swap_in += self.host_blocks.swap_in(seq.seq_id, self.blocks.computed_blocks(seq))
@@ -229,11 +229,10 @@ class Scheduler:
             # never its last token) is reused; only the rest is computed.
             shared = forks.share(seq, self.blocks)
             num_cached = shared or (self.blocks.match_prefix(seq) if seq.prompt_logprobs is None else 0)
-            num_new = min(seq.num_tokens - num_cached, budget)
-            num_new = forks.limit(seq, num_new, num_cached, self.blocks.block_size)
+            num_new = self._chunk(seq, num_cached, budget)
             reserve = self._watermark_blocks if self.running else 0
             from_cache = num_cached - shared
-            if not self.blocks.can_allocate(seq, num_cached + num_new, reserve, num_cached_tokens=from_cache):
+            if not num_new or not self.blocks.can_allocate(seq, num_cached + num_new, reserve, from_cache):
                 if shared:
                     self.blocks.free(seq)
                 break  # first come, first served: nobody jumps the queue
@@ -251,6 +250,10 @@ class Scheduler:
             out.admitted.append(seq)
             out.scheduled.append(self._scheduled(seq, num_new))
             budget -= num_new
+
+    def _chunk(self, seq: Sequence, start: int, budget: int) -> int:  # cut for forks and images; 0: none
+        num_new = forks.limit(seq, min(seq.num_tokens - start, budget), start, self.blocks.block_size)
+        return images.limit(seq, num_new, start)
 
     def _candidates(self, now: float):
         """The waiting in admission order (slack.py, lora_slots.py), but those not ready (grammar, adapter,

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.block_hash import ImageSpan
 from common.pb.tpserve.v1 import generation_pb2
 
 
@@ -70,6 +71,7 @@ class Sequence:
     # acceptance), kept here so that it goes with the sequence.
     proposer_state: Any = None
     lora_name: str = ""  # the LoRA adapter it runs on; "": the base model
+    images: tuple[ImageSpan, ...] = ()  # the prompt's images: part of its blocks' hashes
     # vLLM's priority (lower first) and when its first token is due (monotonic; None: no TTFT objective):
     # the waiting queue's order (scheduler/slack.py).
     priority: int = 0
@@ -113,6 +115,7 @@ def from_request(msg, seq_id: int, arrival_time: float, fork_of: Sequence | None
         fork_of=fork_of,
         prompt_logprobs=msg.prompt_logprobs if msg.want_prompt_logprobs else None,
         lora_name=msg.lora_name,
+        images=tuple(ImageSpan(im.offset, im.length, im.hash) for im in msg.images),
         priority=msg.priority,
         ttft_deadline=arrival_time + msg.ttft_budget_ms / 1000 if msg.ttft_budget_ms else None,
     )

@@ -168,32 +168,37 @@ class RunnerCaches:
         does not profile calls this before serving."""
         if self.kernel_warm_up is not None:
             self.kernel_warm_up.wait()
-        steps = warm_up_steps(block_size, self.config.max_position_embeddings)
-        configs = [SamplingConfig(temperature=0.0), SamplingConfig(temperature=0.7, top_p=0.9, top_k=50)]
-        for lens in steps:
-            step, num_blocks = synthetic_step(lens, block_size, sample=True)
-            with self._scratch_cache(num_blocks, block_size), torch.inference_mode():
-                states = None
-                if self.sampler is not None:
-                    # A prompt (q == c) has sampled nothing yet; a decode has sampled its last token.
-                    states = [
-                        self.sampler.new_state(
-                            SequenceInit(
-                                seq_id=i,
-                                sampling=configs[i % len(configs)],
-                                top_logprobs=0,
-                                token_ids=[0] * c,
-                                num_prompt_tokens=c if q == c else c - 1,
-                                num_sampled=0 if q == c else 1,
-                            )
-                        )
-                        for i, (q, c) in enumerate(lens)
-                    ]
-                self.execute(step, states)
-                for state in states or ():
-                    self.sampler.release(state)
+        for lens in warm_up_steps(block_size, self.config.max_position_embeddings):
+            self.run_synthetic(lens, block_size)
         if self.sampler is not None and self.sampler.grammar is not None:
             self.sampler.grammar.compiler.wait_started()  # its tokenizer: not beside a first request
+
+    def run_synthetic(self, lens: list[tuple[int, int]], block_size: int) -> float:
+        """Runs a synthetic_step on a scratch cache, sampled greedily and by a draw in turn: its forward's
+        seconds (warm_up; shard_worker/warm_up.py measure_speed times them)."""
+        configs = [SamplingConfig(temperature=0.0), SamplingConfig(temperature=0.7, top_p=0.9, top_k=50)]
+        step, num_blocks = synthetic_step(lens, block_size, sample=True)
+        with self._scratch_cache(num_blocks, block_size), torch.inference_mode():
+            states = None
+            if self.sampler is not None:
+                # A prompt (q == c) has sampled nothing yet; a decode has sampled its last token.
+                states = [
+                    self.sampler.new_state(
+                        SequenceInit(
+                            seq_id=i,
+                            sampling=configs[i % len(configs)],
+                            top_logprobs=0,
+                            token_ids=[0] * c,
+                            num_prompt_tokens=c if q == c else c - 1,
+                            num_sampled=0 if q == c else 1,
+                        )
+                    )
+                    for i, (q, c) in enumerate(lens)
+                ]
+            seconds = self.execute(step, states).forward_seconds
+            for state in states or ():
+                self.sampler.release(state)
+        return seconds
 
     def _dummy_step(
         self,

@@ -35,6 +35,7 @@ from shard_worker.lora_service import LoRAService, lora_settings
 from shard_worker.metrics import WorkerMetrics
 from shard_worker.startup import StartupPhases, compile_counts, configure_compile_cache, remember_vec_isa
 from shard_worker.step import SequenceInit, WorkerStep
+from shard_worker.warm_up import SPEED_PROMPT_TOKENS, measure_speed
 from shard_worker.worker import Worker
 
 log = logging.getLogger("tpserve.shard_worker")
@@ -163,10 +164,17 @@ class ShardWorkerServicer(LoRAService, worker_pb2_grpc.ShardWorkerServicer):
             with self.phases.phase("warm_up", self.phases.compile_note):
                 self.runner.warm_up(request.block_size)
             remember_vec_isa(self.phases.cache_dir)  # the kernels built: the probe's answer was right
+        with self.phases.phase("measure_speed"):  # for the router's admission from the first request
+            speed = measure_speed(
+                lambda lens: self.runner.run_synthetic(lens, request.block_size),
+                request.max_num_seqs or 1,
+                request.max_num_batched_tokens or SPEED_PROMPT_TOKENS,
+                request.max_model_len or info["max_position_embeddings"],
+            )
         for name, seconds in self.phases.seconds.items():
             self.metrics.startup.labels(phase=name).set(seconds)
         compiled, cached = compile_counts()
-        return worker_pb2.DescribeResponse(
+        response = worker_pb2.DescribeResponse(
             rank=self.config.rank,
             world_size=self.config.world_size,
             model_name=info["model_name"],
@@ -191,6 +199,8 @@ class ShardWorkerServicer(LoRAService, worker_pb2_grpc.ShardWorkerServicer):
             cached_graphs=cached,
             **lora_settings(self.config),
         )
+        speed.fill(response)
+        return response
 
     def InitCache(self, request, context):
         with self._device_lock:

@@ -5,6 +5,9 @@ Two parts. The attention kernels need the layers' shapes, not the weights: Kerne
 exist, while the main thread reads the checkpoint. ModelRunner.warm_up then waits for it and runs the
 whole model over the same steps (sampling, the linear layers' first shapes), which no longer compiles.
 Through the backend's interface (prepare, forward), so whatever a backend compiles is covered.
+
+Then measure_speed times a long prompt and decode steps at a few batch sizes, warm: what the router's
+admission needs before any request has measured the replica (common/speed.py).
 """
 
 from __future__ import annotations
@@ -13,9 +16,11 @@ import logging
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
+from common.speed import StackSpeed
 from shard_worker.attention import Attention, AttentionBackend, StepBatch
 from shard_worker.attention.flex import PREFILL_MIN_QUERY
 from shard_worker.capacity import synthetic_step
@@ -30,6 +35,12 @@ EARLY_BLOCK_SIZE = 16
 # (shard_worker/startup.py); the cpu backend's library is built once per machine by its own module.
 COMPILED_BY_INDUCTOR = ("flex",)
 SWITCH_INTERVAL_S = 0.0005
+# measure_speed: the prompt timed for the prefill rate (long enough that a step's fixed cost is a small
+# part), the context of the decode steps timed (a short one: the router's bias corrects for longer), and
+# how many times each step runs (their mean is kept; a mean, as a neighbour's burst is part of the speed).
+SPEED_PROMPT_TOKENS = 256
+SPEED_CONTEXT = 17
+SPEED_RUNS = 2
 
 
 def warm_up_steps(block_size: int, max_len: int) -> list[list[tuple[int, int]]]:
@@ -44,6 +55,38 @@ def warm_up_steps(block_size: int, max_len: int) -> list[list[tuple[int, int]]]:
         [(short, short)],
         [(1, min(short + 1, max_len))],
     ]
+
+
+def speed_batch_sizes(max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
+    """The decode batches measure_speed times: 1, 4, 16, ... below the largest batch a step may carry,
+    and that one (few sizes: each costs start-up time; StackSpeed interpolates between them)."""
+    largest = max(1, min(max_num_seqs, max_num_batched_tokens))
+    sizes, n = [], 1
+    while n < largest:
+        sizes.append(n)
+        n *= 4
+    return [*sizes, largest]
+
+
+def measure_speed(
+    run: Callable[[list[tuple[int, int]]], float],
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    max_len: int,
+) -> StackSpeed:
+    """The replica's speed on this rank: run(lens) runs one step of (query_len, context_len) sequences
+    and returns its seconds (ModelRunner.run_synthetic). Every rank runs the same steps in the same
+    order (their collectives pair up)."""
+
+    def mean(lens: list[tuple[int, int]]) -> float:
+        return sum(run(lens) for _ in range(SPEED_RUNS)) / SPEED_RUNS
+
+    prompt = max(1, min(SPEED_PROMPT_TOKENS, max_num_batched_tokens, max_len))
+    context = max(1, min(SPEED_CONTEXT, max_len))
+    decode = tuple(
+        (n, mean([(1, context)] * n)) for n in speed_batch_sizes(max_num_seqs, max_num_batched_tokens)
+    )
+    return StackSpeed(prompt / mean([(prompt, prompt)]), decode)
 
 
 def attention_kinds(model: torch.nn.Module) -> list[Attention]:

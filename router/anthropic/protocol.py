@@ -144,8 +144,7 @@ def _refuse_media(block, where: str) -> None:
     if isinstance(block, dict) and block.get("type") in ("image", "document"):
         raise bad_request(
             f"{where}.type",
-            f"{where}: {block['type']} blocks are not supported: this server serves no vision model "
-            "(send text)",
+            f"{where}: {block['type']} blocks are not supported here (images: in user turns only)",
         )
 
 
@@ -178,8 +177,11 @@ def _user(blocks: list, where: str, names: dict[str, str]) -> list[dict]:
     tools, parts = [], []
     for i, block in enumerate(blocks):
         at = f"{where}[{i}]"
-        _refuse_media(block, at)
         kind_ = block.get("type") if isinstance(block, dict) else None
+        if kind_ == "image":  # the chat's image_url part: the router reads it under its media policy
+            parts.append(_image(block, at))
+            continue
+        _refuse_media(block, at)
         if kind_ == "text" and isinstance(block.get("text"), str):
             parts.append({"type": "text", "text": block["text"]})
         elif kind_ == "tool_result":
@@ -197,6 +199,27 @@ def _user(blocks: list, where: str, names: dict[str, str]) -> list[dict]:
         else:
             raise bad_request(at, f"{at}: a user turn holds text and tool_result blocks, got {kind(block)}")
     return tools + ([{"role": "user", "content": parts}] if parts else [])
+
+
+def _image(block: dict, where: str) -> dict:
+    """An image block as an image_url part: base64 data as a data: URL, a url source as its link."""
+    source = block.get("source")
+    kind_ = source.get("type") if isinstance(source, dict) else None
+    if (
+        kind_ == "base64"
+        and isinstance(source.get("media_type"), str)
+        and isinstance(source.get("data"), str)
+    ):
+        return {
+            "type": "image_url",
+            "image_url": {"url": f"data:{source['media_type']};base64,{source['data']}"},
+        }
+    if kind_ == "url" and isinstance(source.get("url"), str):
+        return {"type": "image_url", "image_url": {"url": source["url"]}}
+    raise bad_request(
+        f"{where}.source",
+        f'{where}.source must be {{"type": "base64", "media_type", "data"}} or {{"type": "url", "url"}}',
+    )
 
 
 def _assistant(blocks: list, where: str, names: dict[str, str]) -> list[dict]:

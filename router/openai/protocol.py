@@ -222,25 +222,34 @@ def _prompts(prompt) -> list[str | list[int]]:
     raise bad_request("prompt", "prompt must be a string, an array of token ids, or an array of either")
 
 
-def _content(message: dict, where: str) -> str:
-    """A message's content: a string, or text parts [{"type": "text", "text": ...}] joined by newlines."""
+def _content(message: dict, where: str) -> tuple[str, list[pb.ContentPart]]:
+    """A message's content: a string, or parts. Text parts alone are joined by newlines into content; with
+    an image_url part among them, the parts travel in order (ChatMessage.parts) and content stays empty."""
     content = message.get("content")
     if content is None:
-        return ""  # an assistant turn that only called tools
+        return "", []  # an assistant turn that only called tools
     if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if (
-                not isinstance(part, dict)
-                or part.get("type") != "text"
-                or not isinstance(part.get("text"), str)
-            ):
-                raise bad_request(f"{where}.content", "only text content parts are supported")
-            texts.append(part["text"])
-        return "\n".join(texts)
-    raise bad_request(f"{where}.content", "content must be a string or an array of parts")
+        return content, []
+    if not isinstance(content, list):
+        raise bad_request(f"{where}.content", "content must be a string or an array of parts")
+    parts = [_part(part, f"{where}.content[{j}]") for j, part in enumerate(content)]
+    if all(p.WhichOneof("kind") == "text" for p in parts):
+        return "\n".join(p.text for p in parts), []
+    return "", parts
+
+
+def _part(part: object, where: str) -> pb.ContentPart:
+    """{"type": "text", "text"} or OpenAI's {"type": "image_url", "image_url": {"url"} or "url"}."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text" and isinstance(part.get("text"), str):
+        return pb.ContentPart(text=part["text"])
+    if kind == "image_url":
+        image = part.get("image_url")
+        url = image.get("url") if isinstance(image, dict) else image
+        if not isinstance(url, str) or not url:
+            raise bad_request(f"{where}.image_url", f"{where}.image_url must be {{'url': string}}")
+        return pb.ContentPart(image=pb.Image(url=url))
+    raise bad_request(where, f"{where}: content parts are text or image_url")
 
 
 def parse_message(m: object, where: str) -> pb.ChatMessage:
@@ -249,9 +258,11 @@ def parse_message(m: object, where: str) -> pb.ChatMessage:
     for name in ("name", "tool_call_id"):
         if m.get(name) is not None and not isinstance(m[name], str):
             raise bad_request(f"{where}.{name}", f"{where}.{name} must be a string")
+    content, parts = _content(m, where)
     return pb.ChatMessage(
         role="system" if m["role"] == "developer" else m["role"],  # OpenAI's newer name for it
-        content=_content(m, where),
+        content=content,
+        parts=parts,
         tool_calls=parse_tool_calls(m, where),
         tool_call_id=m.get("tool_call_id") or "",
         name=m.get("name") or "",

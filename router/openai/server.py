@@ -38,7 +38,7 @@ from common.pb.tpserve.v1 import generation_pb2 as pb
 from common.security import TlsFiles
 from router.anthropic.server import ERROR_SHAPE as anthropic_errors
 from router.anthropic.server import AnthropicApi
-from router.auth import ApiKeys, refusal
+from router.auth import CALLER_AUTHORIZATION, ApiKeys, refusal
 from router.frontend import Frontend, RequestFailed
 from router.openai import lora, protocol, tokenize
 from router.openai.answer import Answer, started, write_events
@@ -176,9 +176,10 @@ class OpenAIServer:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler) -> web.StreamResponse:
+        presented = [("authorization", v) for v in request.headers.getall("Authorization", [])]
+        presented += [("x-api-key", v) for v in request.headers.getall("X-Api-Key", [])]  # Anthropic's
+        CALLER_AUTHORIZATION.set(tuple(presented))  # who calls, for what it may ask (router/objectives.py)
         if self.keys is not None and request.path not in EXEMPT_PATHS:
-            presented = [("authorization", v) for v in request.headers.getall("Authorization", [])]
-            presented += [("x-api-key", v) for v in request.headers.getall("X-Api-Key", [])]  # Anthropic's
             message = refusal(self.keys, presented)
             if message is not None:
                 self.on_refused()

@@ -16,6 +16,13 @@ import pytest
 
 from tests.e2e.test_openai import SMOLLM2, client
 
+# A 1x1 PNG as an Anthropic base64 image source.
+PNG = {
+    "type": "base64",
+    "media_type": "image/png",
+    "data": "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC",
+}
+
 pytestmark = pytest.mark.skipif(
     not (SMOLLM2 / "config.json").is_file(),
     reason="models/smollm2 is not built (`make model-smollm2` builds it; `make test` does it first)",
@@ -241,10 +248,11 @@ def test_messages_tool_use_forced_auto_and_the_result_fed_back(stack):
             "tool_choice",
         ),
         (
-            {"max_tokens": 8, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+            # An image block is the chat's image part: refused by the media policy's last check.
+            {"max_tokens": 8, "messages": [{"role": "user", "content": [{"type": "image", "source": PNG}]}]},
             400,
             "invalid_request_error",
-            "no vision model",
+            "the served model does not take images",
         ),
     ],
 )

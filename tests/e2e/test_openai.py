@@ -4,7 +4,9 @@ errors are the statuses and bodies that client understands."""
 
 from __future__ import annotations
 
+import http.server
 import json
+import threading
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -47,7 +49,8 @@ def http_get(info, path: str) -> tuple[int, dict]:
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model):
-    with launch(tiny_model, "--http-port", "0") as (target, info):
+    # 127.0.0.1 allowed: the image tests' local host; tiny takes no images, so nothing is ever fetched.
+    with launch(tiny_model, "--http-port", "0", "--allowed-media-domains", "127.0.0.1") as (target, info):
         yield target, info
 
 
@@ -170,6 +173,52 @@ def test_bad_streamed_request_is_400_too(tiny):
     with pytest.raises(openai.BadRequestError) as e:
         client(info).completions.create(model="tiny", prompt="hi", temperature=-1, stream=True)
     assert e.value.body["param"] == "temperature"
+
+
+@pytest.fixture(scope="module")
+def image_host():
+    """A local HTTP server that records every path it is asked for (it should be asked for none)."""
+    hits: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            hits.append(self.path)
+            self.send_error(404)
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server.server_address[1], hits
+    server.shutdown()
+
+
+@pytest.mark.parametrize(
+    "url, words",
+    [
+        ("http://localhost:{port}/a.png", "'localhost' is not allowed"),  # only 127.0.0.1 is named
+        ("file:///etc/passwd", "local files are not served"),
+        ("data:text/plain;base64,aGk=", "not a supported image type"),
+        ("http://127.0.0.1:{port}/a.png", "the served model does not take images"),  # refused before fetching
+        ("data:image/png;base64,iVBORw0KGgo=", "the served model does not take images"),
+    ],
+)
+def test_images_are_refused_with_400_and_nothing_fetched(tiny, image_host, url, words):
+    _, info = tiny
+    port, hits = image_host
+    content = [
+        {"type": "text", "text": "what is this"},
+        {"type": "image_url", "image_url": {"url": url.format(port=port)}},
+    ]
+    with pytest.raises(openai.BadRequestError) as e:
+        client(info).chat.completions.create(model="tiny", messages=[{"role": "user", "content": content}])
+    assert e.value.body["param"] == "messages[0].content[1].image_url"
+    assert words in e.value.body["message"]
+    # /tokenize renders the same conversation: the same refusal.
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": content}]}).encode()
+    post = urllib.request.Request(f"http://127.0.0.1:{info['http_port']}/tokenize", body, method="POST")
+    with pytest.raises(urllib.error.HTTPError) as tokenize:
+        urllib.request.urlopen(post, timeout=30)
+    assert tokenize.value.code == 400 and words in json.loads(tokenize.value.read())["error"]["message"]
+    assert hits == []
 
 
 def test_unknown_model_is_404_and_models_lists_the_served_one(tiny):

@@ -46,14 +46,16 @@ def start_and_describe(model, port_file, cache_dir) -> worker_pb2.DescribeRespon
 
 
 def test_phases_are_reported_and_a_warm_restart_compiles_nothing(tiny_model, tmp_path):
+    from common.speed import StackSpeed
     from shard_worker.startup import DEFAULT_COMPILE_CACHE_DIR
 
     first = start_and_describe(tiny_model, tmp_path / "first.port", DEFAULT_COMPILE_CACHE_DIR)
     phases = {p.name: p.seconds for p in first.startup_phases}
     # On CPU: no worst-step profile, so sizing is the budget alone; the kernels are compiled while the
     # weights load (compile_kernels, reported once the scheduler's Describe has waited for it), then the
-    # whole model is warmed.
-    assert list(phases) == ["load_weights", "compile_kernels", "kv_sizing", "warm_up"]
+    # whole model is warmed, then timed (for the router's admission: common/speed.py).
+    assert list(phases) == ["load_weights", "compile_kernels", "kv_sizing", "warm_up", "measure_speed"]
+    assert StackSpeed.from_message(first).known
     assert all(s >= 0 for s in phases.values()) and phases["compile_kernels"] > 0
     assert first.num_kv_blocks == int(0.01 * 2**30) // first.kv_block_bytes
     # The warm-up built flex attention's kernels, or loaded them from the cache.

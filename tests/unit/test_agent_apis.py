@@ -153,8 +153,17 @@ def test_tool_choice_forms_and_prefill():
         ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "n": 2}, "n", "Extra inputs"),
         (
             {"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
-            "messages[0].content[0].type",
-            "no vision model",
+            "messages[0].content[0].source",
+            '"type": "base64"',
+        ),
+        (
+            {
+                "max_tokens": 5,
+                "system": [{"type": "image", "source": {}}],
+                "messages": [{"role": "user", "content": "x"}],
+            },
+            "system[0].type",
+            "images: in user turns only",
         ),
         (
             {"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "tools": [{"name": "f"}]},

@@ -144,7 +144,11 @@ def test_completion_bodies_refused_before_the_frontend(body, param, words):
         ({"messages": []}, "messages"),
         ({"messages": "hi"}, "messages"),
         ({"messages": [{"content": "no role"}]}, "messages[0]"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages[0].content[0].image_url",
+        ),
+        ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, "messages[0].content[0]"),
         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
         (
             {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},

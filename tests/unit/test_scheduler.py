@@ -426,22 +426,3 @@ def test_requeue_all_keeps_first_admission_figures():
     out = sched.schedule()
     assert {s.seq_id for s in out.admitted} == {0, 1} and out.first_admitted == []
     assert second.num_cached_tokens == 32
-
-
-def test_the_admission_window_is_split_among_routers_by_what_they_queue():
-    from scheduler.router_streams import split_window
-
-    assert split_window(8, [0], [3]) == [8]  # one router: the whole window, as before
-    assert split_window(4, [10, 10], [0, 0]) == [2, 2]
-    assert split_window(6, [1, 0, 0], [0, 0, 0]) == [1, 0, 0]  # nothing for routers with nothing queued
-    assert split_window(3, [9, 0, 3], [0, 0, 0]) == [2, 0, 1]  # in proportion: largest remainders
-    assert split_window(4, [10, 10], [3, 0]) == [3, 1]  # what may be on the wire is never taken back
-    assert split_window(2, [10, 10], [3, 0]) == [3, 0]
-    assert split_window(0, [5, 5], [0, 0]) == [0, 0]
-    for window in range(12):
-        for queued, floors in (([0, 0, 0], [0, 0, 0]), ([1, 7, 2], [0, 2, 1]), ([30, 0, 1, 4], [1, 1, 0, 0])):
-            shares = split_window(window, queued, floors)
-            assert all(s >= f for s, f in zip(shares, floors, strict=True))
-            assert sum(shares) <= max(window, sum(floors))
-            if sum(max(0, q - f) for q, f in zip(queued, floors, strict=True)) >= window - sum(floors):
-                assert sum(shares) == max(window, sum(floors))  # demand exceeds it: all of it given

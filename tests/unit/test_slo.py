@@ -259,7 +259,8 @@ def test_a_refusal_is_http_429_with_retry_after():
     failure = RequestFailed(
         grpc.StatusCode.RESOURCE_EXHAUSTED, "cannot meet the TTFT objective", retry_after_s=3
     )
-    response = _error(from_failure(failure, {}))
+    error = from_failure(failure, {})
+    response = _error(error, error.body())
     assert response.status == 429 and response.headers["Retry-After"] == "3"
     assert b"cannot meet the TTFT objective" in response.body
 
