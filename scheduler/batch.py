@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 from array import array
 
+from common.kv_cache_spec import HOLE
 from common.pb.tpserve.internal.v1 import worker_pb2
 from scheduler.plan import DRAFTED, SchedulerOutput
 from scheduler.sequence import Sequence
@@ -88,6 +89,7 @@ class StepBuilder:
         seq_ids, query_lens, context_lens, sample_counts = array("q"), array("q"), array("q"), array("q")
         prompt_logprob_counts = array("q")
         draft_counts = array("q")
+        group_ids = [array("q") for _ in out.scheduled[0].seq.group_tables] if out.scheduled else []
         input_ids, table_reset, new_block_counts, new_block_ids = (
             array("q"),
             array("q"),
@@ -121,7 +123,9 @@ class StepBuilder:
             sent = 0 if reset else sent
             table_reset.append(int(reset))
             new_block_counts.append(len(seq.block_table) - sent)
-            new_block_ids.extend(seq.block_table[sent:])
+            new_block_ids.extend(_ids(seq.block_table[sent:]))
+            for ids, table in zip(group_ids, seq.group_tables, strict=True):
+                ids.extend(_ids(table[sent:]))
             self._blocks_sent[seq.seq_id] = len(seq.block_table)
         req.seq_ids = pack(seq_ids)
         req.query_lens = pack(query_lens)
@@ -135,4 +139,11 @@ class StepBuilder:
         req.table_reset = pack(table_reset)
         req.new_block_counts = pack(new_block_counts)
         req.new_block_ids = pack(new_block_ids)
+        if group_ids:
+            req.group_new_block_ids = pack(array("q", [b for ids in group_ids for b in ids]))
         return req
+
+
+def _ids(table: list[int]) -> list[int]:
+    """A table's entries as the workers get them: a hole (a block let go of, never read again) as 0."""
+    return [0 if b == HOLE else b for b in table]

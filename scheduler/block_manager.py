@@ -2,67 +2,52 @@
 
 Plain Python: the workers hold the tensors; this decides which block a token's key and value go to.
 
-Automatic prefix caching (enable_prefix_caching=True): a block whose block_size tokens are all computed is
-registered under a hash chained over its parent block's hash, its own tokens and the sequence's LoRA adapter
-(common/block_hash.py, the one the router hashes prompts with), so the hash names the whole prefix up to and
-including the block (under that adapter). Each
-block registered and each cached block evicted goes into `events` (common/kv_events.py), which the engine
-sends to the routers once per step: their index of what this replica holds. A sequence being admitted reuses
-the registered blocks of its longest cached prefix instead of computing them again. Blocks are reference-
-counted: a block held by any sequence is never evicted nor handed out for other content. When its count
-drops to 0 a registered block stays cached and evictable; a fresh block is taken first from blocks that hold
-nothing reusable, then by evicting the least recently freed cached block (of those freed together, a
-sequence's tail before its head, because the head is the part other requests are likelier to share).
+Automatic prefix caching and its host tier: scheduler/prefix_cache.py (the part of this class that names
+blocks by their content).
 
-How the scheduler drives it:
-- admission (a waiting sequence, which holds no blocks):
-      num_cached = match_prefix(seq)
-      num_new = min(seq.num_tokens - num_cached, budget)
-      if can_allocate(seq, num_cached + num_new, reserve, num_cached_tokens=num_cached):
-          allocate(seq, num_cached + num_new, num_cached_tokens=num_cached)
-          seq.num_computed_tokens = num_cached
-- running sequences: allocate(seq, num_tokens) as before.
-- after each step, for every scheduled sequence still holding its blocks, right after its
-  num_computed_tokens has been advanced by the step and before it may be freed for finishing:
-      register_full_blocks(seq)
-- preemption, finish and abort: free(seq), as before.
-With caching off, match_prefix returns 0 and register_full_blocks does nothing, so the same calls work.
-
-Host tier (host_tier, scheduler/swap.py, when it caches prefixes): a cached block evicted here is
-copied to host memory first (the copy goes into `copies_out`), and a prefix match goes on past the
-device's blocks into the host tier's: each block found only there gets a fresh device block, registered
-at once, and a copy back (`copies_in`). Both lists are the step's, made by every rank before its
-forward (swap-outs first); the scheduler takes them with `take_copies` when the step is planned.
+Layer groups (scheduler/kv_cache_spec.py): a model whose layers keep different things (full attention,
+sliding windows) has one block table per group and sequence, every group drawing on this one pool.
+Group 0's table is `seq.block_table` (the one the prefix cache names to the routers and swap copies
+first); the others are kept here (`tables`). After each step (`register_full_blocks`) a sliding group's
+blocks that no later query reads go back to the pool, and a HOLE takes their place in the table: a hole is
+never hashed, shared, swapped or freed. A prefix match reuses group 0's blocks and, in every other group,
+the cached blocks inside the window before the match's end (holes before it), so a group's cached block
+only ever serves the very prefix it was computed for.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 from collections import OrderedDict
 
-from common.block_hash import adapter_extra, block_hashes, matchable_blocks
-from common.kv_events import KvEventLog, KvEvents
+from common.kv_cache_spec import HOLE, FullAttentionSpec, KVCacheGroup, KVCacheLayout, blocks_for
+from common.kv_events import KvEventLog
+from scheduler.prefix_cache import PrefixCache
 from scheduler.sequence import Sequence
 from scheduler.swap import HostBlockPool
 
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
+__all__ = ["HOLE", "BlockManager", "blocks_for"]
 
 
-class BlockManager:
+class BlockManager(PrefixCache):
     def __init__(
         self,
         num_blocks: int,
         block_size: int,
         enable_prefix_caching: bool = False,
         host_tier: HostBlockPool | None = None,
+        layout: KVCacheLayout | None = None,
     ):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.layout = layout or KVCacheLayout((KVCacheGroup(FullAttentionSpec(block_size), ()),), 1)
+        self.specs = [g.spec for g in self.layout.groups]
+        if any(spec.block_size != block_size for spec in self.specs):
+            raise ValueError(f"every KV cache group must have blocks of {block_size} tokens")
+        # Per live sequence holding blocks: the block tables of groups 1.. (group 0's is seq.block_table).
+        self._tables: dict[int, list[list[int]]] = {}
         self.enable_prefix_caching = enable_prefix_caching
         # Blocks held by no sequence and holding nothing reusable, a min-heap: the lowest is handed out
         # first, so the blocks in use stay a compact prefix of the cache while it is not full. The CPU
@@ -73,8 +58,11 @@ class BlockManager:
         # Cached blocks held by no sequence, in eviction order (first = next to evict).
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._ref_count = [0] * num_blocks
-        self._block_hash: list[bytes | None] = [None] * num_blocks
+        # What a cached block is cached under: group 0's hash, or (group, hash) for the other groups,
+        # whose blocks are matched only here and never named to the routers nor kept in the host tier.
+        self._block_hash: list[bytes | tuple[int, bytes] | None] = [None] * num_blocks
         self._cached: dict[bytes, int] = {}  # hash -> the block holding that prefix's last block of KV
+        self._group_cached: dict[tuple[int, bytes], int] = {}
         # Per live sequence (seq_id): keys of its full blocks computed so far (tokens only grow, so they stay
         # valid), and how many of its leading blocks register_full_blocks has already handled.
         self._seq_hashes: dict[int, list[bytes]] = {}
@@ -101,6 +89,11 @@ class BlockManager:
         self._in_flight: dict[int, int] = {}
         self._deferred: list[tuple[int, list[int]]] = []
 
+    @classmethod
+    def of(cls, capacity, block_size: int, enable_prefix_caching: bool, host_tier) -> BlockManager:
+        """The pool the ranks settled on (scheduler/capacity.py), laid out in their layer groups."""
+        return cls(capacity.num_blocks, block_size, enable_prefix_caching, host_tier, capacity.layout)
+
     @property
     def num_free_blocks(self) -> int:
         """Blocks that can be handed out now: empty ones plus cached ones that nobody holds."""
@@ -110,104 +103,60 @@ class BlockManager:
     def num_cached_blocks(self) -> int:
         return len(self._cached)
 
-    def cached_hashes(self) -> list[bytes]:
-        """Every hash the prefix cache holds on the device."""
-        return list(self._cached)
-
-    def take_events(self) -> KvEvents:
-        """What both tiers stored and removed since the last take (reset: a new pool, snapshot due)."""
-        events = self.events.take()
-        if self.host_tier is None:
-            return events
-        host = self.host_tier.events.take()
-        return dataclasses.replace(events, host_stored=host.stored, host_removed=host.removed)
-
-    def snapshot_events(self) -> KvEvents:
-        """Everything both tiers hold, as a snapshot (a router's first message)."""
-        host = () if self.host_tier is None else tuple(self.host_tier.cached_hashes())
-        return KvEvents(stored=tuple(self._cached), host_stored=host, reset=True)
-
     def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The step's (device, host) offloads and (host, device) restores, and starts the next step's."""
         copies = self.copies_out, self.copies_in
         self.copies_out, self.copies_in = [], []
         return copies
 
+    def tables(self, seq: Sequence) -> list[list[int]]:
+        """seq's block table in every group (group 0's is seq.block_table)."""
+        return [seq.block_table, *self._tables.get(seq.seq_id, [[] for _ in self.specs[1:]])]
+
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
-        """Extra blocks seq needs so that its first num_tokens tokens have a slot."""
-        return max(0, blocks_for(num_tokens, self.block_size) - len(seq.block_table))
+        """Extra blocks seq needs so that its first num_tokens tokens have a slot (in every group; a
+        window's holes would need fewer, so this never underestimates)."""
+        n = blocks_for(num_tokens, self.block_size)
+        return sum(max(0, n - len(t)) for t in self.tables(seq))
 
-    # ---- prefix cache ----
-
-    def match_prefix(self, seq: Sequence) -> int:
-        """How many leading tokens of seq (which holds no blocks yet) already have their KV cached.
-
-        Full blocks only, and never every token: the last one is always computed so that the step
-        yields logits to sample from. Changes nothing."""
-        if not self.enable_prefix_caching or seq.block_table:
-            return 0
-        return len(self._matched_blocks(seq)) * self.block_size
-
-    def _matched_blocks(self, seq: Sequence) -> list[tuple[bytes, int | None]]:
-        """(hash, device block) of each leading block of seq cached in either tier; None for a block
-        only the host tier holds."""
-        max_blocks = matchable_blocks(seq.num_tokens, self.block_size)
-        matched = []
-        for h in self._hashes(seq, max_blocks):
-            block = self._cached.get(h)
-            if block is None and not (self.host_tier is not None and self.host_tier.has(h)):
-                break
-            matched.append((h, block))
-        return matched
-
-    def _hashes(self, seq: Sequence, num_full_blocks: int) -> list[bytes]:
-        known = self._seq_hashes.get(seq.seq_id, [])
-        if len(known) < num_full_blocks:
-            # The adapter is every block's extra key: KV computed under one LoRA adapter is never another's
-            # (nor the base model's, whose extra is empty); so is each image in the blocks it lies in.
-            extra = adapter_extra(seq.lora_name)
-            known = block_hashes(seq.token_ids, self.block_size, num_full_blocks, extra, known, seq.images)
-            self._seq_hashes[seq.seq_id] = known
-        return known[:num_full_blocks]
-
-    def _cached_blocks_for(self, seq: Sequence, num_cached_tokens: int) -> list[tuple[bytes, int | None]]:
-        """The blocks behind the scheduler's claim that num_cached_tokens of seq are cached."""
-        if num_cached_tokens == 0:
-            return []
-        if not self.enable_prefix_caching or seq.block_table or num_cached_tokens % self.block_size:
-            raise ValueError(
-                f"num_cached_tokens={num_cached_tokens} needs prefix caching on, a sequence holding no "
-                f"blocks, and a multiple of block_size ({self.block_size})"
-            )
-        blocks = self._matched_blocks(seq)[: num_cached_tokens // self.block_size]
-        if len(blocks) * self.block_size != num_cached_tokens:
-            raise ValueError(f"only {len(blocks) * self.block_size} tokens of seq {seq.seq_id} are cached")
-        return blocks
+    def computed_blocks(self, seq: Sequence) -> list[int]:
+        """The blocks holding seq's computed tokens that later queries read, group after group: what a
+        swap-out copies, and, once seq has fresh blocks again, where a swap-in puts them back."""
+        nc = seq.num_computed_tokens
+        end = blocks_for(nc, self.block_size)
+        out = []
+        for spec, table in zip(self.specs, self.tables(seq), strict=True):
+            kept = table[spec.first_needed_block(nc) : end]
+            if HOLE in kept:
+                raise RuntimeError(f"seq {seq.seq_id} lost a block its window still reads")
+            out += kept
+        return out
 
     def register_full_blocks(self, seq: Sequence, num_computed_tokens: int | None = None) -> None:
-        """Makes seq's full, computed blocks reusable by later requests.
+        """Makes seq's full, computed blocks reusable by later requests, then lets go of the blocks no
+        later query of seq reads (outside every sliding window).
 
         Call after a step's results are applied (num_computed_tokens advanced by the step, so the KV of
         those tokens is written) and before seq's blocks are freed. Only blocks whose block_size tokens all
         lie below num_computed_tokens (default: seq.num_computed_tokens) are registered: their tokens and
         KV never change again. A block whose prefix another block already caches (two requests computed
-        it at once) stays unregistered and is freed as plain memory."""
-        if not self.enable_prefix_caching:
-            return
+        it at once) stays unregistered and is freed as plain memory. Registering comes first, so a block
+        let go of stays cached (evictable) like any other."""
         if num_computed_tokens is None:
             num_computed_tokens = seq.num_computed_tokens
-        num_full = min(num_computed_tokens // self.block_size, len(seq.block_table))
-        start = self._seq_registered.get(seq.seq_id, 0)
-        if num_full <= start:
-            return
-        hashes = self._hashes(seq, num_full)
-        for i in range(start, num_full):
-            block, h = seq.block_table[i], hashes[i]
-            if self._block_hash[block] is None and h not in self._cached:
-                self._block_hash[block] = h
-                self._cached[h] = block
-                self.events.stored(h)
-        self._seq_registered[seq.seq_id] = num_full
+        if self.enable_prefix_caching:
+            self._register(seq, num_computed_tokens)
+        self._release_outside_windows(seq, num_computed_tokens)
+
+    def _release_outside_windows(self, seq: Sequence, num_computed_tokens: int) -> None:
+        released = []
+        for spec, table in zip(self.specs, self.tables(seq), strict=True):
+            for i in range(min(spec.first_needed_block(num_computed_tokens), len(table))):
+                if table[i] != HOLE:
+                    released.append(table[i])
+                    table[i] = HOLE
+        if released:
+            self._let_go(seq.seq_id, released)
 
     # ---- allocation ----
 
@@ -219,14 +168,23 @@ class BlockManager:
         num_cached_tokens: at admission, the leading tokens to be taken from the prefix cache
         (match_prefix's answer); those blocks cost nothing new, but a cached block that nobody holds
         stops counting as free once it is reused."""
-        reused = [b for _, b in self._cached_blocks_for(seq, num_cached_tokens) if b is not None]
-        return self._fits(seq, num_tokens, reserve, reused)
+        matched, others, device = self._reused(seq, num_cached_tokens)
+        return self._fits(seq, num_tokens, reserve, matched, others, device)
 
-    def _fits(self, seq: Sequence, num_tokens: int, reserve: int, cached: list[int]) -> bool:
-        """cached: device blocks seq reuses (blocks restored from the host tier need fresh ones)."""
-        taken_from_free = sum(1 for b in cached if self._ref_count[b] == 0)
-        fresh = self.blocks_needed(seq, num_tokens) - len(cached)
+    def _fits(self, seq, num_tokens, reserve, matched, others, device) -> bool:
+        """device: device blocks seq reuses (blocks restored from the host tier need fresh ones)."""
+        taken_from_free = sum(1 for b in device if self._ref_count[b] == 0)
+        fresh = len(matched) - sum(b is not None for _, b in matched)  # restored from the host tier
+        start = max(seq.num_computed_tokens, len(matched) * self.block_size)
+        for spec, table, prefix in zip(self.specs, self.tables(seq), [matched, *others], strict=True):
+            fresh += len(self._new_indices(spec, table, len(prefix), num_tokens, start))
         return fresh + reserve <= self.num_free_blocks - taken_from_free
+
+    def _new_indices(self, spec, table: list[int], num_prefix: int, num_tokens: int, start: int) -> range:
+        """The table indices a group gives fresh blocks to: past the table and the prefix it reuses,
+        within the window of queries from position start on (those before it are holes)."""
+        first = max(len(table) + num_prefix, spec.first_needed_block(start))
+        return range(first, max(first, blocks_for(num_tokens, self.block_size)))
 
     def allocate(
         self, seq: Sequence, num_tokens: int, num_cached_tokens: int = 0, count_query: bool = True
@@ -237,13 +195,13 @@ class BlockManager:
         blocks of that prefix, and the scheduler sets seq.num_computed_tokens to it. count_query: this
         admission counts in the prefix-cache metrics (a client request's first; not a sequence coming
         back after a preemption or a swap, which would count the same prompt again)."""
-        matched = self._cached_blocks_for(seq, num_cached_tokens)
-        reused = [b for _, b in matched if b is not None]
-        if not self._fits(seq, num_tokens, 0, reused):
+        matched, others, reused = self._reused(seq, num_cached_tokens)
+        if not self._fits(seq, num_tokens, 0, matched, others, reused):
             return False
         if self.enable_prefix_caching and not seq.block_table:
             if count_query:
-                self._count_query(seq.num_tokens, len(reused), len(matched) - len(reused))
+                on_device = sum(b is not None for _, b in matched)
+                self._count_query(seq.num_tokens, on_device, len(matched) - on_device)
             self._seq_registered[seq.seq_id] = len(matched)
         # Reused blocks leave the evictable set, and host blocks to restore are kept, before any fresh
         # block is taken: taking fresh blocks (which may evict, and offload to the host tier) can never
@@ -261,16 +219,15 @@ class BlockManager:
                 self.events.stored(h)
                 self.copies_in.append((restore[h], block))
             seq.block_table.append(block)
-        for _ in range(self.blocks_needed(seq, num_tokens)):
-            seq.block_table.append(self._take_fresh_block())
+        start = max(seq.num_computed_tokens, num_cached_tokens)
+        tables = self.tables(seq)
+        for spec, table, prefix in zip(self.specs, tables, [[], *others], strict=True):
+            table += prefix
+            new = self._new_indices(spec, table, 0, num_tokens, start)
+            table += [HOLE] * (new.start - len(table)) + [self._take_fresh_block() for _ in new]
+        if len(tables) > 1:
+            self._tables[seq.seq_id] = seq.group_tables = tables[1:]
         return True
-
-    def _count_query(self, num_tokens: int, device_blocks: int, host_blocks: int) -> None:
-        self.prefix_cache_queries += num_tokens
-        self.prefix_cache_hits += device_blocks * self.block_size
-        if self.host_tier is not None:
-            self.host_cache_queries += num_tokens - device_blocks * self.block_size
-            self.host_cache_hits += host_blocks * self.block_size
 
     def share(self, seq: Sequence, source: Sequence, num_tokens: int) -> int:
         """Gives seq (holding no blocks, with the same leading tokens) source's blocks of its first
@@ -278,12 +235,15 @@ class BlockManager:
         Whole blocks only, so they never change again. Returns the tokens they hold."""
         if seq.block_table:
             raise ValueError(f"seq {seq.seq_id} already holds blocks")
-        num_blocks = min(num_tokens, source.num_computed_tokens) // self.block_size
-        shared = source.block_table[:num_blocks]
-        for block in shared:
+        num_blocks = min(num_tokens, source.num_computed_tokens, len(source.block_table) * self.block_size)
+        num_blocks //= self.block_size
+        tables = [t[:num_blocks] for t in self.tables(source)]
+        for block in (b for t in tables for b in t if b != HOLE):
             self._ref_count[block] += 1
-        seq.block_table = list(shared)
-        return len(shared) * self.block_size
+        seq.block_table = tables[0]
+        if len(tables) > 1:
+            self._tables[seq.seq_id] = seq.group_tables = tables[1:]
+        return num_blocks * self.block_size
 
     def _take_fresh_block(self) -> int:
         if self._free:
@@ -291,12 +251,15 @@ class BlockManager:
         else:
             block, _ = self._evictable.popitem(last=False)
             h = self._block_hash[block]
-            del self._cached[h]
-            self.events.removed(h)
             self._block_hash[block] = None
-            copy = None if self.host_tier is None else self.host_tier.offload(h, block)
-            if copy is not None:  # read before this step's forward (and swap-ins) write the block
-                self.copies_out.append(copy)
+            if isinstance(h, tuple):  # another group's: known here only
+                del self._group_cached[h]
+            else:
+                del self._cached[h]
+                self.events.removed(h)
+                copy = None if self.host_tier is None else self.host_tier.offload(h, block)
+                if copy is not None:  # read before this step's forward (and swap-ins) write the block
+                    self.copies_out.append(copy)
         self._ref_count[block] = 1
         return block
 
@@ -306,26 +269,36 @@ class BlockManager:
         registered or shared."""
         keep = blocks_for(num_tokens, self.block_size)
         dropped = max(0, len(seq.block_table) - keep)
-        while len(seq.block_table) > keep:
-            block = seq.block_table.pop()
-            if self._ref_count[block] != 1 or self._block_hash[block] is not None:
-                raise RuntimeError(f"block {block} past seq {seq.seq_id}'s tokens is shared or cached")
-            self._ref_count[block] = 0
-            heapq.heappush(self._free, block)
+        for table in self.tables(seq):
+            while len(table) > keep:
+                block = table.pop()
+                if block == HOLE:
+                    continue
+                if self._ref_count[block] != 1 or self._block_hash[block] is not None:
+                    raise RuntimeError(f"block {block} past seq {seq.seq_id}'s tokens is shared or cached")
+                self._ref_count[block] = 0
+                heapq.heappush(self._free, block)
         return dropped
 
     def free(self, seq: Sequence) -> None:
         """Releases seq's hold on its blocks (finish, abort or preemption). Cached blocks that nobody holds
         any more stay reusable until evicted; the sequence's tail goes first in eviction order. While a
         step in flight computes for seq, its blocks are released only once that step returned."""
-        table, seq.block_table = seq.block_table, []
+        tables = self.tables(seq)
+        seq.block_table, seq.group_tables = [], []
+        self._tables.pop(seq.seq_id, None)
         self._seq_hashes.pop(seq.seq_id, None)
         self._seq_registered.pop(seq.seq_id, None)
-        step = self._in_flight.get(seq.seq_id)
+        # Group after group, each tail first: the tail is evicted before the head.
+        self._let_go(seq.seq_id, [b for t in reversed(tables) for b in t if b != HOLE])
+
+    def _let_go(self, seq_id: int, blocks: list[int]) -> None:
+        """seq's hold on these blocks ends: now, or once the step in flight that reads them returned."""
+        step = self._in_flight.get(seq_id)
         if step is not None:
-            self._deferred.append((step, table))
+            self._deferred.append((step, blocks))
             return
-        self._drop(table)
+        self._drop(blocks)
 
     def _drop(self, table: list[int]) -> None:
         for block in reversed(table):
@@ -367,15 +340,17 @@ class BlockManager:
             assert self._ref_count[b] == 0 and self._block_hash[b] is None, f"free block {b} is in use"
         for b in evictable:
             assert self._ref_count[b] == 0 and self._block_hash[b] is not None, f"block {b} is not evictable"
-        for h, b in self._cached.items():
+        for h, b in [*self._cached.items(), *self._group_cached.items()]:
             assert self._block_hash[b] == h, f"block {b} is cached under another hash"
         hashed = sum(h is not None for h in self._block_hash)
-        assert hashed == len(self._cached), "a hashed block is not cached"
+        assert hashed == len(self._cached) + len(self._group_cached), "a hashed block is not cached"
         if tables is not None:
             counts = [0] * self.num_blocks
-            for table in [*tables, *(t for _, t in self._deferred)]:
+            others = [t for ts in self._tables.values() for t in ts]
+            for table in [*tables, *others, *(t for _, t in self._deferred)]:
                 for b in table:
-                    counts[b] += 1
+                    if b != HOLE:
+                        counts[b] += 1
             assert counts == self._ref_count, "reference counts differ from the tables holding the blocks"
 
     def counts(self) -> dict[str, int]:

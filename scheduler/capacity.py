@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduler.block_manager import blocks_for
+from common.kv_cache_spec import KVCacheLayout, blocks_for
 
 # Ranks' block counts may differ by this share of the largest (allocator rounding, NCCL buffers, the
 # CUDA context on rank 0) before the group is refused.
@@ -34,6 +34,7 @@ class Capacity:
     max_model_len: int  # the longest sequence the scheduler will form
     num_host_blocks: int  # swap space per rank, in blocks (0: none)
     notes: tuple[str, ...] = ()  # what was capped, and why, for the log
+    layout: KVCacheLayout | None = None  # the model's layer groups; None: one group of every layer
 
 
 class UnfitRanks(ValueError):
@@ -55,8 +56,12 @@ def settle(
     max_model_len: int = 0,
     swap_space_gib: float = 0.0,
     tolerance: float = CAPACITY_TOLERANCE,
+    layout: KVCacheLayout | None = None,
 ) -> Capacity:
-    """The capacity the scheduler uses. max_model_len 0: the model's context length."""
+    """The capacity the scheduler uses. max_model_len 0: the model's context length. layout: the model's
+    layer groups (common/kv_cache_spec.py), each holding a table from the one pool: a sequence prefilled
+    in one step needs a block per group for each of its blocks, windows or not."""
+    num_groups = 1 if layout is None else layout.num_groups
     if not ranks:
         raise CapacityError("no ranks described their capacity")
     counts = [r.num_kv_blocks for r in ranks]
@@ -74,18 +79,21 @@ def settle(
         notes.append(f"--max-model-len {resolved} is beyond the model's {model_positions} positions: capped")
         resolved = model_positions
     # More blocks than max_num_seqs full-length sequences can use would only take memory.
-    useful = max_num_seqs * blocks_for(resolved, block_size)
+    useful = max_num_seqs * blocks_for(resolved, block_size) * num_groups
     if num_blocks > useful:
         notes.append(f"pool capped at {useful} blocks: max_num_seqs sequences of max_model_len")
         num_blocks = useful
     if num_blocks < 1:
         raise CapacityError(f"no KV blocks: ranks report {counts}")
-    if num_blocks * block_size < resolved:
+    longest = num_blocks // num_groups * block_size
+    if longest < resolved:
         notes.append(
-            f"the KV pool holds {num_blocks * block_size} tokens, fewer than max_model_len {resolved}: "
-            "max_model_len capped"
+            f"the KV pool holds {longest} tokens in each of {num_groups} layer groups, fewer than "
+            f"max_model_len {resolved}: max_model_len capped"
         )
-        resolved = num_blocks * block_size
+        resolved = longest
+    if resolved < 1:
+        raise CapacityError(f"{num_blocks} KV blocks cannot hold a block in each of {num_groups} groups")
     # Swap space in blocks: the largest block over ranks, so that every rank's copy fits.
     num_host_blocks = int(swap_space_gib * 2**30) // max(r.kv_block_bytes for r in ranks)
-    return Capacity(num_blocks, resolved, num_host_blocks, tuple(notes))
+    return Capacity(num_blocks, resolved, num_host_blocks, tuple(notes), layout)

@@ -27,7 +27,11 @@ class SchedulerConfig:
     port_file: str | None = setting(None, help="write the bound port here once serving")
     block_size: int = setting(16, help="tokens per KV block", rule=POWER_OF_TWO, launch=True)
     num_kv_blocks: int = setting(
-        0, help="KV blocks (0: each rank profiles its memory)", rule=at_least(0), launch=True
+        0,
+        help="KV blocks of every layer (0: each rank profiles its memory); a model with sliding-window "
+        "layer groups gets as many of its smaller blocks as that memory holds",
+        rule=at_least(0),
+        launch=True,
     )
     gpu_memory_utilization: float = setting(
         0.85,

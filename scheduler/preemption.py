@@ -16,7 +16,7 @@ import dataclasses
 
 from common.pb.tpserve.v1.generation_pb2 import FINISH_REASON_ABORTED
 from scheduler import lora_slots, priority
-from scheduler.block_manager import BlockManager, blocks_for
+from scheduler.block_manager import BlockManager
 from scheduler.plan import SchedulerOutput
 from scheduler.sequence import Sequence, SequenceStatus
 from scheduler.swap import HostBlockPool
@@ -40,9 +40,8 @@ class Preemption:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(seq)
-        # Only blocks holding computed tokens are worth copying (a running sequence holds no others
-        # between steps).
-        computed = seq.block_table[: blocks_for(seq.num_computed_tokens, self.blocks.block_size)]
+        # Only blocks holding computed tokens that later queries read are worth copying.
+        computed = self.blocks.computed_blocks(seq)
         if self.host_blocks is not None and self.host_blocks.can_swap_out(len(computed)):
             out.swap_out += self.host_blocks.swap_out(seq.seq_id, computed)
             self._release(seq, host=False)
@@ -68,7 +67,7 @@ class Preemption:
             if not num_new or not self.blocks.can_allocate(seq, seq.num_computed_tokens + num_new, reserve):
                 break
             self.blocks.allocate(seq, seq.num_computed_tokens + num_new, count_query=False)
-            out.swap_in += self.host_blocks.swap_in(seq.seq_id, seq.block_table)
+            out.swap_in += self.host_blocks.swap_in(seq.seq_id, self.blocks.computed_blocks(seq))
             self.swapped.pop(0)
             seq.status = SequenceStatus.RUNNING
             priority.insert(self.running, seq)

@@ -58,7 +58,7 @@ class RankLifecycle:
         host_blocks = None
         if cap.num_host_blocks:
             host_blocks = HostBlockPool(cap.num_host_blocks, cache_prefixes=cfg.host_prefix_cache)
-        blocks = BlockManager(cap.num_blocks, cfg.block_size, cfg.enable_prefix_caching, host_blocks)
+        blocks = BlockManager.of(cap, cfg.block_size, cfg.enable_prefix_caching, host_blocks)
         if cfg.swap_space:
             tier = ", shared with the prefix cache's host tier" if cfg.host_prefix_cache else ""
             gib = cfg.swap_space

@@ -40,6 +40,9 @@ class Sequence:
     # after a decode, or len(token_ids) at the moment a step samples.
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    # The other layer groups' block tables (common/kv_cache_spec.py), as long as block_table; kept by the
+    # block manager, empty for a model with one group.
+    group_tables: list[list[int]] = field(default_factory=list)
     finish_reason: int | None = None  # a FinishReason value once finished
     num_preemptions: int = 0
     # Prompt tokens whose KV came from the prefix cache at first admission (Usage.cached_tokens).

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from common import security
+from common import kv_cache_spec, security
 from common.grpc_util import OPTIONS, SCHEDULER_EPOCH_KEY, SCHEDULER_METADATA_KEY
 from common.pb.tpserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from scheduler.capacity import Capacity, RankCapacity, settle
@@ -100,6 +100,7 @@ class WorkerGroup:
                         f"expected rank {rank} of {len(infos)}"
                     )
             check_lora_settings(cfg.enable_lora, cfg.lora_modules, policy.max_loras, infos)
+            layout = kv_cache_spec.from_describe(infos[0].layer_windows, cfg.block_size)
             capacity = settle(
                 [
                     RankCapacity(i.rank, i.num_kv_blocks, i.kv_block_bytes, i.max_position_embeddings)
@@ -109,7 +110,10 @@ class WorkerGroup:
                 max_num_seqs=policy.max_num_seqs,
                 max_model_len=policy.max_model_len,
                 swap_space_gib=cfg.swap_space,
+                layout=layout,
             )
+            if layout is not None:
+                log.info("KV cache: %s", kv_cache_spec.summary(layout))
             log.info(
                 "KV capacity per rank: %s blocks; the pool: %d blocks of %d tokens",
                 [i.num_kv_blocks for i in infos],

@@ -214,7 +214,7 @@ class CudaGraphRunner:
         """[S, hidden] for the step's sequences, a view valid until the next replay; None when the
         step must run eagerly (see bucket)."""
         size = self.bucket(batch)
-        if size is None or size not in self._contexts:
+        if size is None or size not in self._contexts or batch.groups:  # captured with one block table
             return None
         self.buffers.fill(batch, size)
         if self.capture:

@@ -155,6 +155,7 @@ class ModelRunner(RunnerCaches):
             "eos_token_ids": list(self.config.eos_token_ids),
             "weight_bytes": base.weight_bytes(self.model),
             "draft_model_name": self.draft.name if self.draft is not None else "",
+            "layer_windows": self.model.layer_windows(),
         }
 
     @torch.inference_mode()
@@ -181,6 +182,7 @@ class ModelRunner(RunnerCaches):
             self.block_size,
             self.device,
             num_blocks=self.num_kv_blocks,
+            group_tables=inputs.group_block_tables,
         )
         if states:
             self.sampler.prepare(states)  # host work for the sampler, overlapping the forward
@@ -243,7 +245,7 @@ class ModelRunner(RunnerCaches):
     def _check_layers(self, model: torch.nn.Module) -> None:
         """Refuses a model whose attention layers the backend cannot run (before its weights load)."""
         for name, layer in model.named_modules():
-            reason = self.attention.unsupported_layer(layer) if isinstance(layer, Attention) else None
+            reason = self.attention.refusal(layer) if isinstance(layer, Attention) else None
             if reason is not None:
                 raise ValueError(f"--attention-backend {self.attention.name}: {name}: {reason}")
 

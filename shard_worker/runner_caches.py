@@ -144,9 +144,10 @@ class RunnerCaches:
         self._copy_blocks(self._caches(host=True), host_blocks, self._caches(), device_blocks)
 
     def _caches(self, host: bool = False) -> list[torch.Tensor]:
-        """Every layer's cache (or swap space), the draft model's after the target's."""
+        """Every cache tensor (or swap space), the draft model's after the target's; once each, where layer
+        groups share them (common/kv_cache_spec.py)."""
         draft = [] if self.draft is None else self.draft.host_kv_caches if host else self.draft.kv_caches
-        return (self.host_kv_caches if host else self.kv_caches) + draft
+        return list({id(t): t for t in (self.host_kv_caches if host else self.kv_caches) + draft}.values())
 
     def _copy_blocks(self, src: list[torch.Tensor], src_blocks, dst: list[torch.Tensor], dst_blocks) -> None:
         if len(src_blocks) != len(dst_blocks):

@@ -59,6 +59,7 @@ def worker_step(req: worker_pb2.StepRequest) -> WorkerStep:
         table_reset=_array(req.table_reset),
         new_block_counts=_array(req.new_block_counts),
         new_block_ids=_array(req.new_block_ids),
+        group_new_block_ids=_array(req.group_new_block_ids),
         grammar_wait_ms=req.grammar_wait_ms,
         prompt_logprob_counts=_array(req.prompt_logprob_counts) if req.prompt_logprob_counts else None,
         draft_counts=_array(req.draft_counts) if req.draft_counts else None,
@@ -108,6 +109,7 @@ class ShardWorkerServicer(LoRAService, worker_pb2_grpc.ShardWorkerServicer):
         threads = None
         if runner.device.type == "cpu":
             threads = StepThreads(config.threads, config.big_step_threads, torch.set_num_threads)
+        runner.model.share_kv_tensors = True  # every step sends each layer group's table (worker.py)
         self.worker = Worker(runner, threads)
 
     def Describe(self, request, context):
@@ -138,7 +140,11 @@ class ShardWorkerServicer(LoRAService, worker_pb2_grpc.ShardWorkerServicer):
             note = f"beside load_weights, {waited:.2f}s of it after; {self.phases.compile_note()}"
             self.phases.record("compile_kernels", kernels.seconds, note)
         with self.phases.phase("kv_sizing", self.phases.compile_note if profiling else lambda: ""):
-            num_blocks = request.num_kv_blocks or self.runner.profile_num_blocks(
+            # A fixed count is the bytes of that many blocks of every layer: a model with layer groups
+            # (common/kv_cache_spec.py) has blocks of fewer layers, and more of them in those bytes.
+            model = self.runner.model
+            fixed = request.num_kv_blocks * model.config.num_layers // model.num_kv_caches
+            num_blocks = fixed or self.runner.profile_num_blocks(
                 block_size=request.block_size,
                 max_num_batched_tokens=request.max_num_batched_tokens,
                 gpu_memory_utilization=request.gpu_memory_utilization,
@@ -177,6 +183,7 @@ class ShardWorkerServicer(LoRAService, worker_pb2_grpc.ShardWorkerServicer):
             ),
             kv_block_bytes=self.runner.kv_block_bytes(request.block_size),
             draft_model_name=info["draft_model_name"],
+            layer_windows=info["layer_windows"],
             startup_phases=[
                 worker_pb2.StartupPhase(name=n, seconds=t) for n, t in self.phases.seconds.items()
             ],

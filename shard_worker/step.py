@@ -61,6 +61,9 @@ class StepInputs:
     # (None: every token's type is 0).
     pool_index: np.ndarray | None = None
     token_type_ids: np.ndarray | None = None
+    # The other layer groups' tables, shaped as block_table (common/kv_cache_spec.py); empty for a model
+    # with one group, or a synthetic step (every layer then reads block_table).
+    group_block_tables: list = field(default_factory=list)
 
     def __post_init__(self):
         for name in ("seq_ids", "query_lens", "context_lens", "sample_counts", "input_ids"):
@@ -127,3 +130,6 @@ class WorkerStep:
     grammar_wait_ms: int = 0  # rank 0 may wait this long for a grammar still compiling
     prompt_logprob_counts: np.ndarray | None = None  # per sequence; None: no sequence wants any
     draft_counts: np.ndarray | None = None  # per sequence; None: the draft model proposes nothing
+    # The other layer groups' new table entries, group after group (as many per sequence as
+    # new_block_counts says); empty for a model with one group.
+    group_new_block_ids: np.ndarray | None = None

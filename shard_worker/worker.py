@@ -50,6 +50,8 @@ class Worker:
         self.runner = runner
         self.threads = threads
         self.tables: BlockTables | None = None
+        # The other layer groups' tables (common/kv_cache_spec.py), a sequence's row the same in each.
+        self.group_tables: list[BlockTables] = []
         self.sequences: dict[int, WorkerSequence] = {}
 
     def init_cache(
@@ -67,6 +69,10 @@ class Worker:
         if self.tables is not None:
             self.forget(list(self.sequences))
         self.tables = BlockTables(-(-max_model_len // block_size), num_blocks, block_size)
+        groups = self.runner.model.kv_layout.num_groups if self.runner.model.kv_layout is not None else 1
+        self.group_tables = [
+            BlockTables(-(-max_model_len // block_size), num_blocks, block_size) for _ in range(groups - 1)
+        ]
         nbytes = self.runner.allocate_kv_cache(num_blocks, block_size)
         host_bytes = self.runner.allocate_host_kv_cache(num_host_blocks, block_size)
         self.runner.capture_cuda_graphs(max_num_seqs, max_model_len)
@@ -78,6 +84,8 @@ class Worker:
             if seq is None:
                 continue
             self.tables.release(seq.row)
+            for tables in self.group_tables:
+                tables.release(seq.row)
             if seq.sampling is not None:
                 self.runner.sampler.release(seq.sampling)
 
@@ -90,9 +98,12 @@ class Worker:
             self.forget([init.seq_id])  # a sequence introduced again is rebuilt from its tokens
             self.runner.check_lora(init.lora_name)  # before anything is taken for it
             state = sampler.new_state(init) if sampler is not None else None
+            row = self.tables.take_row()
+            if any(tables.take_row() != row for tables in self.group_tables):
+                raise RuntimeError("the layer groups' block tables disagree on a sequence's row")
             self.sequences[init.seq_id] = WorkerSequence(
                 init.seq_id,
-                self.tables.take_row(),
+                row,
                 state,
                 prompt=init.token_ids[: init.num_prompt_tokens] if init.want_prompt_logprobs else None,
                 prompt_top=init.prompt_logprobs,
@@ -119,6 +130,19 @@ class Worker:
         block_table = self.tables.apply(
             step.seq_ids, rows, step.table_reset, step.new_block_counts, step.new_block_ids, step.context_lens
         )
+        group_ids = (
+            step.group_new_block_ids if step.group_new_block_ids is not None else np.zeros(0, np.int64)
+        )
+        if len(group_ids) != len(step.new_block_ids) * len(self.group_tables):
+            raise ValueError(
+                f"{len(group_ids)} group block ids for {len(self.group_tables)} more groups of "
+                f"{len(step.new_block_ids)}"
+            )
+        group_ids = np.split(group_ids, len(self.group_tables)) if self.group_tables else []
+        group_block_tables = [
+            t.apply(step.seq_ids, rows, step.table_reset, step.new_block_counts, ids, step.context_lens)
+            for t, ids in zip(self.group_tables, group_ids, strict=True)
+        ]
         inputs = StepInputs(
             seq_ids=step.seq_ids,
             query_lens=step.query_lens,
@@ -126,6 +150,7 @@ class Worker:
             sample_counts=step.sample_counts,
             input_ids=step.input_ids,
             block_table=block_table,
+            group_block_tables=group_block_tables,
             draft_counts=step.draft_counts,
             sequences=batch,
         )

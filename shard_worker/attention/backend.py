@@ -14,6 +14,7 @@ layers and knows nothing else about which backend runs.
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -42,6 +43,9 @@ class StepBatch:
     query_lens_host: np.ndarray  # [S] int64
     seq_lens_host: np.ndarray  # [S] int64
     block_size: int
+    # The other layer groups' batches (common/kv_cache_spec.py): the same step through each group's block
+    # table (its own slot_mapping and block_table). Empty for a model with one group.
+    groups: tuple[StepBatch, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -69,11 +73,13 @@ class StepBatch:
         block_size: int,
         device: torch.device,
         num_blocks: int | None = None,
+        group_tables: list[np.ndarray] = (),
     ) -> StepBatch:
         """input_ids [T], query_lens and context_lens [S] and block_table [S, max_blocks] (int64 numpy
-        arrays, as the step arrived). Raises ValueError when they do not describe a valid step, or
-        (given num_blocks, the cache's) when the table holds an id outside the cache: no backend then
-        reads or writes past it (the Triton kernels and the C++ one would, unchecked)."""
+        arrays, as the step arrived), and the other layer groups' tables shaped alike. Raises ValueError
+        when they do not describe a valid step, or (given num_blocks, the cache's) when a table holds an
+        id outside the cache: no backend then reads or writes past it (the Triton kernels and the C++
+        one would, unchecked)."""
         num_seqs, num_tokens = len(query_lens), len(input_ids)
         _check(query_lens, context_lens, block_table, num_tokens, block_size)
         if num_blocks is not None and block_table.size:
@@ -105,6 +111,10 @@ class StepBatch:
             query_lens_host=np.asarray(query_lens, dtype=np.int64),
             seq_lens_host=np.asarray(context_lens, dtype=np.int64),
             block_size=block_size,
+            groups=tuple(
+                cls.build(input_ids, query_lens, context_lens, t, block_size, device, num_blocks)
+                for t in group_tables
+            ),
         )
 
 
@@ -149,6 +159,9 @@ class AttentionContext:
     backend: AttentionBackend
     batch: StepBatch
     metadata: Any  # the backend's own, from prepare()
+    # A model with several layer groups (common/kv_cache_spec.py): each group's context (its own block
+    # table and KV slots), indexed by Attention.kv_group. Empty: every layer reads this one.
+    groups: tuple[AttentionContext, ...] = ()
 
 
 class AttentionBackend(ABC):
@@ -160,6 +173,9 @@ class AttentionBackend(ABC):
     positions j with p - w < j <= p."""
 
     name: ClassVar[str]
+    # Whether attend() honours a layer's attention sinks (Attention.sinks); a model with sinks is refused
+    # at start-up by a backend without (refusal).
+    supports_sinks: ClassVar[bool] = False
     # Whether a CUDA graph captured over one step's metadata stays right when replayed with other
     # lengths in the same tensors: true only of metadata made of device tensors and host bounds (not of
     # host-planned tilings or per-sequence loops). shard_worker/cuda_graphs.py captures only such backends.
@@ -179,12 +195,25 @@ class AttentionBackend(ABC):
         Checked once at start-up, so a model the kernels cannot serve is refused before its weights load."""
         return None
 
+    def refusal(self, layer: Attention) -> str | None:
+        """Why this backend cannot run this layer, in one line (what every backend lacks, then its own
+        limits); None when it can."""
+        if layer.sinks is not None and not self.supports_sinks:
+            # flex could weight its output by sigmoid(lse - sink) (with_sinks), but torch's compiled CPU
+            # flex returns no log-sum-exp (inductor: "return_lse is not supported yet").
+            return (
+                "gpt-oss's attention sinks are in the reference backend only (--attention-backend reference)"
+            )
+        return self.unsupported_layer(layer)
+
     def prepare(self, batch: StepBatch) -> Any:
         """The backend's per-step metadata, built once and read by every layer."""
         return None
 
     def context(self, batch: StepBatch) -> AttentionContext:
-        return AttentionContext(self, batch, self.prepare(batch))
+        groups = tuple(self.context(b) for b in batch.groups)  # each layer group's (Attention.kv_group)
+        ctx = AttentionContext(self, batch, self.prepare(batch))
+        return dataclasses.replace(ctx, groups=(ctx, *groups)) if groups else ctx
 
     def forward(
         self,
@@ -203,6 +232,13 @@ class AttentionBackend(ABC):
         self, layer: Attention, q: torch.Tensor, kv_cache: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
         """[T, heads, head_dim]: each query attended over its sequence's keys (this step's included)."""
+
+
+def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """out [..., d] attended without the sinks, lse [...] its log-sum-exp of scores, sinks broadcasting
+    to lse: out weighted as if each sink's logit had been in the softmax's denominator, which scales
+    the weights by sum / (sum + exp(sink)) = sigmoid(lse - sink)."""
+    return out * torch.sigmoid(lse - sinks.to(lse.dtype)).unsqueeze(-1).to(out.dtype)
 
 
 def write_kv(

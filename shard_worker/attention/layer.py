@@ -34,6 +34,12 @@ class Attention(nn.Module):
         # when it has them (model/loader.py), else 1.
         self.k_scale = 1.0
         self.v_scale = 1.0
+        # gpt-oss's attention sinks: per local head, a learned logit in the softmax's denominator (a key
+        # every query sees whose value is zero). None: no sink. The family sets it (a parameter).
+        self.sinks: torch.Tensor | None = None
+        # Its layer group (common/kv_cache_spec.py): which of the step's block tables it reads, set when
+        # the runner lays out the cache (0: the only one, or the full-attention layers').
+        self.kv_group = 0
 
     def forward(
         self,
@@ -43,6 +49,8 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, head_dim]
         ctx: AttentionContext,
     ) -> torch.Tensor:  # [T, heads, head_dim]
+        if ctx.groups:
+            ctx = ctx.groups[self.kv_group]
         return ctx.backend.forward(self, q, k, v, kv_cache, ctx)
 
     def extra_repr(self) -> str:

@@ -24,6 +24,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from common import kv_cache_spec
 from shard_worker.model.config import NO_WINDOW, ModelConfig, common_fields
 from shard_worker.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from shard_worker.model.layers.norm import RMSNorm
@@ -79,7 +80,34 @@ class CausalLM(nn.Module):
         attn = self.model.layers[0].self_attn.attn
         self.num_local_kv_heads = attn.num_kv_heads
         self.head_dim = config.head_dim
-        self.num_kv_caches = config.num_layers
+        self.kv_layout = self._lay_out_kv_cache()
+        # Whether the layer groups share cache tensors (a pool block one page of each): only where every
+        # step brings each group's table (shard_worker/worker.py); a step with one table for every
+        # layer (a test or a benchmark driving the runner) needs a tensor per layer.
+        self.share_kv_tensors = False
+
+    @property
+    def num_kv_caches(self) -> int:
+        """The cache tensors a block has a page in."""
+        if self.kv_layout is not None and self.share_kv_tensors:
+            return self.kv_layout.layers_per_block
+        return self.config.num_layers
+
+    def _lay_out_kv_cache(self):
+        """The layer groups (common/kv_cache_spec.py) when the layers' windows differ: each Attention
+        learns its group, and the cache is layers_per_block tensors shared by the groups (layer j of
+        every group in tensor j); None when every layer attends to every key (a tensor a layer)."""
+        attns = [layer.self_attn.attn for layer in self.model.layers]
+        layout = kv_cache_spec.from_describe([a.sliding_window or 0 for a in attns], block_size=1)
+        if layout is not None:
+            for g, group in enumerate(layout.groups):
+                for i in group.layers:
+                    attns[i].kv_group = g
+        return layout
+
+    def layer_windows(self) -> list[int]:
+        """Per layer: its sliding window, 0 for full attention (DescribeResponse.layer_windows)."""
+        return [layer.self_attn.attn.sliding_window or 0 for layer in self.model.layers]
 
     @classmethod
     def config_from_hf(cls, hf, architecture: str, eos_ids: tuple[int, ...] = ()) -> ModelConfig:
@@ -111,10 +139,15 @@ class CausalLM(nn.Module):
             if not num_blocks:
                 return []
             pin = torch.device(device).type == "cuda"
-            return [torch.empty(shape, dtype=dtype, pin_memory=pin) for _ in range(self.num_kv_caches)]
-        if torch.device(device).type == "cpu":
-            return [lazy_zeros(shape, dtype) for _ in range(self.num_kv_caches)]
-        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.num_kv_caches)]
+            tensors = [torch.empty(shape, dtype=dtype, pin_memory=pin) for _ in range(self.num_kv_caches)]
+        elif torch.device(device).type == "cpu":
+            tensors = [lazy_zeros(shape, dtype) for _ in range(self.num_kv_caches)]
+        else:
+            tensors = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.num_kv_caches)]
+        if self.num_kv_caches == self.config.num_layers:
+            return tensors
+        # One per layer, the groups' layers sharing the tensors: a pool block is one page of each.
+        return [tensors[self.kv_layout.tensor_of(i)] for i in range(self.config.num_layers)]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
@@ -124,7 +157,7 @@ class CausalLM(nn.Module):
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
         ctx,
-        kv_caches: list[torch.Tensor],  # num_kv_caches of them, one per layer
+        kv_caches: list[torch.Tensor],  # one per layer (layer groups share num_kv_caches tensors)
     ) -> torch.Tensor:  # [T, hidden]
         h = self.embed(input_ids)
         ropes = [rotary(positions, h.dtype) for rotary in self.rotary]

@@ -5,6 +5,7 @@ reports, which a scheduler whose own differ refuses at start."""
 from __future__ import annotations
 
 import asyncio
+import types
 from concurrent import futures
 
 import grpc
@@ -16,7 +17,7 @@ from common.pb.tpserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from shard_worker.config import WorkerConfig
 from shard_worker.lease import Caller, Lease, LeaseRefused
 from shard_worker.metrics import WorkerMetrics
-from shard_worker.servicer import ShardWorkerServicer
+from shard_worker.server import ShardWorkerServicer
 
 A, B = Caller("host-a:7000", 1), Caller("host-b:7000", 1)
 
@@ -78,11 +79,19 @@ class FakeRunner:
 
     def __init__(self):
         self.allocations: list[int] = []
+        # One layer, one cache: a fixed block count is that many blocks; share_kv_tensors the servicer sets.
+        self.model = types.SimpleNamespace(
+            config=types.SimpleNamespace(num_layers=1),
+            num_kv_caches=1,
+            share_kv_tensors=False,
+            kv_layout=None,
+        )
 
     def describe(self):
         return dict(
             model_name="fake", vocab_size=10, max_position_embeddings=64, eos_token_ids=[1],
-            weight_bytes=0, draft_model_name="", runner="generate", embedding_size=0, cross_encoder=False,
+            weight_bytes=0, draft_model_name="", layer_windows=[0], runner="generate", embedding_size=0,
+            cross_encoder=False,
         )  # fmt: skip
 
     def warm_up(self, block_size):

@@ -1,0 +1,153 @@
+"""What one group of layers keeps in the KV cache per token, and what it can let go of.
+
+vLLM v1's seam (vllm/v1/kv_cache_interface.py, FullAttentionSpec / SlidingWindowSpec): a model's layers
+fall into groups of one kind, every group holds its own block table per sequence, and every group takes
+its blocks from the one pool. The block manager asks a group's spec what a sequence costs and which of its
+blocks no later query reads; it never asks which kind a group is.
+
+One pool block is one page of `layers_per_block` layers (the same for every group: the workers lay out
+that many cache tensors and group g's j-th layer uses tensor j), so a block costs the same whichever group
+holds it, and one budget serves them all. A model whose layers are all of one kind is one group holding
+every layer: a pool block is then every layer's page, as it always was.
+
+Plain Python, shared by the scheduler (which blocks each group's table holds) and the workers (which
+cache tensor each layer reads): both build the layout from the same per-layer windows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# A table entry whose block went back to the pool (outside every later query's window): never hashed,
+# shared, swapped or freed.
+HOLE = -1
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec:
+    """Every query reads every key before it: no block is let go while the sequence runs."""
+
+    block_size: int
+
+    def first_needed_block(self, num_computed_tokens: int) -> int:
+        return 0
+
+    def blocks_held(self, num_tokens: int) -> int:
+        """Blocks a sequence of num_tokens computed tokens holds between steps."""
+        return blocks_for(num_tokens, self.block_size)
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec:
+    """A query at position q reads the keys at (q - window, q] (Mistral's and Gemma's rule,
+    shard_worker/attention/reference.py). Later queries sit at num_computed_tokens and beyond, so the
+    blocks wholly before num_computed_tokens - window + 1 are never read again."""
+
+    block_size: int
+    window: int
+
+    def __post_init__(self):
+        if self.window < 1:
+            raise ValueError(f"sliding window must be at least 1 token, got {self.window}")
+
+    def first_needed_block(self, num_computed_tokens: int) -> int:
+        return max(0, num_computed_tokens - self.window + 1) // self.block_size
+
+    def blocks_held(self, num_tokens: int) -> int:
+        return blocks_for(num_tokens, self.block_size) - self.first_needed_block(num_tokens)
+
+
+KVCacheSpec = FullAttentionSpec | SlidingWindowSpec
+
+
+@dataclass(frozen=True)
+class KVCacheGroup:
+    spec: KVCacheSpec
+    layers: tuple[int, ...]  # the model's layer indices; the j-th uses the workers' cache tensor j
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    """The groups of a model's layers, and the pages a pool block holds."""
+
+    groups: tuple[KVCacheGroup, ...]
+    layers_per_block: int  # cache tensors the workers keep; a pool block is one page of each
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    def tensor_of(self, layer: int) -> int:
+        """The cache tensor a layer reads and writes."""
+        for g in self.groups:
+            if layer in g.layers:
+                return g.layers.index(layer)
+        raise KeyError(f"layer {layer} is in no group")
+
+    def blocks_held(self, num_tokens: int) -> int:
+        """Pool blocks one sequence of num_tokens computed tokens holds between steps, every group."""
+        return sum(g.spec.blocks_held(num_tokens) for g in self.groups)
+
+
+def group_layers(windows: list[int | None], block_size: int) -> KVCacheLayout:
+    """The layout of a model whose layer i attends over windows[i] tokens (None: every token before it).
+
+    Layers of one kind share a group; every group holds the same number of layers, the fewest any kind
+    has (vLLM's rule), so that a pool block is the same page whichever group takes it. A kind whose count
+    is not a multiple of that fills its last group with fewer layers (that group's unused pages are the
+    cost, said by `padding`). Full-attention groups come first: group 0 is the one every token keeps, the
+    one the prefix cache names and swaps whole."""
+    if not windows:
+        raise ValueError("a model with no attention layers has no KV cache layout")
+    kinds: dict[int | None, list[int]] = {}
+    for layer, w in enumerate(windows):
+        kinds.setdefault(w, []).append(layer)
+    size = min(len(v) for v in kinds.values())
+    groups = []
+    for w in sorted(kinds, key=lambda w: (w is not None, w or 0)):
+        spec = FullAttentionSpec(block_size) if w is None else SlidingWindowSpec(block_size, w)
+        layers = kinds[w]
+        groups += [KVCacheGroup(spec, tuple(layers[i : i + size])) for i in range(0, len(layers), size)]
+    return KVCacheLayout(tuple(groups), size)
+
+
+def from_describe(layer_windows, block_size: int) -> KVCacheLayout | None:
+    """The layout of a worker's DescribeResponse.layer_windows (0: full attention); None when every layer
+    is full attention (one group of every layer: the pool as it always was)."""
+    windows = [w or None for w in layer_windows]
+    if all(w is None for w in windows):
+        return None
+    return group_layers(windows, block_size)
+
+
+def padding(layout: KVCacheLayout) -> int:
+    """Pages per pool block that no layer uses (the short last group of a kind)."""
+    return max(layout.layers_per_block - len(g.layers) for g in layout.groups)
+
+
+def num_blocks(budget_bytes: int, layout: KVCacheLayout, page_bytes: int) -> int:
+    """Pool blocks a budget holds: each block is layers_per_block pages of page_bytes (one layer's K and
+    V for block_size tokens)."""
+    return budget_bytes // (layout.layers_per_block * page_bytes)
+
+
+def sequences_held(pool_blocks: int, layout: KVCacheLayout, num_tokens: int) -> int:
+    """How many sequences of num_tokens tokens the pool holds at once (the capacity a spec really has)."""
+    return pool_blocks // layout.blocks_held(num_tokens)
+
+
+def summary(layout: KVCacheLayout) -> str:
+    """One line for the log: the groups and what each keeps."""
+    parts = []
+    for g in layout.groups:
+        kind = "full" if isinstance(g.spec, FullAttentionSpec) else f"sliding {g.spec.window}"
+        parts.append(f"{kind} x{len(g.layers)}")
+    gcd = math.gcd(*(len(g.layers) for g in layout.groups))
+    return f"{layout.num_groups} KV groups ({', '.join(parts)}), {layout.layers_per_block} pages a block" + (
+        "" if gcd == layout.layers_per_block else f", {padding(layout)} unused"
+    )
