@@ -27,7 +27,7 @@ from scheduler.scheduler import Scheduler, SchedulingPolicy
 from scheduler.sequence import Sequence
 from shard_worker.attention import StepBatch
 from shard_worker.block_tables import BlockTables
-from shard_worker.server import worker_step
+from shard_worker.servicer import worker_step
 
 BLOCK_SIZE = 16
 

@@ -14,7 +14,8 @@ import grpc
 
 from common.pb.tpserve.internal.v1 import scheduler_pb2
 from common.pb.tpserve.v1 import generation_pb2 as pb
-from router.frontend import STATUS_BY_CODE, Frontend, RequestFailed
+from router.frontend import Frontend
+from router.request_failed import STATUS_BY_CODE, RequestFailed
 
 MAX_INPUTS = 2048  # OpenAI's cap on one embeddings request's inputs
 

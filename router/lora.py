@@ -31,7 +31,7 @@ CALL_TIMEOUT_S = 120.0
 class LoRANames:
     def __init__(self, config, pool, failed):
         """config: the RouterConfig (--enable-lora, --lora-modules); pool: the SchedulerPool, whose
-        links reach every replica; failed: the RequestFailed class (router/frontend.py)."""
+        links reach every replica; failed: the RequestFailed class (router/request_failed.py)."""
         self.enabled = config.enable_lora
         self.paths: dict[str, str] = (
             dict(m.partition("=")[::2] for m in config.lora_modules) if self.enabled else {}

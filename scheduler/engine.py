@@ -11,8 +11,10 @@ With --async-scheduling, overlap.py's loop runs instead: the next step is sent b
 Every request ends through `_end`, whatever the reason: its last output goes to its router, then its
 span ends and its router's credit comes back. Everything runs on one asyncio loop: no locks. The ranks
 sit behind a small interface (workers.py's WorkerGroup), so a fake group drives the engine in unit tests.
-Around the loop: the capacity the ranks agree on (capacity.py), the routers' streams with credit, load
-and KV events (router_streams.py), traces (spans.py), metrics (metrics.py), reports (reports.py).
+Around the loop: connecting the ranks, their loss and recovery (ranks.py, with the capacity they agree
+on, capacity.py); what the routers call and every report they get (router_side.py, over their streams
+with credit, load and KV events, router_streams.py); traces (spans.py), metrics (metrics.py), reports
+(reports.py).
 """
 
 from __future__ import annotations
@@ -24,45 +26,33 @@ import time
 from collections import deque
 
 from common import tracing
-from common.load import ReplicaLoad
 from common.pb.tpserve.internal.v1 import scheduler_pb2, worker_pb2
-from common.pb.tpserve.internal.v1.scheduler_pb2 import (
-    ERROR_CODE_INVALID_ARGUMENT,
-    ERROR_CODE_NOT_FOUND,
-    ERROR_CODE_UNAVAILABLE,
-)
+from common.pb.tpserve.internal.v1.scheduler_pb2 import ERROR_CODE_INVALID_ARGUMENT, ERROR_CODE_NOT_FOUND
 from common.pb.tpserve.v1 import generation_pb2
-from scheduler.add_request import RequestError, sequence_for
 from scheduler.batch import StepBuilder
-from scheduler.block_manager import BlockManager
-from scheduler.capacity import UnfitRanks
 from scheduler.config import SchedulerConfig
 from scheduler.fallback import FallbackPolicy, ThroughputFallback
 from scheduler.lora_admin import LoRAAdmin
 from scheduler.metrics import SchedulerMetrics
 from scheduler.overlap import OverlapLoop
-from scheduler.plan import SchedulerOutput, SchedulerSnapshot
+from scheduler.plan import SchedulerOutput
+from scheduler.ranks import RankLifecycle
 from scheduler.recovery import expire_while_lost
 from scheduler.replies import check_replies
-from scheduler.reports import StepResult, StepTotals, load_report, model_info, stats, step_outputs
-from scheduler.router_streams import LOAD_REPORT_INTERVAL_S, RouterStream, RouterStreams, speed_of
+from scheduler.reports import StepResult, StepTotals, step_outputs
+from scheduler.router_side import RouterSide
+from scheduler.router_streams import RouterStreams
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import FinishReason
 from scheduler.spans import RequestSpans
 from scheduler.speculation import Speculator
-from scheduler.swap import HostBlockPool
 from scheduler.tasks import TaskEnded, first_to_end
-from scheduler.workers import WorkerGroup, WorkersLost
+from scheduler.workers import WorkerGroup
 
 log = logging.getLogger("tpserve.scheduler")
 
-# How long a scheduler whose ranks came back unfit to serve waits before it asks them again.
-UNFIT_RETRY_S = 5.0
-# How long after a lost rank before the ranks are connected again (a poisonous step must not spin).
-LOST_RETRY_S = 1.0
 
-
-class Engine:
+class Engine(RankLifecycle, RouterSide):
     def __init__(self, config: SchedulerConfig, workers: WorkerGroup | None = None):
         self.config = config
         self.ready = asyncio.Event()  # every rank connected with its cache allocated
@@ -97,22 +87,6 @@ class Engine:
         none is dropped silently. Either task failing ends both, with its error (tasks.py)."""
         ended = await first_to_end({"step loop": self._steps(), "recovery expiry": expire_while_lost(self)})
         raise TaskEnded(f"the scheduler's {ended} task returned")
-
-    async def _steps(self) -> None:
-        while True:
-            try:
-                await self._connect()
-                await self._run()
-            except WorkersLost as e:  # MalformedReply too: a rank that answered nonsense
-                await self._workers_lost(e)
-                # A rank that fails the same step again and again (a poisonous request) must not
-                # spin: back off; the recovery clock keeps running until a step succeeds.
-                await asyncio.sleep(LOST_RETRY_S)
-            except UnfitRanks as e:  # only these: any other error is a bug, and is not disguised
-                if self.scheduler is None:
-                    raise  # at start-up: a misconfiguration, one line and exit 2
-                await self._unfit_ranks(e)
-                await asyncio.sleep(UNFIT_RETRY_S)
 
     async def _run(self) -> None:
         if self.config.async_scheduling:
@@ -248,186 +222,3 @@ class Engine:
             log.warning("static fallback: %s", switch)
             self.metrics.fallback_switches.labels(to=switch.to_mode, reason=switch.reason).inc()
             self.scheduler.set_batching(switch.to_mode)
-
-    # ---- the ranks ----
-
-    async def _connect(self) -> None:
-        info = await self.workers.connect(self._wakeup.set)
-        cfg, cap, first = self.config, info.capacity, info.describe[0]
-        if cfg.speculative.speculative_method == "draft" and not all(
-            i.draft_model_name for i in info.describe
-        ):
-            raise UnfitRanks("--speculative-method draft: the shard workers hold no --speculative-model")
-        host_blocks = None
-        if cap.num_host_blocks:
-            host_blocks = HostBlockPool(cap.num_host_blocks, cache_prefixes=cfg.host_prefix_cache)
-        blocks = BlockManager.of(cap, cfg.block_size, cfg.enable_prefix_caching, host_blocks)
-        if cfg.swap_space:
-            tier = ", shared with the prefix cache's host tier" if cfg.host_prefix_cache else ""
-            gib = cfg.swap_space
-            level = logging.INFO if cap.num_host_blocks else logging.WARNING  # 0: no swapping, no host tier
-            log.log(level, "swap space: %d host blocks per rank (%.2f GiB)%s", cap.num_host_blocks, gib, tier)
-        if self.scheduler is None:
-            policy = cfg.resolved_policy(cap.max_model_len)
-            self.scheduler = Scheduler(policy, blocks, first.eos_token_ids, host_blocks, self.speculator)
-        else:  # the ranks came back: same requests, fresh caches (and maybe another capacity)
-            too_long = self.scheduler.replace_blocks(blocks, host_blocks, cap.max_model_len)
-            self._fail(
-                [s.request_id for s in too_long],
-                ERROR_CODE_UNAVAILABLE,
-                f"the replica's ranks came back holding at most {cap.max_model_len} tokens per sequence, "
-                "fewer than the request needs",
-            )
-        self.model_info = model_info(first, cap.max_model_len, len(info.describe), cfg.block_size)
-        self.routers.speed = speed_of(info.describe)  # sent with model_info
-        self._builder.forget_all()
-        lost = await self.loras.restore()  # adapters loaded while serving, on ranks that came back
-        gone = [s.request_id for s in self.scheduler.sequences() if s.lora_name in lost]
-        self._fail(gone, ERROR_CODE_NOT_FOUND, "its LoRA adapter no longer loads on the replica's ranks")
-        log.info(
-            "model %s on %d rank(s) (%s), max_model_len %d",
-            first.model_name,
-            len(info.describe),
-            ", ".join(i.device for i in info.describe),
-            cap.max_model_len,
-        )
-        self._set_ready(True)
-
-    async def _workers_lost(self, error: WorkersLost) -> None:
-        """A rank failed or went silent. Its peers' caches are useless too (the group must re-form), so
-        every running sequence is requeued for recompute while the ranks are restarted."""
-        if self._lost_at is None:  # the first loss starts the clock; failures before a good step do not
-            self._lost_at = time.monotonic()
-        if self.ready.is_set() or self.scheduler is not None:
-            log.error("lost a shard worker (%s): waiting for the ranks to return", error)
-        else:
-            log.warning("shard workers not reachable (%s); retrying", error)
-        self._set_ready(False)
-        await self.workers.close()
-        if self.scheduler is not None:
-            self.scheduler.requeue_all()
-        if self.fallback is not None:
-            self.fallback.interrupt()  # recompute after a loss is not a throughput regression
-        self._expiry_wakeup.set()
-
-    async def _unfit_ranks(self, error: UnfitRanks) -> None:
-        """The ranks came back but cannot serve as they are (imbalanced memory, a cache too small for one
-        sequence): the requests in flight cannot wait on it, so each ends with UNAVAILABLE naming why (a
-        router sends it to another replica, resumed), and the scheduler keeps trying the ranks."""
-        log.error("the shard workers came back unfit to serve: %s; retrying in %.0fs", error, UNFIT_RETRY_S)
-        self._set_ready(False)
-        await self.workers.close()
-        message = f"the replica's shard workers cannot serve: {error}"
-        self._fail([s.request_id for s in self.scheduler.sequences()], ERROR_CODE_UNAVAILABLE, message)
-
-    def _set_ready(self, ready: bool) -> None:
-        if ready:
-            self.ready.set()
-        else:
-            self.ready.clear()
-        for listener in list(self._status_listeners):
-            listener(ready)
-        self.routers.shards_ready(ready, self.model_info)
-        self._report(force_load=True)
-
-    def watch_status(self, listener) -> None:
-        """listener(ready) now and whenever the shards' state changes (the health service)."""
-        self._status_listeners.add(listener)
-        listener(self.ready.is_set())
-
-    async def close(self) -> None:
-        await self.workers.close()
-
-    # ---- the routers ----
-
-    def attach(self, stream: RouterStream) -> None:
-        """A router opened its stream: it learns the shards' state, its credit and the load at once."""
-        self.routers.attach(stream)
-        self.routers.shards_ready(self.ready.is_set(), self.model_info, stream)
-        self._report(force_load=True)
-
-    def detach(self, stream: RouterStream) -> None:
-        """The router went away: drop everything it asked for."""
-        for request_id in self.routers.detach(stream):
-            self.abort(request_id)
-
-    def add(self, msg: scheduler_pb2.AddRequest, stream: RouterStream) -> None:
-        """Takes a request in; a refusal goes back on the stream as the request's error."""
-        stream.adds_received += 1
-        try:
-            seq = sequence_for(msg, self.scheduler, self._next_seq_id, self.loras, self.model_info)
-            self.scheduler.add(seq)
-        except RequestError as e:
-            self.refuse(stream, msg.request_id, e.code, str(e))
-            return
-        except ValueError as e:  # longer than this replica's max_model_len
-            self.refuse(stream, msg.request_id, ERROR_CODE_INVALID_ARGUMENT, str(e))
-            return
-        self._next_seq_id += 1
-        self.routers.bind(msg.request_id, stream)
-        self.spans.start(seq, msg.trace_context)
-        if seq.lora_name:  # held until every rank holds its adapter: no step reads a disk
-            seq.adapter_ready = False
-            self.loras.prefetch(seq.lora_name, self._adapter_fetched)
-        self._wakeup.set()
-        if self._lost_at is not None:
-            self._expiry_wakeup.set()  # its own recovery clock starts now
-
-    def refuse(self, stream: RouterStream, request_id: str, code: int, message: str) -> None:
-        """The error, and the credit the refused add used given back, in one message."""
-        error = scheduler_pb2.RequestOutput(request_id=request_id, error=message, error_code=code)
-        window = None if self.scheduler is None else self._admission_window
-        share = self.routers.shares(window).get(stream)
-        stream.send(stream.message([error], share, self.load_report()))
-
-    def abort(self, request_id: str) -> None:
-        """Frees the request's blocks now; the workers forget it with the next step."""
-        if self.scheduler is not None and self.scheduler.abort(request_id) is not None:
-            self._end([(request_id, "aborted")])
-
-    def queued_changed(self) -> None:
-        """A router's queue changed size: min_batch_size may stop waiting, and the routers' shares of
-        the admission window follow their queues at once."""
-        self._wakeup.set()
-        self._report()
-
-    def _admission_window(self, best_priority: int | None = None) -> int:
-        """The credit for a router whose best queued request has best_priority: the free slots, and the
-        places it would take by preempting (scheduler/priority.py), split by RouterStreams.shares."""
-        return self.scheduler.admission_window(self.config.admission_window, best_priority)
-
-    def _report(self, outputs=(), force_load: bool = False) -> None:
-        """Sends each router its outputs, with the credit and the load when they changed, and what the
-        prefix cache stored and evicted since the last report (a snapshot to a router that needs one)."""
-        window = load = kv = cached = None
-        if self.scheduler is not None:
-            window = self._admission_window
-            load = self.load_report()
-            kv, cached = self.scheduler.blocks.take_events(), self.scheduler.blocks.snapshot_events
-        elif force_load:
-            load = self.load_report()
-        self.routers.publish(outputs, window, load, force_load, kv, cached)
-
-    async def heartbeat(self) -> None:
-        """Reports the load every LOAD_REPORT_INTERVAL_S whatever happens, from its own task: the step
-        loop awaits the ranks, so a long step does not hold it back and the router does not take the
-        replica for dead."""
-        while True:
-            await asyncio.sleep(LOAD_REPORT_INTERVAL_S)
-            self._report(force_load=True)
-            if self.loras.draining:
-                self.loras.tidy()  # an unloaded adapter whose requests all ended while idle
-
-    # ---- what the replica reports ----
-
-    def snapshot(self) -> SchedulerSnapshot | None:
-        return None if self.scheduler is None else self.scheduler.snapshot()
-
-    def load_report(self) -> ReplicaLoad:
-        """This replica's load, for the routers' choice among replicas (router/replicas.py)."""
-        return load_report(
-            self.snapshot(), self.config.policy.max_num_seqs, self.ready.is_set(), self._recent_steps
-        )
-
-    def stats(self) -> generation_pb2.Stats:
-        return stats(self.snapshot(), self.totals, self.speculator and self.speculator.totals)

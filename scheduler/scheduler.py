@@ -3,32 +3,30 @@
 No prefill phase and no decode phase: every sequence has num_computed_tokens catching up with its token
 count, under a per-step token budget and a sequence cap. A prompt longer than what is left of the budget
 is split across steps (chunked prefill). Running sequences are served by priority, then oldest first;
-when a block cannot be had, the last of them is preempted, as for a waiting one of strictly higher
-priority that does not fit (scheduler/priority.py). With host blocks (swap space) free for it, its KV is
-swapped out to them and it waits in `swapped` with its progress kept; otherwise its blocks are freed and
-it is recomputed later from the tokens kept here: the output is the same. Swapped sequences come back
-before any waiting one of no higher priority. The prefix cache's host tier shares those host blocks.
+then swapped ones come back and waiting ones are admitted. Who comes in is scheduler/admission.py's;
+who is preempted (swapped out or recomputed) and how it comes back is scheduler/preemption.py's. Here:
+requests in and out, one iteration, its results (the stop checks, the one release path).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections import deque
 
 from common.pb.tpserve.v1.generation_pb2 import FINISH_REASON_ABORTED, FINISH_REASON_EOS, FINISH_REASON_LENGTH
-from scheduler import forks, images, lora_slots, pooling, priority
+from scheduler import forks, images, pooling, priority
+from scheduler.admission import Admission
 from scheduler.batch_wait import BatchWait
 from scheduler.block_manager import BlockManager
 from scheduler.plan import Proposer, ScheduledSeq, SchedulerOutput, SchedulerSnapshot, SequenceUpdate
 from scheduler.policy import BATCHING_MODES, SchedulingPolicy
+from scheduler.preemption import Preemption
 from scheduler.sequence import Sequence, SequenceStatus
-from scheduler.slack import admission_order
 from scheduler.swap import HostBlockPool
 
 __all__ = ["BATCHING_MODES", "Scheduler", "SchedulingPolicy"]
 
 
-class Scheduler:
+class Scheduler(Admission, Preemption):
     def __init__(
         self,
         policy: SchedulingPolicy,
@@ -187,90 +185,9 @@ class Scheduler:
         )
         return self.proposer.propose(seq, room)[:room] if room > 0 else []
 
-    def _swap_in(self, out: SchedulerOutput, budget: int, head: Sequence | None) -> int:
-        """Brings swapped sequences back, by priority then oldest first, into fresh device blocks (never
-        shared with the prefix cache), unless head (the next to admit) ranks higher. Returns budget left."""
-        while self.swapped and budget > 0 and len(self.running) < self.policy.max_num_seqs:
-            seq = self.swapped[0]
-            if not lora_slots.fits(seq, self.running, self.policy.max_loras) or priority.yields_to(seq, head):
-                break
-            num_new = self._chunk(seq, seq.num_computed_tokens, budget)
-            reserve = self._watermark_blocks if self.running else 0
-            if not num_new or not self.blocks.can_allocate(seq, seq.num_computed_tokens + num_new, reserve):
-                break
-            self.blocks.allocate(seq, seq.num_computed_tokens + num_new, count_query=False)
-            out.swap_in += self.host_blocks.swap_in(seq.seq_id, self.blocks.computed_blocks(seq))
-            self.swapped.pop(0)
-            seq.status = SequenceStatus.RUNNING
-            priority.insert(self.running, seq)
-            out.swapped_in.append(seq)
-            out.scheduled.append(self._scheduled(seq, num_new))
-            budget -= num_new
-        return budget
-
-    def _admit(self, out: SchedulerOutput, budget: int, now: float) -> None:
-        static = self.batching == "static"
-        if static and not self._static_batch:
-            # A new static batch starts only when full, or when its oldest request has waited enough.
-            oldest = self.waiting[0].arrival_time if self.waiting else None
-            deadline = None if oldest is None else oldest + self.policy.static_batch_timeout_ms / 1000
-            if len(self.waiting) < self.policy.static_batch_size and deadline is not None and now < deadline:
-                out.wake_at = deadline
-                return
-            self._static_batch = {s.seq_id for s in list(self.waiting)[: self.policy.static_batch_size]}
-
-        for seq in self._candidates(now):
-            if budget <= 0 or len(self.running) >= self.policy.max_num_seqs:
-                break
-            if static and seq.seq_id not in self._static_batch:
-                break
-            # A waiting sequence holds no blocks and has computed nothing: a choice forked from another
-            # shares that one's computed prompt blocks; otherwise its longest cached prefix (whole blocks,
-            # never its last token) is reused; only the rest is computed.
-            shared = forks.share(seq, self.blocks)
-            num_cached = shared or (self.blocks.match_prefix(seq) if pooling.may_reuse(seq) else 0)
-            num_new = self._chunk(seq, num_cached, budget)
-            reserve = self._watermark_blocks if self.running else 0
-            from_cache = num_cached - shared
-            if not num_new or not self.blocks.can_allocate(seq, num_cached + num_new, reserve, from_cache):
-                if shared:
-                    self.blocks.free(seq)
-                break  # first come, first served: nobody jumps the queue
-            first = not seq.admitted_before
-            self.blocks.allocate(seq, num_cached + num_new, num_cached_tokens=from_cache, count_query=first)
-            seq.num_computed_tokens = num_cached
-            if first:  # Usage.cached_tokens: what the client's request found, not a recompute
-                seq.num_cached_tokens = from_cache
-                out.first_admitted.append(seq)
-            seq.admitted_before = True
-            forks.unfork(seq)
-            self.waiting.remove(seq)
-            seq.status = SequenceStatus.RUNNING
-            priority.insert(self.running, seq)
-            out.admitted.append(seq)
-            out.scheduled.append(self._scheduled(seq, num_new))
-            budget -= num_new
-
     def _chunk(self, seq: Sequence, start: int, budget: int) -> int:  # cut for forks and images; 0: none
         num_new = forks.limit(seq, min(seq.num_tokens - start, budget), start, self.blocks.block_size)
         return pooling.whole(seq, images.limit(seq, num_new, start), start)
-
-    def _candidates(self, now: float):
-        """The waiting in admission order (slack.py, lora_slots.py), but those not ready (grammar, adapter,
-        fork)."""
-        size = self.blocks.block_size
-        ready = [s for s in self.waiting if s.grammar_ready and s.adapter_ready and not forks.waits(s, size)]
-        order = admission_order(ready, now, self.step_s, self.policy.max_num_batched_tokens)
-        return lora_slots.within_max_loras(order, self.running, self.policy.max_loras)
-
-    def _make_room(self, out: SchedulerOutput, now: float) -> Sequence | None:
-        """Preempts lower priorities (priority.victim) while the next to admit finds no slot or blocks
-        (priority.fits); it comes in next step (none does in a step that preempts). Returns it, or None."""
-        head = next(iter(self._candidates(now)), None) if self.batching == "continuous" else None
-        args = (self.blocks, self.policy, self._watermark_blocks, now, self.step_s)
-        while (v := priority.to_preempt(head, self.running, *args)) is not None:
-            self._preempt(v, out)
-        return head
 
     def _scheduled(self, seq: Sequence, num_new: int, drafts: list[int] = ()) -> ScheduledSeq:
         start = seq.num_computed_tokens
@@ -283,66 +200,6 @@ class Scheduler:
             end = min(start + num_new, seq.num_prompt_tokens - 1)
             item.num_prompt_logprobs = max(0, end - max(start, seq.prompt_logprobs_done))
         return item
-
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        """Swap preemption when the host has room for seq's computed KV: it is copied out before this
-        step's forward, and seq keeps its progress. Otherwise recompute preemption: the tokens stay
-        here, the KV is dropped. Either way seq's device blocks go back to the pool now."""
-        self.running.remove(seq)
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
-        out.preempted.append(seq)
-        # Only blocks holding computed tokens that later queries read are worth copying.
-        computed = self.blocks.computed_blocks(seq)
-        if self.host_blocks is not None and self.host_blocks.can_swap_out(len(computed)):
-            out.swap_out += self.host_blocks.swap_out(seq.seq_id, computed)
-            self._release(seq, host=False)
-            seq.status = SequenceStatus.SWAPPED
-            self.swapped.append(seq)
-            self.swapped.sort(key=lambda s: (s.priority, s.seq_id))
-            out.swapped_out.append(seq)
-            return
-        self._release(seq)
-        seq.num_computed_tokens = 0
-        seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
-
-    def requeue_all(self) -> None:
-        """The workers lost their KV caches (a rank restarted), host copies included: every running
-        sequence, then every swapped one, goes back to the front of the queue, in order, to be
-        recomputed from the tokens kept here."""
-        for seq in reversed(self.running + self.swapped):
-            self._release(seq)
-            seq.num_computed_tokens = 0
-            seq.status = SequenceStatus.WAITING
-            self.waiting.appendleft(seq)
-        for seq in self.waiting:  # the new rank 0 compiles every grammar again
-            seq.grammar_ready = not seq.has_grammar
-        self.running = []
-        self.swapped = []
-        self._forgotten = []  # the new workers know nothing to forget
-
-    def replace_blocks(
-        self,
-        block_manager: BlockManager,
-        host_blocks: HostBlockPool | None = None,
-        max_model_len: int | None = None,
-    ) -> list[Sequence]:
-        """Fresh pools after the workers came back. Their capacity may differ: with a smaller
-        max_model_len, sequences that can no longer fit are dropped and returned (the engine fails them)."""
-        if self.running or self.swapped:
-            raise RuntimeError("requeue_all() first: sequences hold blocks of the old pools")
-        self.blocks = block_manager
-        self.host_blocks = host_blocks
-        self._watermark_blocks = int(self.policy.admission_watermark * block_manager.num_blocks)
-        too_long = []
-        if max_model_len is not None and max_model_len != self.policy.max_model_len:
-            self.policy = dataclasses.replace(self.policy, max_model_len=max_model_len)
-            too_long = [s for s in self.waiting if s.num_prompt_tokens + s.max_new_tokens > max_model_len]
-            for seq in too_long:
-                self.waiting.remove(seq)
-                self._finish(seq, FINISH_REASON_ABORTED)
-        return too_long
 
     # ---- results of the iteration ----
 
@@ -400,32 +257,6 @@ class Scheduler:
         del self._by_request[seq.request_id]
         self._forgotten.append(seq.seq_id)
         self._static_batch.discard(seq.seq_id)
-
-    def set_batching(self, mode: str) -> None:
-        """Switches continuous <-> static at run time (the static fallback). Switching to static makes
-        the running sequences the current batch: nothing joins until it drains."""
-        if mode not in BATCHING_MODES:
-            raise ValueError(f"batching must be 'continuous' or 'static', got {mode!r}")
-        self.batching = mode
-        self._static_batch = {s.seq_id for s in self.running} if mode == "static" else set()
-
-    def batch_wait_deadline(
-        self, now: float, queued: int, admission_depth: int | None = None
-    ) -> float | None:
-        """min_batch_size: the time until which to wait before a batch starts from nothing, None: step
-        now (scheduler/batch_wait.py)."""
-        return self._batch_wait.deadline(self, now, queued, admission_depth)
-
-    def admission_window(self, depth: int, best_priority: int | None = None) -> int:
-        """How many more requests to take in now: enough to fill the free slots of the batch (and the
-        places of running sequences of lower priority than best_priority, the best a router queues), but
-        no more than `depth` waiting here, so the router's queue (and its order) holds the rest."""
-        if self.batching == "static":
-            slots = 0 if self._static_batch else self.policy.static_batch_size
-        else:
-            slots = self.policy.max_num_seqs - len(self.running) - len(self.swapped)
-            slots += priority.preemptible(self.running, best_priority)
-        return max(0, min(slots, depth) - len(self.waiting))
 
     def check_invariants(self) -> None:
         """Raises AssertionError unless the block accounting adds up (BlockManager.check_invariants over

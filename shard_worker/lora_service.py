@@ -1,4 +1,4 @@
-"""The shard worker's LoRA calls (part of its servicer, shard_worker/server.py): load, unload and prefetch
+"""The shard worker's LoRA calls (part of its servicer, shard_worker/servicer.py): load, unload and prefetch
 an adapter beside the step stream, and the LoRA settings Describe reports.
 
 Files are read off the device lock (only placing what was read waits for the step in progress), so a

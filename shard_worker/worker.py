@@ -7,7 +7,7 @@ introduce new ones, swap blocks out then in, bring the block tables up to date, 
 last step sampled where the step has placeholders for them (async scheduling), run the forward.
 A sequence with a grammar (structured outputs) is introduced while it still waits in the scheduler's
 queue; its grammar compiles on a thread, and each step's answer names the sequences whose grammar became
-ready, which the scheduler then admits. No gRPC here: shard_worker/server.py decodes the StepRequest,
+ready, which the scheduler then admits. No gRPC here: shard_worker/servicer.py decodes the StepRequest,
 calls step(), encodes the answer.
 """
 

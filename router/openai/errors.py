@@ -1,5 +1,5 @@
 """OpenAI's error answers: {"error": {"message", "type", "param", "code"}}, and the one mapping of a Frontend
-failure (a gRPC status, router/frontend.py) to one, its field renamed to the name the client used."""
+failure (a gRPC status, router/request_failed.py) to one, its field renamed to the name the client used."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A scheduler killed under load, and no client sees an error: the router resumes each request it held
-where it stopped, on the restarted scheduler or another replica (router/pool.py).
+where it stopped, on the restarted scheduler or another replica (router/failover.py).
 
 What a user would notice: every stream ends with exactly the tokens an undisturbed run gives (greedy:
 transformers'; seeded sampling: the same seed's undisturbed output), each token once, and no status

@@ -25,7 +25,7 @@ from scheduler.sequence import Sequence  # noqa: E402
 from shard_worker.attention import Attention, StepBatch, cpu_kernel, select_backend  # noqa: E402
 from shard_worker.model_runner import ModelRunner  # noqa: E402
 from shard_worker.parallel import TensorParallel  # noqa: E402
-from shard_worker.server import worker_step  # noqa: E402
+from shard_worker.servicer import worker_step  # noqa: E402
 from shard_worker.step import StepInputs  # noqa: E402
 from shard_worker.worker import Worker  # noqa: E402
 

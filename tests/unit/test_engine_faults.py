@@ -51,10 +51,10 @@ def test_a_reply_that_does_not_fit_the_step_is_a_lost_rank_and_changes_nothing(m
 def test_ranks_back_unfit_to_serve_fail_the_requests_in_flight_and_the_engine_goes_on(monkeypatch):
     """A CapacityError when the ranks return used to end the scheduler with requests in flight; they
     now end with UNAVAILABLE naming it (the router resends them elsewhere) and the engine retries."""
-    import scheduler.engine as engine_module
+    import scheduler.ranks as ranks_module
     from scheduler.capacity import CapacityError
 
-    monkeypatch.setattr(engine_module, "UNFIT_RETRY_S", 0.05, raising=False)
+    monkeypatch.setattr(ranks_module, "UNFIT_RETRY_S", 0.05)
 
     async def go():
         group = FakeWorkerGroup()

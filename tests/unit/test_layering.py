@@ -8,6 +8,8 @@ from tests.conftest import ROOT
 
 PURE = [
     "scheduler.scheduler",
+    "scheduler.admission",
+    "scheduler.preemption",
     "scheduler.policy",
     "scheduler.forks",
     "scheduler.block_manager",

@@ -19,7 +19,7 @@ from scheduler.scheduler import Scheduler, SchedulingPolicy
 from scheduler.sequence import Sequence
 from shard_worker.model_runner import ModelRunner
 from shard_worker.parallel import TensorParallel
-from shard_worker.server import worker_step
+from shard_worker.servicer import worker_step
 from shard_worker.worker import Worker
 
 BS = 4

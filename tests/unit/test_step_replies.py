@@ -11,6 +11,8 @@ import pytest
 from common.pb.tpserve.internal.v1 import worker_pb2
 from common.pb.tpserve.internal.v1.scheduler_pb2 import ERROR_CODE_NOT_FOUND
 from scheduler import engine as engine_module
+from scheduler import ranks as ranks_module
+from scheduler import router_side
 from scheduler.tasks import first_to_end
 from tests.unit.engine_harness import VOCAB, FakeWorkerGroup, Harness, add_request, expected, run
 
@@ -60,7 +62,7 @@ def test_a_malformed_reply_is_a_lost_rank_and_every_token_and_logprob_comes_once
 ):
     """Before, a short logprob array raised IndexError in the report after Scheduler.update had run: it
     escaped the step loop and the scheduler process exited with every request in flight."""
-    monkeypatch.setattr(engine_module, "LOST_RETRY_S", 0.01)
+    monkeypatch.setattr(ranks_module, "LOST_RETRY_S", 0.01)
 
     async def go():
         group = FakeWorkerGroup()
@@ -120,7 +122,7 @@ def test_a_failing_heartbeat_ends_the_process_instead_of_stopping_silently(monke
     """Before, the load-report task was never awaited: its first exception stopped the reports and the
     routers took a live replica for dead. Every task of the scheduler now runs under first_to_end (the
     process's, scheduler/server.py): its failure ends them all, with its name."""
-    monkeypatch.setattr(engine_module, "LOAD_REPORT_INTERVAL_S", 0.01)
+    monkeypatch.setattr(router_side, "LOAD_REPORT_INTERVAL_S", 0.01)
 
     async def go():
         async with Harness() as h:
