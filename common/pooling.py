@@ -39,7 +39,14 @@ class PoolingConfig:
 
 
 def _read(path: Path) -> dict | list | None:
-    return json.loads(path.read_text()) if path.is_file() else None
+    """A checkpoint's JSON file, None when absent; ValueError naming the file when it does not parse (the
+    worker's one-line refusal must say which file)."""
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None  # as the model loader says it
 
 
 def architecture(model_dir: str | Path) -> str:

@@ -68,8 +68,6 @@ def serve(config: WorkerConfig) -> None:
     torch.set_num_threads(config.threads)
     cache_dir = configure_compile_cache(config.compile_cache_dir)  # before anything compiles
     dtype, why = resolve_dtype(config)
-    if config.dtype == "auto":
-        log.info("rank %d: --dtype auto is %s: %s", config.rank, dtype, why)
     device = select_device(config, dtype)
     tp = init_tensor_parallel(config.rank, config.world_size, config.dist_init, device)
     linear = devices.linear_dtype(config.linear_dtype, dtype)
@@ -93,7 +91,10 @@ def serve(config: WorkerConfig) -> None:
             else None,
             runner=resolve_runner(config.runner, config.model),
         )
-    if linear is not None:  # after the model loaded: a refusal is the only line a failed start writes
+    # After the model loaded: a refusal is the only line a failed start writes.
+    if config.dtype == "auto":
+        log.info("rank %d: --dtype auto is %s: %s", config.rank, dtype, why)
+    if linear is not None:
         log.info(
             "rank %d: linear layers' weights in %s (--linear-dtype %s)",
             config.rank,
