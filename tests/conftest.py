@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -99,3 +102,17 @@ def smollm2_stack():
     flags += ("--tool-call-parser", "hermes")
     with launch(SMOLLM2, *flags, startup_timeout=600) as (target, info):
         yield target, info
+
+
+def post_json(info: dict, path: str, body: dict, timeout: float = 120.0) -> tuple[int, dict]:
+    """A bare POST to a stack's HTTP port, as curl sends it: (status, JSON body), errors included."""
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{info['http_port']}{path}",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())

@@ -7,13 +7,13 @@ continued and read back, and errors in each API's shape. The session's SmolLM2 s
 from __future__ import annotations
 
 import json
-import urllib.request
 
 import anthropic
 import jsonschema
 import openai
 import pytest
 
+from tests.conftest import post_json as post
 from tests.e2e.test_openai import SMOLLM2, client
 
 # A 1x1 PNG as an Anthropic base64 image source.
@@ -94,20 +94,6 @@ def chat(info, messages, **kw) -> openai.types.chat.ChatCompletion:
             model="smollm2", messages=messages, temperature=0, **kw
         )
     return _CHATS[key]
-
-
-def post(info, path: str, body: dict) -> tuple[int, dict]:
-    """A bare POST, as curl sends it: (status, JSON body)."""
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{info['http_port']}{path}",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}

@@ -14,6 +14,7 @@ import urllib.request
 import openai
 import pytest
 
+from tests.conftest import post_json as post
 from tests.e2e.test_openai import SMOLLM2, client, http_get
 
 pytestmark = pytest.mark.skipif(
@@ -45,19 +46,6 @@ ONE_SHOT = [
 @pytest.fixture(scope="module")
 def stack(smollm2_stack):
     return smollm2_stack[1]
-
-
-def post(info, path: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{info['http_port']}{path}",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def test_tokenize_detokenize_version_ping_metrics_and_the_model_card(stack):

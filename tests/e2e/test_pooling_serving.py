@@ -9,10 +9,7 @@ stacks of this module's own (the generation one is the session's SmolLM2, shared
 from __future__ import annotations
 
 import base64
-import json
 import struct
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -23,6 +20,7 @@ import torch
 from common.pb.tpserve.v1 import generation_pb2 as pb
 from common.pb.tpserve.v1 import generation_pb2_grpc
 from tests.conftest import ROOT, launch
+from tests.conftest import post_json as post
 from tests.e2e.test_reliability import wait_until
 from tests.pooling_models import build, reference
 
@@ -36,19 +34,6 @@ SENTENCES = [
 ]
 QUERY = "what is the capital of france"
 DOCS = ["paris is the capital of france", "the cat sat", "a river in the city", "the capital city is big"]
-
-
-def post(info, path: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{info['http_port']}{path}",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def client(info) -> openai.OpenAI:
