@@ -202,7 +202,8 @@ class AttentionBackend(ABC):
             # flex could weight its output by sigmoid(lse - sink) (with_sinks), but torch's compiled CPU
             # flex returns no log-sum-exp (inductor: "return_lse is not supported yet").
             return (
-                "gpt-oss's attention sinks are in the reference backend only (--attention-backend reference)"
+                f"gpt-oss's attention sinks are not in the {self.name} backend "
+                "(--attention-backend cpu or reference serves them)"
             )
         return self.unsupported_layer(layer)
 

@@ -49,6 +49,9 @@ class CpuMetadata:
 
 class CpuBackend(AttentionBackend):
     name = "cpu"
+    # The kernel takes each head's sink logit into its softmax; prefill chunks go through the
+    # reference's attend_sequence, which writes the sink out.
+    supports_sinks = True
 
     @classmethod
     def unsupported(cls, device, dtype):
@@ -127,6 +130,7 @@ class CpuBackend(AttentionBackend):
             1.0,
             1.0,
             layer.sliding_window or 0,
+            _sinks_address(layer),
         )
         if rc == -4:
             raise ValueError(f"a KV slot of this step is outside the KV cache's {num_blocks} blocks")
@@ -150,6 +154,7 @@ class CpuBackend(AttentionBackend):
             layer.k_scale,
             layer.v_scale,
             layer.sliding_window,
+            _float32_sinks(layer),
         )
         self._prefills(layer, q, kv_cache, ctx, out)
         return out
@@ -158,6 +163,25 @@ class CpuBackend(AttentionBackend):
         table = ctx.batch.block_table
         for seq, start, q_len, c_len in ctx.metadata.prefills:
             out[start : start + q_len] = attend_sequence(layer, q, kv_cache, table[seq], start, q_len, c_len)
+
+
+def _float32_sinks(layer) -> torch.Tensor | None:
+    """The layer's sinks as the kernel reads them (float32, contiguous), converted once and kept (the
+    model's parameter is in the model's dtype), again only if the tensor or its contents changed."""
+    sinks = layer.sinks
+    if sinks is None:
+        return None
+    key = (id(sinks), sinks._version)
+    kept = getattr(layer, "_kernel_sinks", None)
+    if kept is None or kept[0] != key:
+        kept = (key, sinks.detach().float().contiguous())
+        layer._kernel_sinks = kept
+    return kept[1]
+
+
+def _sinks_address(layer) -> int | None:
+    sinks = _float32_sinks(layer)
+    return sinks.data_ptr() if sinks is not None else None
 
 
 def _plan(batch: StepBatch, tokens, seq, positions, fault) -> cpu_ops.StepPlan | None:
