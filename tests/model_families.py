@@ -77,6 +77,25 @@ def _configs():
             mlp_only_layers=[1],  # one dense layer among the sparse ones
             **moe,
         ),
+        # Sliding and full layers alternating, sinks, YaRN (stretched 4x past 128 positions), biased
+        # router and experts. Expert features a multiple of 64: 32 a rank at --tp 2, one MXFP4 block.
+        "gpt_oss": lambda: t.GptOssConfig(
+            **{**SMALL, "intermediate_size": 64},
+            num_hidden_layers=2,
+            sliding_window=WINDOW,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            swiglu_limit=3.0,  # not the real 7: the clamp must bite on these small random weights
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10_000.0,
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 128,
+            },
+        ),
     }
 
 
@@ -100,6 +119,10 @@ def build_checkpoint(family: str, out_dir: str | Path, seed: int = 0) -> Path:
             for name, param in model.named_parameters():
                 if "norm" in name:
                     param.add_(torch.randn_like(param) * 0.2)
+                if name.endswith("sinks"):  # gpt-oss: some heads' sinks take much of the weight
+                    param.normal_(0.0, 2.0)
+                if name.endswith(("router.bias", "experts.gate_up_proj_bias", "experts.down_proj_bias")):
+                    param.normal_(0.0, 0.5)  # gpt-oss's, which transformers initialises to zero
             # Logits of std LOGIT_STD whatever the hidden size (see shard_worker/model/builder.py).
             model.lm_head.weight.normal_(0.0, LOGIT_STD / config.hidden_size**0.5)
     model.generation_config.eos_token_id = config.eos_token_id
