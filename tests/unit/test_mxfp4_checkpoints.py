@@ -40,18 +40,20 @@ def test_mxfp4_checkpoint_decodes_transformers_tokens(checkpoints):
     assert chunked_greedy(runner, prompts(), NEW_TOKENS) == hf_greedy(reference, prompts(), NEW_TOKENS)
 
 
-def test_mxfp4_shards_as_the_float_checkpoint_and_ranks_sum_to_one(checkpoints):
-    """At --tp 2 each rank reads its own features' blocks (gate/up rows, down's input groups): its
-    experts equal what the float checkpoint gives that rank, and the ranks' partial MoE outputs (the
-    down bias added by rank 0 alone) sum to the unsharded layer's."""
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_mxfp4_shards_as_the_float_checkpoint_and_ranks_sum_to_one(checkpoints, world_size):
+    """At --tp 2 and 4 each rank reads its own features' blocks (gate/up rows; the blocks that cover
+    down's input features, 16 of a 32-value block at --tp 4): its experts equal what the float
+    checkpoint gives that rank, and the ranks' partial MoE outputs (the down bias added by rank 0
+    alone) sum to the unsharded layer's."""
     float_dir, mxfp4_dir = checkpoints
     _, whole = load_model(float_dir, torch.float64, CPU, TensorParallel())
     x = torch.randn(9, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     moe = whole.model.layers[0].mlp
     want = moe(x)
     partials = []
-    for rank in range(2):
-        tp = TensorParallel(rank=rank, world_size=2)
+    for rank in range(world_size):
+        tp = TensorParallel(rank=rank, world_size=world_size)
         _, quantized = load_model(mxfp4_dir, torch.float64, CPU, tp)
         _, plain = load_model(float_dir, torch.float64, CPU, tp)
         for a, b in zip(quantized.model.layers, plain.model.layers, strict=True):
@@ -61,7 +63,7 @@ def test_mxfp4_shards_as_the_float_checkpoint_and_ranks_sum_to_one(checkpoints):
         local = quantized.model.layers[0].mlp
         weights, ids = moe_route(local, x)
         partials.append(local.experts(x, ids, weights))
-    torch.testing.assert_close(partials[0] + partials[1], want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(sum(partials), want, rtol=1e-12, atol=1e-12)
 
 
 def moe_route(moe, x):
@@ -70,7 +72,10 @@ def moe_route(moe, x):
     return route_top_k_softmax(moe.router(x), moe.top_k)
 
 
-def test_features_that_split_inside_a_block_are_refused(checkpoints):
-    _, mxfp4_dir = checkpoints
-    with pytest.raises(ValueError, match="not a multiple of its 32-value blocks"):
-        load_model(mxfp4_dir, torch.float32, CPU, TensorParallel(rank=0, world_size=4))
+def test_a_hidden_size_not_in_whole_blocks_is_refused():
+    from shard_worker.model.layers.moe import GptOssExperts
+    from shard_worker.model.quant.mxfp4 import Mxfp4ExpertMethod
+
+    layer = GptOssExperts(4, 48, 64, TensorParallel(), alpha=1.702, limit=7.0)
+    with pytest.raises(ValueError, match="hidden_size 48 is not a multiple of its 32-value blocks"):
+        Mxfp4ExpertMethod().create_weights(layer, 4, 48, 64, torch.float32)

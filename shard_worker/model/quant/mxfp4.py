@@ -12,8 +12,11 @@ gpt-oss-120b's (36 x 128 experts, 114.7 B) 61 GB and 229 GB. No kernel of ours r
 
 Mxfp4Config is the checkpoint format (quantization_config quant_method "mxfp4"): only the experts are
 stored so (modules_to_not_convert: attention, router, embeddings, head), and Mxfp4ExpertMethod holds a
-layer's blocks and scales (this rank's features) only until the layer's last tensor is read, then
-decodes them into the unquantized experts' weights: at most one layer's MXFP4 beside the decoded model.
+layer's blocks and scales (this rank's features) until the layer's last tensor is read, then decodes
+them into the unquantized experts' weights and frees them. Every layer's blocks are allocated when the
+model is built: on CPU their pages cost nothing until read (so the peak is about the decoded model plus
+a layer's blocks), on CUDA they are held from the start (the peak is the decoded model plus all of the
+MXFP4 experts, freed as each layer decodes).
 """
 
 from __future__ import annotations
@@ -69,50 +72,55 @@ class Mxfp4Config(QuantConfig):
 
 class Mxfp4ExpertMethod(UnquantizedExpertMethod):
     """gate_up_proj_blocks [E, 2n, H / 32, 16] and _scales [E, 2n, H / 32] (this rank's n features of
-    gate and of up, deinterleaved as FusedMoE holds them), down_proj_blocks [E, H, n / 32, 16] and _scales
-    [E, H, n / 32]; decoded after loading into gate_up_proj [E, 2n, H] and down_proj [E, H, n] in the
-    model's dtype, then served as the unquantized experts."""
+    gate and of up, deinterleaved as FusedMoE holds them), down_proj_blocks [E, H, G, 16] and _scales
+    [E, H, G] (the G blocks that cover this rank's n input features); decoded after loading into
+    gate_up_proj [E, 2n, H] and down_proj [E, H, n] in the model's dtype, then served as the unquantized
+    experts."""
 
     def create_weights(self, layer, num_experts, hidden_size, local_intermediate, params_dtype):
-        for size, what in ((hidden_size, "hidden_size"), (local_intermediate, "this rank's expert features")):
-            if size % BLOCK:
-                raise ValueError(
-                    f"mxfp4: {what} {size} is not a multiple of its {BLOCK}-value blocks "
-                    "(try another --tensor-parallel-size)"
-                )
+        if hidden_size % BLOCK:
+            raise ValueError(
+                f"mxfp4: hidden_size {hidden_size} is not a multiple of its {BLOCK}-value blocks"
+            )
         self.dtype = params_dtype
         e, h, n = num_experts, hidden_size, local_intermediate
+        # down's input features of this rank, in whole blocks: a rank's share need not fill whole blocks
+        # (gpt-oss's 2880 features over 4 ranks are 720, 22.5 blocks), so it reads the blocks that cover
+        # it and keeps its own columns after decoding.
+        features = layer.feature_rows()
+        self.down_groups = slice(features.start // BLOCK, -(-features.stop // BLOCK))
+        self.down_offset = features.start - self.down_groups.start * BLOCK
+        groups = self.down_groups.stop - self.down_groups.start
         shapes = {
             "gate_up_proj_blocks": ((e, 2 * n, h // BLOCK, BLOCK // 2), self._load_gate_up),
             "gate_up_proj_scales": ((e, 2 * n, h // BLOCK), self._load_gate_up),
-            "down_proj_blocks": ((e, h, n // BLOCK, BLOCK // 2), self._load_down),
-            "down_proj_scales": ((e, h, n // BLOCK), self._load_down),
+            "down_proj_blocks": ((e, h, groups, BLOCK // 2), self._load_down),
+            "down_proj_scales": ((e, h, groups), self._load_down),
         }
         for name, (shape, loader) in shapes.items():
             param = add_param(layer, name, shape, torch.uint8)
-            param.weight_loader = lambda p, source, part=None, f=loader, m=layer: f(m, p, source)
+            param.weight_loader = lambda p, source, part=None, f=loader: f(layer, p, source)
             param.checkpoint_parts = (None,)
 
-    @staticmethod
-    def _load_gate_up(layer, param, source) -> None:
+    def _load_gate_up(self, layer, param, source) -> None:
         from shard_worker.model.layers.linear import copy_checked
         from shard_worker.model.layers.moe import deinterleave
 
         rows = deinterleave(source[:, layer.feature_columns()], 1)  # output rows: g0 u0 g1 u1 ...
         copy_checked(param.data, rows, ..., "mxfp4 experts.gate_up_proj")
 
-    @staticmethod
-    def _load_down(layer, param, source) -> None:
+    def _load_down(self, layer, param, source) -> None:
         from shard_worker.model.layers.linear import copy_checked
 
-        features = layer.feature_rows()  # down's input features, BLOCK to a group
-        groups = slice(features.start // BLOCK, features.stop // BLOCK)
-        copy_checked(param.data, source[:, :, groups], ..., "mxfp4 experts.down_proj")
+        copy_checked(param.data, source[:, :, self.down_groups], ..., "mxfp4 experts.down_proj")
 
     def process_weights_after_loading(self, layer) -> None:
         for name in ("gate_up_proj", "down_proj"):
             blocks, scales = getattr(layer, f"{name}_blocks"), getattr(layer, f"{name}_scales")
             weight = dequantize_mxfp4(blocks.data, scales.data, self.dtype)
+            if name == "down_proj":  # this rank's columns of the blocks it read
+                weight = weight[..., self.down_offset : self.down_offset + layer.local_intermediate]
+                weight = weight.contiguous()
             delattr(layer, f"{name}_blocks")
             delattr(layer, f"{name}_scales")
             layer.register_parameter(name, nn.Parameter(weight, requires_grad=False))
