@@ -203,7 +203,7 @@ class AttentionBackend(ABC):
             # flex returns no log-sum-exp (inductor: "return_lse is not supported yet").
             return (
                 f"gpt-oss's attention sinks are not in the {self.name} backend "
-                "(--attention-backend cpu or reference serves them)"
+                "(--attention-backend cpu, triton or reference serves them)"
             )
         return self.unsupported_layer(layer)
 
@@ -233,6 +233,21 @@ class AttentionBackend(ABC):
         self, layer: Attention, q: torch.Tensor, kv_cache: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
         """[T, heads, head_dim]: each query attended over its sequence's keys (this step's included)."""
+
+
+def float32_sinks(layer: Attention) -> torch.Tensor | None:
+    """The layer's sinks as the kernels read them (float32, contiguous), converted once and kept (the
+    model's parameter is in the model's dtype), again only if the tensor or its contents changed (so a
+    CUDA graph captured after the weights loaded keeps reading the same address)."""
+    sinks = layer.sinks
+    if sinks is None:
+        return None
+    key = (id(sinks), sinks._version)
+    kept = getattr(layer, "_kernel_sinks", None)
+    if kept is None or kept[0] != key:
+        kept = (key, sinks.detach().float().contiguous())
+        layer._kernel_sinks = kept
+    return kept[1]
 
 
 def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:

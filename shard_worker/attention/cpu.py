@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from shard_worker.attention import cpu_kernel, cpu_ops
-from shard_worker.attention.backend import AttentionBackend, AttentionContext, StepBatch
+from shard_worker.attention.backend import AttentionBackend, AttentionContext, StepBatch, float32_sinks
 from shard_worker.attention.reference import attend_sequence
 
 # A sequence with at least this many query tokens in a step is attended by SDPA, shorter ones by the
@@ -154,7 +154,7 @@ class CpuBackend(AttentionBackend):
             layer.k_scale,
             layer.v_scale,
             layer.sliding_window,
-            _float32_sinks(layer),
+            float32_sinks(layer),
         )
         self._prefills(layer, q, kv_cache, ctx, out)
         return out
@@ -165,22 +165,8 @@ class CpuBackend(AttentionBackend):
             out[start : start + q_len] = attend_sequence(layer, q, kv_cache, table[seq], start, q_len, c_len)
 
 
-def _float32_sinks(layer) -> torch.Tensor | None:
-    """The layer's sinks as the kernel reads them (float32, contiguous), converted once and kept (the
-    model's parameter is in the model's dtype), again only if the tensor or its contents changed."""
-    sinks = layer.sinks
-    if sinks is None:
-        return None
-    key = (id(sinks), sinks._version)
-    kept = getattr(layer, "_kernel_sinks", None)
-    if kept is None or kept[0] != key:
-        kept = (key, sinks.detach().float().contiguous())
-        layer._kernel_sinks = kept
-    return kept[1]
-
-
 def _sinks_address(layer) -> int | None:
-    sinks = _float32_sinks(layer)
+    sinks = float32_sinks(layer)
     return sinks.data_ptr() if sinks is not None else None
 
 
