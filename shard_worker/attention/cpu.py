@@ -162,7 +162,9 @@ class CpuBackend(AttentionBackend):
     def _prefills(self, layer, q, kv_cache, ctx, out) -> None:
         table = ctx.batch.block_table
         for seq, start, q_len, c_len in ctx.metadata.prefills:
-            out[start : start + q_len] = attend_sequence(layer, q, kv_cache, table[seq], start, q_len, c_len)
+            out[start : start + q_len] = attend_sequence(
+                layer, q, kv_cache, table[seq], start, q_len, c_len, fast_sinks=True
+            )
 
 
 def _sinks_address(layer) -> int | None:
