@@ -213,7 +213,8 @@ class AttentionBackend(ABC):
             # flex could weight its output by sigmoid(lse - sink) (with_sinks), but torch's compiled CPU
             # flex returns no log-sum-exp (inductor: "return_lse is not supported yet").
             return (
-                "gpt-oss's attention sinks are in the reference backend only (--attention-backend reference)"
+                f"gpt-oss's attention sinks are not in the {self.name} backend "
+                "(--attention-backend cpu, triton or reference serves them)"
             )
         if layer.image_bidirectional and not self.supports_image_spans:
             return (
@@ -248,6 +249,21 @@ class AttentionBackend(ABC):
         self, layer: Attention, q: torch.Tensor, kv_cache: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
         """[T, heads, head_dim]: each query attended over its sequence's keys (this step's included)."""
+
+
+def float32_sinks(layer: Attention) -> torch.Tensor | None:
+    """The layer's sinks as the kernels read them (float32, contiguous), converted once and kept (the
+    model's parameter is in the model's dtype), again only if the tensor or its contents changed (so a
+    CUDA graph captured after the weights loaded keeps reading the same address)."""
+    sinks = layer.sinks
+    if sinks is None:
+        return None
+    key = (id(sinks), sinks._version)
+    kept = getattr(layer, "_kernel_sinks", None)
+    if kept is None or kept[0] != key:
+        kept = (key, sinks.detach().float().contiguous())
+        layer._kernel_sinks = kept
+    return kept[1]
 
 
 def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:

@@ -3,9 +3,10 @@ float64: several prompts at once, chunked prefill (a token budget of 32 per step
 blocks for sequences needing 15) both forced, prompts longer than the sliding windows, then the longest
 prompt twice more, the second on the prefix cache (its sliding groups' window blocks reused, holes before
 them: common/kv_cache_spec.py). One stack per family; tensor parallelism where it adds something: Gemma 3
-(windows and two ropes, KV heads split) and Mixtral (experts sharded). Llama is tests/e2e/test_serving.py's
-and test_tp_serving.py's, and Qwen2's layers are Llama's with Qwen3's windows
-(tests/unit/test_model_families.py decodes both)."""
+(windows and two ropes, KV heads split), Mixtral (experts sharded) and gpt-oss (sinks split by heads,
+biased experts sharded), which is served as released: its experts in MXFP4, decoded at load. Llama is
+tests/e2e/test_serving.py's and test_tp_serving.py's, and Qwen2's layers are Llama's with Qwen3's
+windows (tests/unit/test_model_families.py decodes both)."""
 
 from __future__ import annotations
 
@@ -15,20 +16,26 @@ import pytest
 from common.pb.tpserve.v1 import generation_pb2 as pb
 from common.pb.tpserve.v1 import generation_pb2_grpc
 from tests.conftest import launch
-from tests.model_families import build_checkpoint, hf_greedy
+from tests.model_families import build_checkpoint, hf_greedy, write_mxfp4_checkpoint
 from tests.reference import GREEDY, run_concurrently
 
 NEW_TOKENS = 16
 FLAGS = (
     "--dtype", "float64", "--max-num-batched-tokens", "32", "--num-kv-blocks", "8", "--enable-prefix-caching"
 )  # fmt: skip
-SERVED = [("mistral", 1), ("qwen3", 1), ("phi3", 1), ("qwen3_moe", 1), ("gemma3", 2), ("mixtral", 2)]
+SERVED = [
+    ("mistral", 1), ("qwen3", 1), ("phi3", 1), ("qwen3_moe", 1), ("gemma3", 2), ("mixtral", 2), ("gpt_oss", 2)
+]  # fmt: skip
+# The checkpoint served in the format its family is released in (the reference reads the float one).
+AS_RELEASED = {"gpt_oss": write_mxfp4_checkpoint}
 
 
 @pytest.mark.parametrize("family, tp", SERVED, ids=[f"{f}-tp{tp}" for f, tp in SERVED])
 def test_family_serves_transformers_tokens(tmp_path, family, tp):
     model = build_checkpoint(family, tmp_path / family)
     reference = hf_greedy(model, NEW_TOKENS)
+    if family in AS_RELEASED:
+        model = AS_RELEASED[family](model, tmp_path / f"{family}-released")
     with launch(model, *FLAGS, "--tp", str(tp)) as (target, _), grpc.insecure_channel(target) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         requests = [

@@ -2,12 +2,16 @@
 
 A RotarySpec is what config parsing derives from config.json: the inverse frequencies in float32, exactly
 as transformers computes them for the rope type (default, linear, llama3, yarn), and the factor cos/sin
-are scaled by (yarn's attention factor; 1 otherwise). Layers that share a spec share the step's cos/sin:
-the model computes them once per distinct spec per step, not once per layer.
+are scaled by (yarn's attention factor; 1 otherwise). YaRN is ours (yarn_rope) rather than transformers'
+table: its rotary width is an argument, since DeepSeek-V3 rotates only qk_rope_head_dim of each head.
+
+Layers that share a spec share the step's cos/sin: the model computes them once per distinct spec per
+step, not once per layer.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +39,9 @@ def rotary_spec(hf, head_dim: int, params: dict, layer_type: str | None = None) 
         raise ValueError(
             f"{where}.partial_rotary_factor {params['partial_rotary_factor']} is not supported (only 1)"
         )
+    if rope_type == "yarn":
+        inv_freq, attention_scaling = yarn_rope(params, head_dim, hf.max_position_embeddings)
+        return RotarySpec(tuple(inv_freq.tolist()), attention_scaling)
     if rope_type == "default":
         # transformers' default rope, which lives on each model's rotary class rather than in the table.
         exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
@@ -42,6 +49,58 @@ def rotary_spec(hf, head_dim: int, params: dict, layer_type: str | None = None) 
     extra = {"layer_type": layer_type} if layer_type else {}
     inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"), **extra)
     return RotarySpec(tuple(inv_freq.float().tolist()), float(attention_scaling))
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction, 0.1 * mscale * ln(factor) + 1 (1 when the context is not stretched)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_rope(params: dict, rotary_dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv 2309.00071) as transformers computes it: float32 inverse frequencies for `rotary_dim`
+    rotated dims (head_dim, or DeepSeek-V3's qk_rope_head_dim) and the factor cos/sin are scaled by.
+
+    Frequencies that turn more than beta_fast times over the original context keep their value
+    (extrapolated); those turning fewer than beta_slow times are divided by `factor` (interpolated);
+    a linear ramp blends the dims between. `truncate` (default true; gpt-oss sets false) rounds the
+    ramp's ends to whole dims. With no `factor`, DeepSeek-V3's convention: max / original positions."""
+    base = params["rope_theta"]
+    original = params["original_max_position_embeddings"]
+    factor = params.get("factor") or max_position_embeddings / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = yarn_mscale(factor)
+    beta_fast = params.get("beta_fast") or 32
+    beta_slow = params.get("beta_slow") or 1
+
+    def dim_turning(turns: float) -> float:  # the dim whose frequency turns `turns` times over `original`
+        return rotary_dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_turning(beta_fast), dim_turning(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of one point would divide by zero
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim)
+    kept = 1 - ramp  # the share of each dim that keeps its original frequency
+    # (1 - kept), not ramp: the same float32 rounding as transformers, so the frequencies are bit-equal.
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - kept) + (1.0 / pos_freqs) * kept
+    return inv_freq, float(attention_factor)
+
+
+def yarn_softmax_scale(params: dict, scale: float) -> float:
+    """DeepSeek-V3's softmax scale under YaRN: head_dim**-0.5 times mscale(factor, mscale_all_dim) squared,
+    so the dims that are not rotated get the correction too (transformers' yarn_apply_mscale)."""
+    mscale_all_dim = params.get("mscale_all_dim") if params.get("rope_type", "default") != "default" else 0
+    if not mscale_all_dim:
+        return scale
+    return scale * yarn_mscale(params["factor"], mscale_all_dim) ** 2
 
 
 class RotaryEmbedding(nn.Module):
