@@ -17,6 +17,8 @@ ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3:Phi3ForCausalLM",
     "MixtralForCausalLM": "mixtral:MixtralForCausalLM",
     "Qwen3MoeForCausalLM": "qwen3_moe:Qwen3MoeForCausalLM",
+    # DeepSeek-V3, DeepSeek-R1 and Kimi K2.
+    "DeepseekV3ForCausalLM": "deepseek_v3:DeepseekV3ForCausalLM",
     # Encoders, served for pooling only (common/pooling.py).
     "BertModel": "bert:BertModel",
     "BertForSequenceClassification": "bert:BertForSequenceClassification",
