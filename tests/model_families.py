@@ -121,12 +121,15 @@ def hf_config(family: str):
     return _configs()[family]()
 
 
-def build_checkpoint(family: str, out_dir: str | Path, seed: int = 0) -> Path:
-    """Writes a random `family` checkpoint (config.json, generation_config.json, safetensors) to out_dir."""
+def build_checkpoint(family: str, out_dir: str | Path, seed: int = 0, **overrides) -> Path:
+    """Writes a random `family` checkpoint (config.json, generation_config.json, safetensors) to out_dir;
+    overrides: config fields set otherwise (a variant's shape)."""
     from transformers import AutoModelForCausalLM
 
     out = Path(out_dir)
     config = hf_config(family)
+    for name, value in overrides.items():
+        setattr(config, name, value)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -3,7 +3,9 @@ float64: several prompts at once, chunked prefill (a token budget of 32 per step
 blocks for sequences needing 15) both forced, prompts longer than the sliding windows, then the longest
 prompt twice more, the second on the prefix cache (its sliding groups' window blocks reused, holes before
 them: common/kv_cache_spec.py). One stack per family; tensor parallelism where it adds something: Gemma 3
-(windows and two ropes, KV heads split) and Mixtral (experts sharded). Llama is tests/e2e/test_serving.py's
+(windows and two ropes, KV heads split), Mixtral (experts sharded) and DeepSeek-V3 (MLA's heads split over
+a latent every rank caches whole; routed and shared experts sharded; prompts past 14 tokens expanded,
+decodes absorbed: shard_worker/attention/latent.py). Llama is tests/e2e/test_serving.py's
 and test_tp_serving.py's, and Qwen2's layers are Llama's with Qwen3's windows
 (tests/unit/test_model_families.py decodes both)."""
 
@@ -22,7 +24,15 @@ NEW_TOKENS = 16
 FLAGS = (
     "--dtype", "float64", "--max-num-batched-tokens", "32", "--num-kv-blocks", "8", "--enable-prefix-caching"
 )  # fmt: skip
-SERVED = [("mistral", 1), ("qwen3", 1), ("phi3", 1), ("qwen3_moe", 1), ("gemma3", 2), ("mixtral", 2)]
+SERVED = [
+    ("mistral", 1),
+    ("qwen3", 1),
+    ("phi3", 1),
+    ("qwen3_moe", 1),
+    ("gemma3", 2),
+    ("mixtral", 2),
+    ("deepseek_v3", 2),
+]
 
 
 @pytest.mark.parametrize("family, tp", SERVED, ids=[f"{f}-tp{tp}" for f, tp in SERVED])

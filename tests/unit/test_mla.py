@@ -134,6 +134,33 @@ def test_absorbed_and_expanded_forms_decode_like_transformers(checkpoint, absorb
     assert runner_greedy(runner, prompts(), 8) == reference
 
 
+def test_one_q_proj_and_plain_rope_as_in_v2_lite_shaped_configs(tmp_path):
+    """q_lora_rank None (one q_proj, split by heads), rope not interleaved, no YaRN."""
+    path = build_checkpoint(
+        "deepseek_v3",
+        tmp_path,
+        q_lora_rank=None,
+        rope_interleave=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+    )
+    runner = new_runner(path, torch.float64)
+    assert runner_greedy(runner, prompts(), 6) == list(hf_greedy(path, 6).values())
+
+
+def test_float32_on_the_cpu_backend_decodes_like_transformers(checkpoint, tmp_path):
+    """auto's backend on CPU in float32 (its contexts carry the tables the latent path reads), and the
+    experts' grouped matmul."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.unit.greedy import hf_greedy as hf_greedy_model
+
+    path, _ = checkpoint
+    runner = new_runner(path, torch.float32)
+    assert runner.attention.name == "cpu"
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert runner_greedy(runner, prompts(), 8) == hf_greedy_model(reference, prompts(), 8)
+
+
 def test_a_backend_without_mla_refuses_its_layers_in_one_line():
     layer = LatentAttention(4, 32, 8, 16, 12, 0.2)
 
