@@ -101,13 +101,15 @@ class LatentAttention(nn.Module):
 
     def _absorbed(self, q_lat, q_pe, cached, w_uv, mask) -> torch.Tensor:
         """q_lat [heads, q, R], q_pe [q, heads, rope]; cached [keys, R + rope] is every head's key, and
-        its first R values every head's value."""
-        q = torch.cat([q_lat, q_pe.transpose(0, 1)], dim=-1)[None]  # [1, heads, q, R + rope]
-        keys = cached[None, None]
-        values = cached[None, None, :, : self.kv_lora_rank]
-        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True)
+        its first R values every head's value. The heads are folded into the query rows: one product
+        reads each key once for all of them."""
+        heads, q_len = q_lat.shape[0], q_lat.shape[1]
+        q = torch.cat([q_lat, q_pe.transpose(0, 1)], dim=-1).reshape(1, heads * q_len, -1)
+        if mask is not None:
+            mask = mask.repeat(heads, 1)  # rows head-major, like q's
+        o = attend(q, cached[None], cached[None, :, : self.kv_lora_rank], mask, self.scale)
         # [heads, q, R] x [heads, R, v]: W_UV once, on the weighted latent.
-        return torch.bmm(o[0], w_uv.transpose(1, 2)).transpose(0, 1)
+        return torch.bmm(o.view(heads, q_len, -1), w_uv.transpose(1, 2)).transpose(0, 1)
 
     def _expanded(self, q_nope, q_pe, cached, kv_b, mask) -> torch.Tensor:
         """Every key and value expanded from the latent through kv_b_proj, then attention per head."""
@@ -117,20 +119,25 @@ class LatentAttention(nn.Module):
         k_pe = cached[:, None, self.kv_lora_rank :].expand(n, self.num_heads, self.rope_dim)
         keys = torch.cat([k_nope, k_pe], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1)
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None],
-            keys.transpose(0, 1)[None],
-            values.transpose(0, 1)[None],
-            attn_mask=mask,
-            scale=self.scale,
-        )
-        return o[0].transpose(0, 1)
+        o = attend(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), mask, self.scale)
+        return o.transpose(0, 1)
 
     def extra_repr(self) -> str:
         return (
             f"heads={self.num_heads}, latent={self.kv_lora_rank}+{self.rope_dim}, "
             f"qk_nope={self.nope_dim}, v={self.v_dim}"
         )
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask, scale: float) -> torch.Tensor:
+    """[B, q, dv]: softmax(q k^T * scale) v per batch entry, the softmax in float32 at least (as SDPA's
+    math path). Written out: SDPA's CPU math path (these head dims are not flash's) took 10x longer at a
+    4k context, in its masking and in copying transposed keys."""
+    scores = torch.baddbmm(q.new_zeros(()), q, keys.transpose(1, 2), beta=0, alpha=scale)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
+    return torch.bmm(weights.to(values.dtype), values)
 
 
 def write_latent(kv_cache: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.Tensor) -> None:
