@@ -161,6 +161,29 @@ def test_float32_on_the_cpu_backend_decodes_like_transformers(checkpoint, tmp_pa
     assert runner_greedy(runner, prompts(), 8) == hf_greedy_model(reference, prompts(), 8)
 
 
+def test_the_multi_token_prediction_layer_is_skipped_and_other_routing_refused(checkpoint, tmp_path):
+    """DeepSeek's checkpoints carry the MTP module as layer num_hidden_layers: its tensors load into
+    nothing and the model serves; a scoring function other than sigmoid is refused, naming it."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from shard_worker.model.config import ModelConfig
+
+    path, _ = checkpoint
+    with safe_open(path / "model.safetensors", "pt") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    mtp = {n.replace("layers.2.", "layers.3."): t.clone() for n, t in tensors.items() if "layers.2." in n}
+    save_file({**tensors, **mtp}, tmp_path / "model.safetensors")
+    config = json.loads((path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert new_runner(tmp_path, torch.float32).config.num_layers == 3
+    (tmp_path / "config.json").write_text(json.dumps({**config, "scoring_func": "softmax"}))
+    with pytest.raises(ValueError, match="scoring_func 'softmax' is not supported"):
+        ModelConfig.from_pretrained(tmp_path)
+
+
 def test_a_backend_without_mla_refuses_its_layers_in_one_line():
     layer = LatentAttention(4, 32, 8, 16, 12, 0.2)
 
