@@ -124,6 +124,11 @@ def group_layers(
     latents = list(latent_dims) or [0] * len(windows)
     if len(latents) != len(windows):
         raise ValueError(f"{len(latents)} latent widths for {len(windows)} layers")
+    if any(latents) and len(set(latents)) > 1:
+        # A pool block is one page of each cache tensor, shared by the groups: pages of one size only.
+        raise ValueError(
+            f"layers caching latents of widths {sorted(set(latents))} in one model are not served"
+        )
     kinds: dict[tuple[int | None, int], list[int]] = {}
     for layer, (w, latent) in enumerate(zip(windows, latents, strict=True)):
         if w is not None and latent:

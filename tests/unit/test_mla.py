@@ -33,6 +33,8 @@ def test_mla_layers_form_one_group_that_keeps_every_block():
     assert from_describe([0] * 4, BS, []) is None  # no latent: the pool as it always was
     with pytest.raises(ValueError):
         group_layers([8, None], BS, [576, 576])  # a window over a latent is not served
+    with pytest.raises(ValueError):
+        group_layers([None, None], BS, [576, 0])  # pages of two sizes in one pool
 
 
 def test_latent_capacity_at_one_budget_is_the_bytes_ratio():
