@@ -16,6 +16,7 @@ import torch
 
 from common.pooling import pooling_config
 from shard_worker.attention import Attention, StepBatch, select_backend
+from shard_worker.attention.latent import LatentAttention
 from shard_worker.cuda_graphs import CudaGraphRunner, graphs_unsupported
 from shard_worker.draft import DraftModel
 from shard_worker.encoder_cache import EncoderCache
@@ -165,6 +166,7 @@ class ModelRunner(RunnerCaches):
             "weight_bytes": base.weight_bytes(self.model),
             "draft_model_name": self.draft.name if self.draft is not None else "",
             "layer_windows": self.model.layer_windows(),
+            "layer_latent_dims": self.model.layer_latent_dims(),
         }
 
     @torch.inference_mode()
@@ -260,7 +262,7 @@ class ModelRunner(RunnerCaches):
     def _check_layers(self, model: torch.nn.Module) -> None:
         """Refuses a model whose attention layers the backend cannot run (before its weights load)."""
         for name, layer in model.named_modules():
-            reason = self.attention.refusal(layer) if isinstance(layer, Attention) else None
+            reason = self.attention.refusal(layer) if isinstance(layer, Attention | LatentAttention) else None
             if reason is not None:
                 raise ValueError(f"--attention-backend {self.attention.name}: {name}: {reason}")
 

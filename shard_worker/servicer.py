@@ -194,6 +194,7 @@ class ShardWorkerServicer(LoRAService, worker_pb2_grpc.ShardWorkerServicer):
             kv_block_bytes=self.runner.kv_block_bytes(request.block_size),
             draft_model_name=info["draft_model_name"],
             layer_windows=info["layer_windows"],
+            layer_latent_dims=info["layer_latent_dims"],
             startup_phases=[
                 worker_pb2.StartupPhase(name=n, seconds=t) for n, t in self.phases.seconds.items()
             ],

@@ -96,6 +96,40 @@ def _configs():
                 "original_max_position_embeddings": 128,
             },
         ),
+        # Multi-head latent attention over a latent of 32 + 8 (q through a rank-24 bottleneck; no head
+        # shares keys: num_key_value_heads is num_attention_heads, as in the real model), interleaved
+        # YaRN rope with mscale folded into the softmax scale; layer 0 dense, then 8 routed experts in 2
+        # groups (top-1 group, top 2 in it, a correction bias) and a shared expert.
+        "deepseek_v3": lambda: t.DeepseekV3Config(
+            **{k: v for k, v in SMALL.items() if k not in ("head_dim", "num_key_value_heads")},
+            num_key_value_heads=4,
+            num_hidden_layers=3,
+            first_k_dense_replace=1,
+            q_lora_rank=24,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            moe_intermediate_size=32,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            rope_interleave=True,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10_000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 128,
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
+        ),
     }
 
 
@@ -106,12 +140,15 @@ def hf_config(family: str):
     return _configs()[family]()
 
 
-def build_checkpoint(family: str, out_dir: str | Path, seed: int = 0) -> Path:
-    """Writes a random `family` checkpoint (config.json, generation_config.json, safetensors) to out_dir."""
+def build_checkpoint(family: str, out_dir: str | Path, seed: int = 0, **overrides) -> Path:
+    """Writes a random `family` checkpoint (config.json, generation_config.json, safetensors) to out_dir;
+    overrides: config fields set otherwise (a variant's shape)."""
     from transformers import AutoModelForCausalLM
 
     out = Path(out_dir)
     config = hf_config(family)
+    for name, value in overrides.items():
+        setattr(config, name, value)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -125,6 +162,9 @@ def build_checkpoint(family: str, out_dir: str | Path, seed: int = 0) -> Path:
                     param.normal_(0.0, 0.5)  # gpt-oss's, which transformers initialises to zero
             if family == "gpt_oss":
                 _put_mxfp4_experts(model, config, seed)
+            for name, buffer in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's: zeros would hide it
+                    buffer.normal_(0.0, 0.3)
             # Logits of std LOGIT_STD whatever the hidden size (see shard_worker/model/builder.py).
             model.lm_head.weight.normal_(0.0, LOGIT_STD / config.hidden_size**0.5)
     model.generation_config.eos_token_id = config.eos_token_id

@@ -184,6 +184,9 @@ class AttentionBackend(ABC):
     # Whether attend() honours a layer's attention sinks (Attention.sinks); a model with sinks is refused
     # at start-up by a backend without (refusal).
     supports_sinks: ClassVar[bool] = False
+    # Whether its contexts serve multi-head latent attention layers (attention/latent.py, which attends
+    # in torch through the step's block tables); a model with such layers is refused at start by others.
+    supports_mla: ClassVar[bool] = True
     # Whether a CUDA graph captured over one step's metadata stays right when replayed with other
     # lengths in the same tensors: true only of metadata made of device tensors and host bounds (not of
     # host-planned tilings or per-sequence loops). shard_worker/cuda_graphs.py captures only such backends.
@@ -209,6 +212,13 @@ class AttentionBackend(ABC):
     def refusal(self, layer: Attention) -> str | None:
         """Why this backend cannot run this layer, in one line (what every backend lacks, then its own
         limits); None when it can."""
+        if getattr(layer, "latent_dim", 0):  # an MLA layer (attention/latent.py): none of the kernels' limits
+            if self.supports_mla:
+                return None
+            return (
+                "multi-head latent attention (DeepSeek-V3) runs in torch on CPU: "
+                "--attention-backend cpu, flex or reference"
+            )
         if layer.sinks is not None and not self.supports_sinks:
             # flex could weight its output by sigmoid(lse - sink) (with_sinks), but torch's compiled CPU
             # flex returns no log-sum-exp (inductor: "return_lse is not supported yet").

@@ -49,6 +49,7 @@ class TritonMetadata:
 class TritonBackend(AttentionBackend):
     name = "triton"
     supports_sinks = True  # folded into the kernel's softmax (or the split combine)
+    supports_mla = False  # no MLA kernel (attention/latent.py's per-sequence torch path is for CPU)
     # The metadata holds only device tensors and bounds, so a graph replays it with new lengths.
     graph_capturable = True
 

@@ -61,6 +61,7 @@ class CausalLM(nn.Module):
     config_class: ClassVar[type[ModelConfig]] = ModelConfig
     window_rule: ClassVar[str] = NO_WINDOW  # see shard_worker/model/config.py
     rope_by_layer_type: ClassVar[bool] = False  # rope_parameters has one rope per layer type (Gemma 3)
+    kv_block_dim: ClassVar[int] = 1  # the dim of kv_cache_shape that indexes blocks (swap copies along it)
     activations: ClassVar[tuple[str, ...]] = ("silu",)
     layer_class: ClassVar[type[nn.Module]]
     norm_class: ClassVar[type[nn.Module]] = RMSNorm
@@ -98,7 +99,9 @@ class CausalLM(nn.Module):
         learns its group, and the cache is layers_per_block tensors shared by the groups (layer j of
         every group in tensor j); None when every layer attends to every key (a tensor a layer)."""
         attns = [layer.self_attn.attn for layer in self.model.layers]
-        layout = kv_cache_spec.from_describe([a.sliding_window or 0 for a in attns], block_size=1)
+        layout = kv_cache_spec.from_describe(
+            [a.sliding_window or 0 for a in attns], 1, [getattr(a, "latent_dim", 0) for a in attns]
+        )
         if layout is not None:
             for g, group in enumerate(layout.groups):
                 for i in group.layers:
@@ -108,6 +111,11 @@ class CausalLM(nn.Module):
     def layer_windows(self) -> list[int]:
         """Per layer: its sliding window, 0 for full attention (DescribeResponse.layer_windows)."""
         return [layer.self_attn.attn.sliding_window or 0 for layer in self.model.layers]
+
+    def layer_latent_dims(self) -> list[int]:
+        """Per layer: the values its cached latent holds a token (MLA), 0 for K and V per head
+        (DescribeResponse.layer_latent_dims)."""
+        return [getattr(layer.self_attn.attn, "latent_dim", 0) for layer in self.model.layers]
 
     @classmethod
     def config_from_hf(cls, hf, architecture: str, eos_ids: tuple[int, ...] = ()) -> ModelConfig:

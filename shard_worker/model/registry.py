@@ -19,6 +19,8 @@ ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral:MixtralForCausalLM",
     "Qwen3MoeForCausalLM": "qwen3_moe:Qwen3MoeForCausalLM",
     "GptOssForCausalLM": "gpt_oss:GptOssForCausalLM",
+    # DeepSeek-V3, DeepSeek-R1 and Kimi K2.
+    "DeepseekV3ForCausalLM": "deepseek_v3:DeepseekV3ForCausalLM",
     # Encoders, served for pooling only (common/pooling.py).
     "BertModel": "bert:BertModel",
     "BertForSequenceClassification": "bert:BertForSequenceClassification",

@@ -3,10 +3,12 @@ float64: several prompts at once, chunked prefill (a token budget of 32 per step
 blocks for sequences needing 15) both forced, prompts longer than the sliding windows, then the longest
 prompt twice more, the second on the prefix cache (its sliding groups' window blocks reused, holes before
 them: common/kv_cache_spec.py). One stack per family; tensor parallelism where it adds something: Gemma 3
-(windows and two ropes, KV heads split), Mixtral (experts sharded) and gpt-oss (sinks split by heads,
-biased experts sharded), which is served as released: its experts in MXFP4, decoded at load. Llama is
-tests/e2e/test_serving.py's and test_tp_serving.py's, and Qwen2's layers are Llama's with Qwen3's
-windows (tests/unit/test_model_families.py decodes both)."""
+(windows and two ropes, KV heads split), Mixtral (experts sharded), gpt-oss (sinks split by heads, biased
+experts sharded), which is served as released: its experts in MXFP4, decoded at load, and DeepSeek-V3
+(MLA's heads split over a latent every rank caches whole; routed and shared experts sharded; prompts past
+14 tokens expanded, decodes absorbed: shard_worker/attention/latent.py). Llama is
+tests/e2e/test_serving.py's and test_tp_serving.py's, and Qwen2's layers are Llama's with Qwen3's windows
+(tests/unit/test_model_families.py decodes both)."""
 
 from __future__ import annotations
 
@@ -24,8 +26,15 @@ FLAGS = (
     "--dtype", "float64", "--max-num-batched-tokens", "32", "--num-kv-blocks", "8", "--enable-prefix-caching"
 )  # fmt: skip
 SERVED = [
-    ("mistral", 1), ("qwen3", 1), ("phi3", 1), ("qwen3_moe", 1), ("gemma3", 2), ("mixtral", 2), ("gpt_oss", 2)
-]  # fmt: skip
+    ("mistral", 1),
+    ("qwen3", 1),
+    ("phi3", 1),
+    ("qwen3_moe", 1),
+    ("gemma3", 2),
+    ("mixtral", 2),
+    ("gpt_oss", 2),
+    ("deepseek_v3", 2),
+]
 # The checkpoint served in the format its family is released in (the reference reads the float one).
 AS_RELEASED = {"gpt_oss": write_mxfp4_checkpoint}
 

@@ -252,3 +252,45 @@ class GptOssMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route_top_k_softmax(self.router(x), self.top_k)
         return self.tp.all_reduce(self.experts(x, ids, weights))
+
+
+def route_grouped(
+    router_logits: torch.Tensor,
+    correction_bias: torch.Tensor,
+    top_k: int,
+    num_groups: int,
+    topk_group: int,
+    renormalize: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] float32, expert ids [T, k]) as DeepSeek-V3 routes (noaux_tc), in transformers'
+    arithmetic: sigmoid scores; the correction bias added for choosing only; the experts split into
+    num_groups groups, each group scored by its two best biased scores, the topk_group best groups kept;
+    the top k biased experts among them; weighted by their unbiased scores, renormalised when asked,
+    times scaling (routed_scaling_factor)."""
+    scores = router_logits.float().sigmoid()
+    choice = scores + correction_bias.float()
+    tokens, experts = scores.shape
+    grouped = choice.view(tokens, num_groups, experts // num_groups)
+    group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+    groups = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    kept = torch.zeros_like(group_scores).scatter_(1, groups, 1).bool()
+    kept = kept[:, :, None].expand(grouped.shape).reshape(tokens, experts)
+    ids = torch.topk(choice.masked_fill(~kept, float("-inf")), k=top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
+
+
+class GroupLimitedRouter(nn.Module):
+    """DeepSeek-V3's router (`gate`): a float32 weight and correction bias, replicated, logits in float32
+    whatever the model dtype (transformers keeps both in float32 too)."""
+
+    def __init__(self, hidden_size: int, num_experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32), False)
+        self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32), False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x.float(), self.weight)
