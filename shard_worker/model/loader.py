@@ -214,9 +214,15 @@ def fill_weights(model: nn.Module, tensors, model_dir, tie_word_embeddings: bool
     processed: set[str] = set()
     # A family's tensors it has no use for (an encoder's pooler when served for embeddings).
     ignores = getattr(model, "ignores_checkpoint_tensor", lambda name: False)
+    # A multimodal checkpoint's text model under a prefix of its own (model.language_model.).
+    prefixes = getattr(model, "checkpoint_prefixes", {})
     for file_name, ckpt_name, source in tensors:
         if ckpt_name.endswith(IGNORED_SUFFIXES) or ignores(ckpt_name):
             continue
+        for theirs, ours in prefixes.items():
+            if ckpt_name.startswith(theirs):
+                ckpt_name = ours + ckpt_name[len(theirs) :]
+                break
         if tie_word_embeddings and ckpt_name == "lm_head.weight":
             continue  # shared with the embedding, which is loaded from its own tensor
         if ckpt_name.endswith(KV_SCALES):

@@ -17,6 +17,8 @@ ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3:Phi3ForCausalLM",
     "MixtralForCausalLM": "mixtral:MixtralForCausalLM",
     "Qwen3MoeForCausalLM": "qwen3_moe:Qwen3MoeForCausalLM",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl:Qwen2_5_VLForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration": "qwen3_vl:Qwen3VLForConditionalGeneration",
     # Encoders, served for pooling only (common/pooling.py).
     "BertModel": "bert:BertModel",
     "BertForSequenceClassification": "bert:BertForSequenceClassification",
