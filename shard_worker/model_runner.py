@@ -18,6 +18,8 @@ from common.pooling import pooling_config
 from shard_worker.attention import Attention, StepBatch, select_backend
 from shard_worker.cuda_graphs import CudaGraphRunner, graphs_unsupported
 from shard_worker.draft import DraftModel
+from shard_worker.encoder_cache import EncoderCache
+from shard_worker.images import step_images
 from shard_worker.model.loader import load_model
 from shard_worker.model.lora import LoRAAdapters, check_lora, lora_batch, step_lora_batch
 from shard_worker.model.quant import base, cpu_linear
@@ -31,6 +33,10 @@ from shard_worker.step import StepInputs, StepOutputs
 from shard_worker.warm_up import KernelWarmUp
 
 log = logging.getLogger("tpserve.shard_worker")
+
+# The vision encoder's outputs kept by image hash (beyond those a running sequence still needs): one of
+# Gemma 3 4B's images is 256 x 2560 floats, 2.6 MB in float32, so about a hundred pictures.
+ENCODER_CACHE_BYTES = 256 * 2**20
 
 
 class ModelRunner(RunnerCaches):
@@ -106,6 +112,9 @@ class ModelRunner(RunnerCaches):
                 self.kernel_warm_up.wait()
             raise
         self.pooler = Pooler(pooling_config(self.model_dir), self.model) if runner == "pooling" else None
+        # A model that takes images (encode_images) keeps its vision encoder's outputs by image hash.
+        takes_images = hasattr(self.model, "encode_images")
+        self.encoder_cache = EncoderCache(ENCODER_CACHE_BYTES) if takes_images else None
         self.lora = None
         if lora is not None:
             modules, max_rank, *slots = lora
@@ -174,6 +183,9 @@ class ModelRunner(RunnerCaches):
             inputs, draft_probs = self.draft.propose(inputs, states)
         elif inputs.draft_counts.any():
             raise ValueError("the step asks for draft tokens, and this worker has no --speculative-model")
+        images = None
+        if self.encoder_cache is not None:
+            images = step_images(inputs, self.encoder_cache, self.model.encode_images, self.device)
         batch = StepBatch.build(
             inputs.input_ids,
             inputs.query_lens,
@@ -183,6 +195,7 @@ class ModelRunner(RunnerCaches):
             self.device,
             num_blocks=self.num_kv_blocks,
             group_tables=inputs.group_block_tables,
+            image_spans=images.spans if images is not None else (),
         )
         if states:
             self.sampler.prepare(states)  # host work for the sampler, overlapping the forward
@@ -193,6 +206,8 @@ class ModelRunner(RunnerCaches):
             ctx = self.attention.context(batch)
             types = inputs.token_type_ids  # a cross-encoder's pairs (pooling.py)
             extra = {} if types is None else {"token_type_ids": torch.from_numpy(types).to(self.device)}
+            if images is not None:
+                extra["images"] = images
             with lora_batch(lora):
                 hidden = self.model(batch.input_ids, batch.positions, ctx, self.kv_caches, **extra)
 

@@ -42,6 +42,7 @@ class WorkerSequence:
     lora_name: str = ""  # its LoRA adapter (shard_worker/model/lora); "": the base model
     pooling: bool = False  # pooled in its one step (shard_worker/pooling.py), never sampled
     token_type_start: int = 0
+    images: tuple = ()  # its prompt's images (shard_worker/images.py), for the vision encoder
 
 
 class Worker:
@@ -88,6 +89,8 @@ class Worker:
                 tables.release(seq.row)
             if seq.sampling is not None:
                 self.runner.sampler.release(seq.sampling)
+            if seq.images and self.runner.encoder_cache is not None:
+                self.runner.encoder_cache.forget(seq.seq_id)  # outputs it held are only cached now
 
     def step(self, step: WorkerStep) -> StepOutputs:
         if self.tables is None:
@@ -111,6 +114,7 @@ class Worker:
                 lora_name=init.lora_name,
                 pooling=init.pooling,
                 token_type_start=init.token_type_start,
+                images=init.images,
             )
         ready, errors = self._grammars(step.grammar_wait_ms / 1000)
         # Swap out first: its device blocks may be handed to this step's tokens or swap ins.

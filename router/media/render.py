@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from common.pb.tpserve.internal.v1 import scheduler_pb2
 from router.chat import ChatPrompt
 from router.media.decode import DecodedImage
 from router.validation_error import ValidationError
@@ -83,3 +84,17 @@ class ImagePromptRenderer:
                 for (offset, length), image, p in zip(runs, images, pixels, strict=True)
             ],
         )
+
+
+def prompt_images(images: Sequence[PreparedImage]) -> list[scheduler_pb2.PromptImage]:
+    """The prepared images as AddRequest carries them to the scheduler (and it to the workers)."""
+    return [
+        scheduler_pb2.PromptImage(
+            offset=im.offset,
+            length=im.length,
+            hash=bytes.fromhex(im.hash),
+            pixel_values=im.pixel_values.astype("<f4", copy=False).tobytes(),
+            pixel_shape=list(im.pixel_values.shape),
+        )
+        for im in images
+    ]

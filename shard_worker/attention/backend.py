@@ -46,6 +46,10 @@ class StepBatch:
     # The other layer groups' batches (common/kv_cache_spec.py): the same step through each group's block
     # table (its own slot_mapping and block_table). Empty for a model with one group.
     groups: tuple[StepBatch, ...] = ()
+    # Per sequence (batch order), or empty when no sequence has any: the (first, end) positions of each
+    # image whose placeholders the step computes. A query inside one attends to all of its keys, later
+    # ones included (Gemma 3's bidirectional image attention), within the layer's window.
+    image_spans: tuple[tuple[tuple[int, int], ...], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -74,6 +78,7 @@ class StepBatch:
         device: torch.device,
         num_blocks: int | None = None,
         group_tables: list[np.ndarray] = (),
+        image_spans: tuple = (),
     ) -> StepBatch:
         """input_ids [T], query_lens and context_lens [S] and block_table [S, max_blocks] (int64 numpy
         arrays, as the step arrived), and the other layer groups' tables shaped alike. Raises ValueError
@@ -112,9 +117,12 @@ class StepBatch:
             seq_lens_host=np.asarray(context_lens, dtype=np.int64),
             block_size=block_size,
             groups=tuple(
-                cls.build(input_ids, query_lens, context_lens, t, block_size, device, num_blocks)
+                cls.build(
+                    input_ids, query_lens, context_lens, t, block_size, device, num_blocks, (), image_spans
+                )
                 for t in group_tables
             ),
+            image_spans=image_spans,
         )
 
 
@@ -180,6 +188,9 @@ class AttentionBackend(ABC):
     # lengths in the same tensors: true only of metadata made of device tensors and host bounds (not of
     # host-planned tilings or per-sequence loops). shard_worker/cuda_graphs.py captures only such backends.
     graph_capturable: ClassVar[bool] = False
+    # Whether attend() honours StepBatch.image_spans (a model with bidirectional image attention is
+    # refused at start-up by a backend without).
+    supports_image_spans: ClassVar[bool] = False
 
     def __init__(self, device: torch.device, dtype: torch.dtype):
         self.device = device
@@ -203,6 +214,11 @@ class AttentionBackend(ABC):
             # flex returns no log-sum-exp (inductor: "return_lse is not supported yet").
             return (
                 "gpt-oss's attention sinks are in the reference backend only (--attention-backend reference)"
+            )
+        if layer.image_bidirectional and not self.supports_image_spans:
+            return (
+                "the bidirectional attention among an image's tokens is in the cpu and reference backends "
+                "only (--attention-backend cpu or reference)"
             )
         return self.unsupported_layer(layer)
 

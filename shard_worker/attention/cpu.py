@@ -49,6 +49,7 @@ class CpuMetadata:
 
 class CpuBackend(AttentionBackend):
     name = "cpu"
+    supports_image_spans = True  # a sequence with an image in the step takes the SDPA path
 
     @classmethod
     def unsupported(cls, device, dtype):
@@ -66,6 +67,8 @@ class CpuBackend(AttentionBackend):
         q_lens, c_lens = batch.query_lens_host, batch.seq_lens_host
         starts = np.cumsum(q_lens) - q_lens
         short = q_lens < PREFILL_MIN_QUERY
+        if batch.image_spans:  # the kernel is causal: images attend both ways through SDPA's mask
+            short &= np.array([not spans for spans in batch.image_spans], dtype=bool)
         if short.all():
             seq = np.repeat(np.arange(len(q_lens)), q_lens)
             tokens = np.arange(batch.num_tokens)
@@ -155,9 +158,12 @@ class CpuBackend(AttentionBackend):
         return out
 
     def _prefills(self, layer, q, kv_cache, ctx, out) -> None:
-        table = ctx.batch.block_table
+        table, spans = ctx.batch.block_table, ctx.batch.image_spans
         for seq, start, q_len, c_len in ctx.metadata.prefills:
-            out[start : start + q_len] = attend_sequence(layer, q, kv_cache, table[seq], start, q_len, c_len)
+            images = spans[seq] if spans else ()
+            out[start : start + q_len] = attend_sequence(
+                layer, q, kv_cache, table[seq], start, q_len, c_len, images
+            )
 
 
 def _plan(batch: StepBatch, tokens, seq, positions, fault) -> cpu_ops.StepPlan | None:

@@ -32,9 +32,11 @@ def attend_sequence(
     start: int,
     q_len: int,
     c_len: int,
+    image_spans: tuple[tuple[int, int], ...] = (),
 ) -> torch.Tensor:
     """[q_len, heads, head_dim]: the queries q[start : start + q_len] of one sequence (its last q_len
-    positions of c_len) over its keys, causal, with the layer's window."""
+    positions of c_len) over its keys, causal, with the layer's window; a query inside one of
+    image_spans (first, end) also sees that image's later keys (when the layer is image_bidirectional)."""
     bs = kv_cache.shape[2]
     window = layer.sliding_window
     # Keys before the first query's window are never seen: their blocks are not read.
@@ -51,6 +53,8 @@ def attend_sequence(
         key_pos = torch.arange(base, c_len, device=q.device)
         query_pos = torch.arange(c_len - q_len, c_len, device=q.device)[:, None]
         mask = key_pos <= query_pos
+        for first, end in image_spans if layer.image_bidirectional else ():
+            mask |= (query_pos >= first) & (query_pos < end) & (key_pos >= first) & (key_pos < end)
         if window is not None:
             mask &= key_pos > query_pos - window
     if layer.sinks is not None:
@@ -86,14 +90,18 @@ def _attend_with_sinks(
 class ReferenceBackend(AttentionBackend):
     name = "reference"
     supports_sinks = True
+    supports_image_spans = True
 
     def prepare(self, batch):
         # The loop below needs the lengths as Python ints; reading them once per step, not per layer.
         return sequence_spans(batch)
 
     def attend(self, layer, q: torch.Tensor, kv_cache: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        table = ctx.batch.block_table
+        table, spans = ctx.batch.block_table, ctx.batch.image_spans
         out = torch.empty_like(q)
         for seq, (start, q_len, c_len) in enumerate(ctx.metadata):
-            out[start : start + q_len] = attend_sequence(layer, q, kv_cache, table[seq], start, q_len, c_len)
+            images = spans[seq] if spans else ()
+            out[start : start + q_len] = attend_sequence(
+                layer, q, kv_cache, table[seq], start, q_len, c_len, images
+            )
         return out

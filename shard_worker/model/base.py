@@ -158,8 +158,11 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,  # [T]
         ctx,
         kv_caches: list[torch.Tensor],  # one per layer (layer groups share num_kv_caches tensors)
+        images=None,  # shard_worker/images.py StepImages: the vision encoder's rows for placeholders
     ) -> torch.Tensor:  # [T, hidden]
         h = self.embed(input_ids)
+        if images is not None:  # the placeholders' embeddings replaced by the image's soft tokens
+            h = h.index_copy(0, images.rows, images.embeds.to(h.dtype))
         ropes = [rotary(positions, h.dtype) for rotary in self.rotary]
         for layer, rope, kv_cache in zip(self.model.layers, self.rotary_of_layer, kv_caches, strict=True):
             h = layer(h, ropes[rope], ctx, kv_cache)

@@ -31,7 +31,14 @@ class QwenVLForConditionalGeneration(CausalLM):
     """What the Qwen VL families share: the config read from text_config with M-RoPE, and the names."""
 
     config_class = QwenVLConfig
-    checkpoint_prefixes = {"model.language_model.": "model."}
+
+    def rename_checkpoint_tensor(self, name: str) -> str:
+        return (
+            "model." + name[len("model.language_model.") :]
+            if name.startswith("model.language_model.")
+            else name
+        )
+
     mrope_interleaved = False  # Qwen3-VL's frequencies take t, h, w in turn
     default_mrope_section: tuple[int, int, int]  # transformers' when rope_parameters has none
 

@@ -14,6 +14,7 @@ ARCHITECTURES = {
     "MistralForCausalLM": "mistral:MistralForCausalLM",
     "Qwen3ForCausalLM": "qwen3:Qwen3ForCausalLM",
     "Gemma3ForCausalLM": "gemma3:Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration": "gemma3:Gemma3ForConditionalGeneration",
     "Phi3ForCausalLM": "phi3:Phi3ForCausalLM",
     "MixtralForCausalLM": "mixtral:MixtralForCausalLM",
     "Qwen3MoeForCausalLM": "qwen3_moe:Qwen3MoeForCausalLM",
