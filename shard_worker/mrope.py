@@ -72,3 +72,15 @@ def prompt_positions(
         raise ValueError(f"the prompt has fewer image placeholder runs than its {len(grids)} images")
     top = int(positions.max()) + 1 if len(ids) else 0
     return MRopePositions(positions, top - len(ids))
+
+
+def step_positions(query_lens, context_lens, tables) -> np.ndarray:
+    """[3, T] positions of a step's tokens: each sequence's query rows from its table, or its plain
+    positions (all three equal) where it has none (a text-only prompt)."""
+    out = []
+    for q, c, table in zip(query_lens.tolist(), context_lens.tolist(), tables, strict=True):
+        if table is None:
+            out.append(np.broadcast_to(np.arange(c - q, c, dtype=np.int64), (3, q)))
+        else:
+            out.append(table.rows(c - q, c))
+    return np.concatenate(out, axis=1)
