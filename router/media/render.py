@@ -50,7 +50,8 @@ class ImagePromptRenderer:
 
     def __init__(self, processor):
         self.processor = processor
-        self.image_token_id = getattr(processor, "image_token_id", None) or processor.tokenizer.image_token_id
+        # The tokenizer's (Gemma 3's names it); Qwen VL's processor (qwen_vl.py) knows its own.
+        self.image_token_id = getattr(processor.tokenizer, "image_token_id", None) or processor.image_token_id
 
     @classmethod
     def from_pretrained(cls, model_dir: str) -> ImagePromptRenderer:
