@@ -110,15 +110,23 @@ class VisionAttention(nn.Module):
         q, k, v = self.qkv(x).view(n, 3, self.heads, -1).unbind(1)
         q, k = _rotate(q, *rope), _rotate(k, *rope)
         out = torch.empty_like(q)
-        start = 0
-        for length in segments:  # [heads, length, head_dim] each
-            span = slice(start, start + length)
-            o = F.scaled_dot_product_attention(
-                q[span].transpose(0, 1), k[span].transpose(0, 1), v[span].transpose(0, 1)
-            )
-            out[span] = o.transpose(0, 1)
-            start += length
+        # Segments of one length attend in one batched call (an image's windows are mostly full ones).
+        for rows in _rows_by_length(segments, x.device):  # [segments of this length, length]
+            o = F.scaled_dot_product_attention(*(t[rows].transpose(1, 2) for t in (q, k, v)))
+            out[rows] = o.transpose(1, 2)
         return self.proj(out.reshape(n, -1))
+
+
+def _rows_by_length(segments: list[int], device) -> list[torch.Tensor]:
+    """The rows of each segment, grouped by segment length: one [count, length] index a length."""
+    starts: dict[int, list[int]] = {}
+    offset = 0
+    for length in segments:
+        starts.setdefault(length, []).append(offset)
+        offset += length
+    return [
+        (torch.tensor(firsts)[:, None] + torch.arange(length)).to(device) for length, firsts in starts.items()
+    ]
 
 
 class GatedVisionMLP(nn.Module):
