@@ -163,11 +163,11 @@ def _processor_files(out: Path, tokenizer_dir):
     return tok
 
 
-def load_reference(model_dir: str | Path):
-    """transformers' model in float64, eval mode."""
+def load_reference(model_dir: str | Path, dtype: torch.dtype = torch.float64):
+    """transformers' model (float64 unless told), eval mode."""
     from transformers import AutoModelForImageTextToText
 
-    return AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float64).eval()
+    return AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype).eval()
 
 
 assert VOCAB > IMAGE_TOKEN_ID

@@ -74,7 +74,7 @@ def processed(processor: QwenVLProcessor, messages) -> dict:
 def hf_greedy(model, inputs: dict) -> list[int]:
     kwargs = {k: torch.from_numpy(np.asarray(v)) for k, v in inputs.items()}
     if "pixel_values" in kwargs:
-        kwargs["pixel_values"] = kwargs["pixel_values"].double()
+        kwargs["pixel_values"] = kwargs["pixel_values"].to(model.dtype)
     model.generation_config.eos_token_id = None
     with torch.no_grad():
         out = model.generate(
@@ -134,14 +134,17 @@ def chunked_greedy(runner, prompts, chunk: int):
     return [s.output for s in seqs]
 
 
-def test_greedy_equals_transformers(checkpoint, one_thread):
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32-cpu"])
+def test_greedy_equals_transformers(checkpoint, dtype, one_thread):
+    """float32 runs the CPU attention kernel and its in-place rotary (the CPU's serving path)."""
     family, path = checkpoint
     processor = QwenVLProcessor.from_pretrained(path)
     inputs = [processed(processor, m) for m in conversations()]
     assert [g.tolist() for g in inputs[1]["image_grid_thw"]] == [[1, 4, 16], [1, 8, 10], [1, 12, 4]]
-    reference = load_reference(path)
+    reference = load_reference(path, dtype)
     want = [hf_greedy(reference, x) for x in inputs]
-    runner = new_runner(path, torch.float64)
+    runner = new_runner(path, dtype)
+    assert dtype == torch.float64 or runner.attention.name == "cpu"
     got = chunked_greedy(runner, [worker_images(processor, x) for x in inputs], chunk=24)
     assert got == want, family
     # Picture a is in two prompts: encoded once, taken from the encoder cache for the other.
