@@ -1,9 +1,9 @@
 """Qwen2.5-VL's language model (Qwen2_5_VLForConditionalGeneration): Qwen2's decoder (q/k/v biases, no o
 bias) with M-RoPE, three positions per token (shard_worker/mrope.py) whose frequencies split t/h/w by
 rope_parameters' mrope_section (shard_worker/model/layers/rotary.py). A text-only prompt has all three
-equal, which is the plain rope: it is served as Qwen2 is. The vision tower is
-shard_worker/model/qwen_vl_vision.py, loaded from the same checkpoint's visual.* tensors, which the
-language model leaves alone.
+equal, which is the plain rope: it is served as Qwen2 is. The vision tower
+(shard_worker/model/qwen_vl_vision.py) is a part of the model replicated on every rank, which loads its
+visual.* tensors whole itself; its rows replace the placeholders' embeddings (shard_worker/images.py).
 
 The checkpoint's text model is model.language_model.* (transformers 5) or model.* (the published
 Qwen2.5-VL files); both load. Video is not served.
