@@ -64,10 +64,14 @@ def step_images(inputs, cache: EncoderCache, encode, device: torch.device) -> St
         return None
     missing = {im.hash: im for _, _, im, _, _ in needed if im.hash not in cache}
     encoded = {}
-    if missing:
+    if missing and len({im.pixel_values.shape for im in missing.values()}) == 1:
         pixels = torch.from_numpy(np.stack([im.pixel_values for im in missing.values()])).to(device)
         out = encode(pixels)
         encoded = {h: out[k].clone() if len(missing) > 1 else out[0] for k, h in enumerate(missing)}
+    elif missing:  # sizes differ (Qwen VL's dynamic resolution): one batch of one each
+        encoded = {
+            h: encode(torch.from_numpy(im.pixel_values[None]).to(device))[0] for h, im in missing.items()
+        }
     rows, embeds = [], []
     for i, seq, image, first, end in needed:
         value = cache.take(image.hash, seq.seq_id, lambda h=image.hash: encoded[h])

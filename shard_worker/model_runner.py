@@ -24,6 +24,7 @@ from shard_worker.images import step_images
 from shard_worker.model.loader import load_model
 from shard_worker.model.lora import LoRAAdapters, check_lora, lora_batch, step_lora_batch
 from shard_worker.model.quant import base, cpu_linear
+from shard_worker.mrope import step_positions
 from shard_worker.parallel import TensorParallel
 from shard_worker.pooling import Pooler
 from shard_worker.runner_caches import RunnerCaches
@@ -202,8 +203,10 @@ class ModelRunner(RunnerCaches):
         if states:
             self.sampler.prepare(states)  # host work for the sampler, overlapping the forward
         lora = step_lora_batch(self.lora, inputs)
-        # Graphs were captured without adapters: a step with adapter rows runs eagerly.
-        hidden = self.graphs.replay(batch) if self.graphs is not None and lora is None else None
+        positions = self._mrope_positions(inputs, batch.positions)
+        # Graphs were captured without adapters, and with one position a token: such steps run eagerly.
+        eager = lora is not None or positions is not batch.positions
+        hidden = self.graphs.replay(batch) if self.graphs is not None and not eager else None
         if hidden is None:  # not a decode step that fits a bucket, or no graphs
             ctx = self.attention.context(batch)
             types = inputs.token_type_ids  # a cross-encoder's pairs (pooling.py)
@@ -211,7 +214,7 @@ class ModelRunner(RunnerCaches):
             if images is not None:
                 extra["images"] = images
             with lora_batch(lora):
-                hidden = self.model(batch.input_ids, batch.positions, ctx, self.kv_caches, **extra)
+                hidden = self.model(batch.input_ids, positions, ctx, self.kv_caches, **extra)
 
         out = StepOutputs(lora_errors=self.lora.take_errors() if self.lora is not None else [])
         if inputs.pool_index is not None and self.pooler is not None and self.tp.rank == 0:
@@ -242,6 +245,15 @@ class ModelRunner(RunnerCaches):
         out.allreduce_seconds = self.tp.take_comm_seconds()
         out.forward_seconds = time.perf_counter() - start
         return out
+
+    def _mrope_positions(self, inputs: StepInputs, positions: torch.Tensor) -> torch.Tensor:
+        """[3, T] M-RoPE positions when a sequence of the step has a table (a Qwen VL prompt with
+        images: shard_worker/mrope.py); else the step's positions as they are."""
+        tables = [getattr(seq, "mrope", None) for seq in inputs.sequences or ()]
+        if not any(t is not None for t in tables):
+            return positions
+        rows = step_positions(inputs.query_lens, inputs.context_lens, tables)
+        return torch.from_numpy(np.ascontiguousarray(rows)).to(self.device)
 
     def check_lora(self, name: str) -> None:
         check_lora(self.lora, name)

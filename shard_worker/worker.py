@@ -43,6 +43,7 @@ class WorkerSequence:
     pooling: bool = False  # pooled in its one step (shard_worker/pooling.py), never sampled
     token_type_start: int = 0
     images: tuple = ()  # its prompt's images (shard_worker/images.py), for the vision encoder
+    mrope: object | None = None  # its prompt's M-RoPE positions (shard_worker/mrope.py), with images
 
 
 class Worker:
@@ -115,6 +116,7 @@ class Worker:
                 pooling=init.pooling,
                 token_type_start=init.token_type_start,
                 images=init.images,
+                mrope=self._mrope(init),
             )
         ready, errors = self._grammars(step.grammar_wait_ms / 1000)
         # Swap out first: its device blocks may be handed to this step's tokens or swap ins.
@@ -176,6 +178,13 @@ class Worker:
             out.grammar_mask_seconds = grammar.mask_seconds - before[0]
             out.grammar_fill_seconds = grammar.fill_seconds - before[1]
         return out
+
+    def _mrope(self, init):
+        """The prompt's M-RoPE table, for a model with M-RoPE (Qwen VL) and a prompt with images."""
+        positions_of = getattr(self.runner.model, "prompt_positions", None)
+        if positions_of is None or not init.images:
+            return None
+        return positions_of(init.token_ids[: init.num_prompt_tokens], init.images)
 
     def _fill_placeholders(self, step: WorkerStep, batch: list[WorkerSequence]) -> np.ndarray:
         """Async scheduling (scheduler/overlap.py): the step was planned before the last one's tokens were

@@ -15,6 +15,7 @@ from pathlib import Path
 import aiohttp
 
 from common.pb.tpserve.v1 import generation_pb2
+from router.media import qwen_vl
 from router.media.decode import DecodedImage, decode_image
 from router.media.fetch import read_source
 from router.media.policy import MediaPolicy, Source, resolve_source
@@ -22,7 +23,7 @@ from router.validation_error import ValidationError
 
 # The architectures whose images a shard worker can encode (shard_worker/model/registry.py); any other
 # model's image parts are refused, after the policy checks, with a clear 400.
-VISION_ARCHITECTURES: frozenset[str] = frozenset({"Gemma3ForConditionalGeneration"})
+VISION_ARCHITECTURES: frozenset[str] = frozenset({"Gemma3ForConditionalGeneration"}) | qwen_vl.ARCHITECTURES
 
 
 def image_parts(req: generation_pb2.GenerateRequest) -> list[tuple[str, generation_pb2.Image]]:

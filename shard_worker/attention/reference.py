@@ -9,11 +9,15 @@ through attend_sequence, where SDPA's tiled kernel is the fast way.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from shard_worker.attention.backend import AttentionBackend, AttentionContext, with_sinks
 from shard_worker.attention.kv_dtype import as_bits, load
+
+# Query dtypes whose additive mask numpy builds directly (0 where a key is seen, -inf where not).
+ADDITIVE = {torch.float32: np.float32, torch.float64: np.float64}
 
 
 def sequence_spans(batch) -> list[tuple[int, int, int]]:
@@ -53,17 +57,16 @@ def attend_sequence(
     values = load(values.flatten(0, 1)[: c_len - base], q.dtype, layer.v_scale).transpose(0, 1)
     mask = None
     if q_len > 1 or first_key > base:
-        key_pos = torch.arange(base, c_len, device=q.device)
-        query_pos = torch.arange(c_len - q_len, c_len, device=q.device)[:, None]
-        mask = key_pos <= query_pos
-        for first, end in image_spans if layer.image_bidirectional else ():
-            mask |= (query_pos >= first) & (query_pos < end) & (key_pos >= first) & (key_pos < end)
-        if window is not None:
-            mask &= key_pos > query_pos - window
+        mask = _mask(base, c_len, q_len, window, image_spans if layer.image_bidirectional else ())
     if layer.sinks is not None:
+        bool_mask = None if mask is None else torch.from_numpy(mask).to(q.device)
         if fast_sinks and q.device.type == "cpu":
-            return _flash_with_sinks(layer, q[start : start + q_len], keys, values, mask)
-        return _attend_with_sinks(layer, q[start : start + q_len], keys, values, mask)
+            return _flash_with_sinks(layer, q[start : start + q_len], keys, values, bool_mask)
+        return _attend_with_sinks(layer, q[start : start + q_len], keys, values, bool_mask)
+    if mask is not None:
+        if q.dtype in ADDITIVE:  # what SDPA would turn a bool mask into, with one more op
+            mask = np.where(mask, 0.0, -np.inf).astype(ADDITIVE[q.dtype])
+        mask = torch.from_numpy(mask).to(q.device, non_blocking=True)
     # With a batch dimension: torch's CPU flash kernel takes 4-d inputs only, and 3-d ones fall back to
     # the unfused math path (a 512-token prompt: 50 against 20 ms a layer).
     o = F.scaled_dot_product_attention(
@@ -75,6 +78,21 @@ def attend_sequence(
         enable_gqa=True,
     )
     return o[0].transpose(0, 1)
+
+
+def _mask(base: int, c_len: int, q_len: int, window: int | None, image_spans) -> np.ndarray:
+    """[q_len, c_len - base] bool: which keys (positions base..c_len-1) each query (the last q_len
+    positions) sees. Built with numpy on the host: a handful of torch ops on a small mask each cost a
+    parallel region, milliseconds apiece on a loaded CPU, per sequence and layer."""
+    key_pos = np.arange(base, c_len)
+    query_pos = np.arange(c_len - q_len, c_len)[:, None]
+    mask = key_pos <= query_pos
+    for first, end in image_spans:  # an image's tokens see each other both ways
+        rows = slice(max(first - (c_len - q_len), 0), max(end - (c_len - q_len), 0))
+        mask[rows, max(first - base, 0) : max(end - base, 0)] = True
+    if window is not None:
+        mask &= key_pos > query_pos - window
+    return mask
 
 
 def _attend_with_sinks(

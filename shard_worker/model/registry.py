@@ -21,6 +21,8 @@ ARCHITECTURES = {
     "GptOssForCausalLM": "gpt_oss:GptOssForCausalLM",
     # DeepSeek-V3, DeepSeek-R1 and Kimi K2.
     "DeepseekV3ForCausalLM": "deepseek_v3:DeepseekV3ForCausalLM",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl:Qwen2_5_VLForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration": "qwen3_vl:Qwen3VLForConditionalGeneration",
     # Encoders, served for pooling only (common/pooling.py).
     "BertModel": "bert:BertModel",
     "BertForSequenceClassification": "bert:BertForSequenceClassification",

@@ -7,6 +7,13 @@ table: its rotary width is an argument, since DeepSeek-V3 rotates only qk_rope_h
 
 Layers that share a spec share the step's cos/sin: the model computes them once per distinct spec per
 step, not once per layer.
+
+M-RoPE (Qwen2.5-VL, Qwen3-VL): each token has three positions (temporal, height, width; equal for text),
+and each frequency of the head takes its angle from one of them, as rope_parameters' mrope_section
+says: contiguous sections (Qwen2.5-VL: the first 16 frequencies from t, the next 24 from h, the last 24
+from w) or interleaved ones (Qwen3-VL: t h w t h w ..., t for the rest). The spec keeps that choice per
+frequency (mrope_components); a step's positions are then [3, T] rather than [T], and a text-only step's
+[T] positions give exactly the plain rope.
 """
 
 from __future__ import annotations
@@ -26,6 +33,22 @@ STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 class RotarySpec:
     inv_freq: tuple[float, ...]
     attention_scaling: float
+    # M-RoPE: per frequency, the position component (0 t, 1 h, 2 w) its angle is taken from; None: plain.
+    mrope_components: tuple[int, ...] | None = None
+
+
+def mrope_components(section: list[int], num_freqs: int, interleaved: bool) -> tuple[int, ...]:
+    """Which of (t, h, w) each of the num_freqs frequencies rotates by, as transformers recomposes them:
+    Qwen2_5_VLRotaryEmbedding (contiguous sections) or Qwen3VLTextRotaryEmbedding (interleaved)."""
+    if len(section) != 3 or (sum(section) != num_freqs and not interleaved):
+        raise ValueError(f"mrope_section {section} does not split the head's {num_freqs} frequencies in 3")
+    if not interleaved:
+        return tuple(c for c, n in enumerate(section) for _ in range(n))
+    components = [0] * num_freqs
+    for c in (1, 2):
+        for j in range(c, min(section[c] * 3, num_freqs), 3):
+            components[j] = c
+    return tuple(components)
 
 
 def rotary_spec(hf, head_dim: int, params: dict, layer_type: str | None = None) -> RotarySpec:
@@ -111,10 +134,23 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.register_buffer("inv_freq", torch.tensor(spec.inv_freq, dtype=torch.float32), persistent=False)
         self.scale = spec.attention_scaling
+        components = spec.mrope_components
+        self.register_buffer(
+            "components",
+            None if components is None else torch.tensor(components, dtype=torch.int64),
+            persistent=False,
+        )
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """[T, 1, head_dim] cos and sin for the step's positions (broadcast over heads)."""
-        freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)
+        """[T, 1, head_dim] cos and sin for the step's positions (broadcast over heads): [T], or M-RoPE's
+        [3, T] (t, h, w) with a spec that has mrope_components."""
+        if positions.dim() == 2:
+            if self.components is None:
+                raise ValueError("3-component positions given to a rope without mrope_section")
+            # [T, num_freqs]: each frequency's angle from its own component of each token's positions.
+            freqs = positions.float().index_select(0, self.components).T * self.inv_freq.unsqueeze(0)
+        else:
+            freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos() * self.scale, emb.sin() * self.scale
         return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
