@@ -17,6 +17,7 @@ ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3:Phi3ForCausalLM",
     "MixtralForCausalLM": "mixtral:MixtralForCausalLM",
     "Qwen3MoeForCausalLM": "qwen3_moe:Qwen3MoeForCausalLM",
+    "Qwen3NextForCausalLM": "qwen3_next:Qwen3NextForCausalLM",
     # Encoders, served for pooling only (common/pooling.py).
     "BertModel": "bert:BertModel",
     "BertForSequenceClassification": "bert:BertForSequenceClassification",

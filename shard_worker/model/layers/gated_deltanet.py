@@ -236,7 +236,8 @@ class GatedDeltaNet(nn.Module):
         super().__init__()
         if num_v_heads % num_k_heads:
             raise ValueError(
-                f"linear_num_value_heads {num_v_heads} is not a multiple of linear_num_key_heads {num_k_heads}"
+                f"linear_num_value_heads {num_v_heads} is not a multiple of "
+                f"linear_num_key_heads {num_k_heads}"
             )
         self.hk = divide(num_k_heads, tp.world_size, "linear_num_key_heads")
         self.hv = self.hk * (num_v_heads // num_k_heads)
