@@ -95,6 +95,25 @@ def _configs():
             norm_topk_prob=True,
             num_experts_per_tok=2,
         ),
+        # Qwen3.5's text model: the same layer kinds, a dense MLP, the linear projections split, mrope
+        # sections (one position for text: plain rope over half of each head).
+        "qwen3_5": lambda: t.Qwen3_5TextConfig(
+            **SMALL,
+            num_hidden_layers=4,
+            layer_types=["linear_attention"] * 3 + ["full_attention"],
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10_000.0,
+                "partial_rotary_factor": 0.5,
+                "mrope_section": [2, 1, 1],
+                "mrope_interleaved": True,
+            },
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_conv_kernel_dim=4,
+        ),
     }
 
 

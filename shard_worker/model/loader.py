@@ -214,9 +214,12 @@ def fill_weights(model: nn.Module, tensors, model_dir, tie_word_embeddings: bool
     processed: set[str] = set()
     # A family's tensors it has no use for (an encoder's pooler when served for embeddings).
     ignores = getattr(model, "ignores_checkpoint_tensor", lambda name: False)
+    # and one whose tensors sit under another prefix (a vision-language checkpoint's text model).
+    rename = getattr(model, "checkpoint_tensor_name", lambda name: name)
     for file_name, ckpt_name, source in tensors:
         if ckpt_name.endswith(IGNORED_SUFFIXES) or ignores(ckpt_name):
             continue
+        ckpt_name = rename(ckpt_name)
         if tie_word_embeddings and ckpt_name == "lm_head.weight":
             continue  # shared with the embedding, which is loaded from its own tensor
         if ckpt_name.endswith(KV_SCALES):

@@ -108,11 +108,13 @@ class SharedExpertMoE(nn.Module):
 
 
 class Qwen3NextDecoderLayer(nn.Module):
+    linear_class: type[GatedDeltaNet] = GatedDeltaNet  # how its checkpoint lays out the projections
+
     def __init__(self, config: Qwen3NextConfig, layer_idx: int, tp: TensorParallel):
         super().__init__()
         self.is_linear = config.linear_layers[layer_idx]
         if self.is_linear:
-            self.linear_attn = GatedDeltaNet(
+            self.linear_attn = self.linear_class(
                 config.hidden_size,
                 config.linear_num_key_heads,
                 config.linear_num_value_heads,
@@ -149,27 +151,12 @@ class Qwen3NextForCausalLM(CausalLM):
 
     @classmethod
     def family_fields(cls, hf) -> dict:
-        types = list(hf.layer_types)
-        unknown = sorted(set(types) - set(LAYER_KINDS))
-        if unknown:
-            raise ValueError(f"layer_types {unknown[0]!r} is not supported; supported: {LAYER_KINDS}")
-        if len(types) != hf.num_hidden_layers or "full_attention" not in types:
-            raise ValueError(
-                f"layer_types {types} must give each of {hf.num_hidden_layers} layers a kind, "
-                "one of them full_attention"
-            )
         dense = set(hf.mlp_only_layers or ())
         sparse = tuple(
             i not in dense and hf.num_experts > 0 and (i + 1) % hf.decoder_sparse_step == 0
             for i in range(hf.num_hidden_layers)
         )
-        return {
-            "linear_layers": tuple(t == "linear_attention" for t in types),
-            "linear_num_key_heads": hf.linear_num_key_heads,
-            "linear_num_value_heads": hf.linear_num_value_heads,
-            "linear_key_head_dim": hf.linear_key_head_dim,
-            "linear_value_head_dim": hf.linear_value_head_dim,
-            "linear_conv_kernel_dim": hf.linear_conv_kernel_dim,
+        return linear_fields(hf) | {
             "num_experts": hf.num_experts,
             "num_experts_per_tok": hf.num_experts_per_tok,
             "moe_intermediate_size": hf.moe_intermediate_size,
@@ -218,3 +205,24 @@ class Qwen3NextForCausalLM(CausalLM):
             cache = next(states, None) if layer.is_linear else next(kv)
             h = layer(h, rope, ctx, cache, state_step)
         return self.model.norm(h)
+
+
+def linear_fields(hf) -> dict:
+    """The layer kinds and the linear-attention shapes, as Qwen3-Next and Qwen3.5 spell them."""
+    types = list(hf.layer_types)
+    unknown = sorted(set(types) - set(LAYER_KINDS))
+    if unknown:
+        raise ValueError(f"layer_types {unknown[0]!r} is not supported; supported: {LAYER_KINDS}")
+    if len(types) != hf.num_hidden_layers or "full_attention" not in types:
+        raise ValueError(
+            f"layer_types {types} must give each of {hf.num_hidden_layers} layers a kind, "
+            "one of them full_attention"
+        )
+    return {
+        "linear_layers": tuple(t == "linear_attention" for t in types),
+        "linear_num_key_heads": hf.linear_num_key_heads,
+        "linear_num_value_heads": hf.linear_num_value_heads,
+        "linear_key_head_dim": hf.linear_key_head_dim,
+        "linear_value_head_dim": hf.linear_value_head_dim,
+        "linear_conv_kernel_dim": hf.linear_conv_kernel_dim,
+    }

@@ -18,6 +18,8 @@ ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral:MixtralForCausalLM",
     "Qwen3MoeForCausalLM": "qwen3_moe:Qwen3MoeForCausalLM",
     "Qwen3NextForCausalLM": "qwen3_next:Qwen3NextForCausalLM",
+    "Qwen3_5ForCausalLM": "qwen3_5:Qwen3_5ForCausalLM",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5:Qwen3_5ForConditionalGeneration",  # text only
     # Encoders, served for pooling only (common/pooling.py).
     "BertModel": "bert:BertModel",
     "BertForSequenceClassification": "bert:BertForSequenceClassification",

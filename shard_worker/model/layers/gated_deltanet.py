@@ -29,7 +29,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shard_worker.model.layers.linear import ColumnParallelLinear, RowParallelLinear, divide, new_param
+from shard_worker.model.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+    divide,
+    new_param,
+)
 from shard_worker.parallel import TensorParallel
 
 CHUNK = 64
@@ -242,11 +248,7 @@ class GatedDeltaNet(nn.Module):
         self.hk = divide(num_k_heads, tp.world_size, "linear_num_key_heads")
         self.hv = self.hk * (num_v_heads // num_k_heads)
         self.dk, self.dv, self.kernel, self.eps = k_head_dim, v_head_dim, conv_kernel, eps
-        ratio = num_v_heads // num_k_heads
-        self.in_proj_qkvz = ColumnParallelLinear(
-            hidden_size, num_k_heads * (2 * k_head_dim + 2 * ratio * v_head_dim), tp
-        )
-        self.in_proj_ba = ColumnParallelLinear(hidden_size, num_k_heads * 2 * ratio, tp)
+        self._make_projections(hidden_size, num_k_heads, num_v_heads, tp)
         key_dim, rank = num_k_heads * k_head_dim, tp.rank
         local_key, local_value = self.hk * k_head_dim, self.hv * v_head_dim
         self.conv1d = ShortConv(
@@ -263,6 +265,29 @@ class GatedDeltaNet(nn.Module):
         self.norm.weight = new_param(v_head_dim)
         self.out_proj = RowParallelLinear(num_v_heads * v_head_dim, hidden_size, tp)
 
+    def _make_projections(self, hidden_size: int, num_k_heads: int, num_v_heads: int, tp: TensorParallel):
+        """Qwen3-Next's: one tensor laid out per key head (q, k, its value heads' v, then z), another
+        per key head (b, then a); a rank's key heads are one stretch of rows in each."""
+        ratio = num_v_heads // num_k_heads
+        self.in_proj_qkvz = ColumnParallelLinear(
+            hidden_size, num_k_heads * (2 * self.dk + 2 * ratio * self.dv), tp
+        )
+        self.in_proj_ba = ColumnParallelLinear(hidden_size, num_k_heads * 2 * ratio, tp)
+
+    def _project(self, x: torch.Tensor):
+        """(the convolution's input [T, q | k | v channels], z [T, Hv, Dv], b and a [T, Hv])."""
+        tokens, ratio = x.shape[0], self.hv // self.hk
+        qkvz = self.in_proj_qkvz(x).view(tokens, self.hk, -1)
+        q, k, v, z = qkvz.split([self.dk, self.dk, ratio * self.dv, ratio * self.dv], dim=-1)
+        b, a = self.in_proj_ba(x).view(tokens, self.hk, 2 * ratio).split([ratio, ratio], dim=-1)
+        mixed = torch.cat([q.reshape(tokens, -1), k.reshape(tokens, -1), v.reshape(tokens, -1)], dim=-1)
+        return (
+            mixed,
+            z.reshape(tokens, self.hv, self.dv),
+            b.reshape(tokens, self.hv),
+            a.reshape(tokens, self.hv),
+        )
+
     @property
     def conv_channels(self) -> int:
         return 2 * self.hk * self.dk + self.hv * self.dv
@@ -275,13 +300,9 @@ class GatedDeltaNet(nn.Module):
         """x [T, hidden] of the step's sequences; cache: this layer's (conv [slots, C, K-1], delta
         [slots, Hv, Dk, Dv]) or None."""
         tokens = x.shape[0]
-        ratio = self.hv // self.hk
-        qkvz = self.in_proj_qkvz(x).view(tokens, self.hk, -1)
-        q, k, v, z = qkvz.split([self.dk, self.dk, ratio * self.dv, ratio * self.dv], dim=-1)
-        b, a = self.in_proj_ba(x).view(tokens, self.hk, 2 * ratio).split([ratio, ratio], dim=-1)
-        mixed = torch.cat([q.reshape(tokens, -1), k.reshape(tokens, -1), v.reshape(tokens, -1)], dim=-1)
-        beta = b.reshape(tokens, self.hv).sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.reshape(tokens, self.hv).float() + self.dt_bias)
+        mixed, z, b, a = self._project(x)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         conv_cache, delta_cache = cache if cache is not None else (None, None)
         conv_shape, delta_shape = self.state_shapes()
         conv_states = step.read(conv_cache, conv_shape, x.dtype)
@@ -304,7 +325,7 @@ class GatedDeltaNet(nn.Module):
             out, conv_states, delta_states = torch.cat(outs), torch.stack(new_conv), torch.stack(new_delta)
         step.write(conv_cache, conv_states)
         step.write(delta_cache, delta_states)
-        return self.out_proj(self._gated_norm(out, z.reshape(tokens, self.hv, self.dv)).reshape(tokens, -1))
+        return self.out_proj(self._gated_norm(out, z).reshape(tokens, -1))
 
     def _heads(self, mixed: torch.Tensor):
         tokens, local_key = mixed.shape[0], self.hk * self.dk
@@ -320,3 +341,19 @@ class GatedDeltaNet(nn.Module):
         h = x.float()
         h = self.norm.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
         return (h * F.silu(gate.float())).to(x.dtype)
+
+
+class SplitGatedDeltaNet(GatedDeltaNet):
+    """Qwen3.5's: q, k and v in one tensor in the convolution's channel order (every q head, every k head,
+    every v head), z, b and a each their own; each part split across ranks by heads."""
+
+    def _make_projections(self, hidden_size: int, num_k_heads: int, num_v_heads: int, tp: TensorParallel):
+        key_dim, value_dim = num_k_heads * self.dk, num_v_heads * self.dv
+        self.in_proj_qkv = MergedColumnParallelLinear(hidden_size, [key_dim, key_dim, value_dim], tp)
+        self.in_proj_z = ColumnParallelLinear(hidden_size, value_dim, tp)
+        self.in_proj_b = ColumnParallelLinear(hidden_size, num_v_heads, tp)
+        self.in_proj_a = ColumnParallelLinear(hidden_size, num_v_heads, tp)
+
+    def _project(self, x: torch.Tensor):
+        z = self.in_proj_z(x).view(x.shape[0], self.hv, self.dv)
+        return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
