@@ -1,18 +1,21 @@
 """Gated DeltaNet (shard_worker/model/layers/gated_deltanet.py) against transformers' torch fallbacks
 (models/qwen3_next): the chunked rule, the recurrent update, the short convolution, each with a state
 carried in; a prefill split in chunks equals it whole; and the whole layer, at TP 1 and sharded over 2
-ranks by hand, equals transformers' Qwen3NextGatedDeltaNet over a prefill and then decode tokens."""
+ranks by hand, equals transformers' Qwen3NextGatedDeltaNet (and Qwen3.5's, its projections split) over a
+prefill and then decode tokens."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from transformers import DynamicCache, Qwen3NextConfig
+from transformers import DynamicCache, Qwen3_5TextConfig, Qwen3NextConfig
+from transformers.models.qwen3_5 import modeling_qwen3_5 as ref35
 from transformers.models.qwen3_next import modeling_qwen3_next as ref
 
 from shard_worker.model.layers.gated_deltanet import (
     GatedDeltaNet,
+    SplitGatedDeltaNet,
     StateStep,
     causal_conv,
     causal_conv_step,
@@ -93,8 +96,8 @@ def test_short_convolution_carries_its_state():
     torch.testing.assert_close(new, expect_state)
 
 
-def _config():
-    return Qwen3NextConfig(
+def _config(config_class=Qwen3NextConfig):
+    return config_class(
         hidden_size=32,
         linear_num_key_heads=HK,
         linear_num_value_heads=HV,
@@ -106,39 +109,43 @@ def _config():
     )
 
 
-def _reference_layer():
+def _reference_layer(qwen3_5: bool):
     torch.manual_seed(0)
-    layer = ref.Qwen3NextGatedDeltaNet(_config(), 0).eval()
+    if qwen3_5:
+        layer = ref35.Qwen3_5GatedDeltaNet(_config(Qwen3_5TextConfig), 0).eval()
+    else:
+        layer = ref.Qwen3NextGatedDeltaNet(_config(), 0).eval()
     with torch.no_grad():
         for p in layer.parameters():
             p.copy_(torch.randn_like(p) * 0.3)
     return layer
 
 
-def _ours(layer, tp):
-    ours = GatedDeltaNet(32, HK, HV, DK, DV, 4, 1e-6, tp)
+def _ours(layer, tp, qwen3_5: bool):
+    ours = (SplitGatedDeltaNet if qwen3_5 else GatedDeltaNet)(32, HK, HV, DK, DV, 4, 1e-6, tp)
     params = dict(ours.named_parameters())
     for name, tensor in layer.state_dict().items():
         param = params[name]
         loader = getattr(param, "weight_loader", None)
         if loader is not None:
-            loader(param, tensor)
+            loader(param, tensor, None)
         else:
             param.data.copy_(tensor)
     return ours
 
 
+@pytest.mark.parametrize("qwen3_5", [False, True], ids=["qwen3_next", "qwen3_5"])
 @pytest.mark.parametrize("ws", [1, 2])
-def test_layer_equals_transformers_through_slots(ws):
+def test_layer_equals_transformers_through_slots(ws, qwen3_5):
     """Two sequences in slots 3 and 0: a prefill of 5 and 11 tokens, then 3 decode steps, the state
     kept in the slot caches between steps. With 2 ranks each holds its heads' slots; the out_proj
     partial sums add up to the whole."""
-    layer = _reference_layer()
+    layer = _reference_layer(qwen3_5)
     lens = [5, 11]
     x = [rand(n + 3, 32, seed=10 + i) for i, n in enumerate(lens)]
     want = []
     for xi, n in zip(x, lens, strict=True):
-        cache = DynamicCache(config=_config())
+        cache = DynamicCache(config=_config(Qwen3_5TextConfig if qwen3_5 else Qwen3NextConfig))
         with torch.no_grad():
             outs = [layer(xi[None, :n], cache=cache)]
             outs += [layer(xi[None, t : t + 1], cache=cache) for t in range(n, n + 3)]
@@ -147,7 +154,7 @@ def test_layer_equals_transformers_through_slots(ws):
     for rank in range(ws):
         tp = TensorParallel(rank=rank, world_size=ws)
         tp.all_reduce = lambda t: t  # this rank's partial sum; summed below
-        ours = _ours(layer, tp)
+        ours = _ours(layer, tp, qwen3_5)
         conv_shape, delta_shape = ours.state_shapes()
         cache = (torch.full((4, *conv_shape), float("nan")), torch.full((4, *delta_shape), float("nan")))
         slots = np.array([3, 0])
