@@ -53,10 +53,12 @@ def causal_conv(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's tokens x [T, C] through the depthwise causal convolution (weight [C, K]) that has
     seen `state` [C, K - 1] before them, then silu. Returns (out [T, C] in x's dtype, new state)."""
+    kernel = weight.shape[1]
     window = torch.cat([state.to(weight.dtype), x.t().to(weight.dtype)], dim=1)  # [C, K - 1 + T]
-    out = F.conv1d(window.unsqueeze(0), weight.unsqueeze(1), groups=weight.shape[0])[0]  # [C, T]
-    new_state = window[:, -(weight.shape[1] - 1) :]
-    return F.silu(out).t().to(x.dtype), new_state
+    # Each output sums kernel products: as a product with the sliding windows (F.conv1d's depthwise CPU
+    # path took 0.7 s for 128 channels of 30 tokens in float64 on a loaded machine).
+    out = (window.unfold(1, kernel, 1) * weight.unsqueeze(1)).sum(-1)  # [C, T]
+    return F.silu(out).t().to(x.dtype), window[:, -(kernel - 1) :]
 
 
 def causal_conv_step(
