@@ -80,6 +80,35 @@ KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | MLASpec
 
 
 @dataclass(frozen=True)
+class RecurrentStateSpec:
+    """Linear-attention layers (Qwen3-Next's Gated DeltaNet; Mamba-like layers alike): a fixed slot per
+    sequence whatever its length, holding every such layer's state (the short convolution's last inputs
+    and the delta rule's matrix). Not paged: a sequence takes one slot at admission and gives it back
+    once, on finish, abort or preemption (a swap copies it to a host slot). A prefix cannot be reused
+    from blocks, since the state after a prefix is not kept (vLLM keeps it at block boundaries; we skip
+    reuse for these models and say so at start-up)."""
+
+    slot_bytes: int  # one sequence's state on one rank, every recurrent layer
+    num_slots: int  # slots the pool holds (the sequences that can run at once)
+    num_host_slots: int = 0  # swap space for the states of swapped-out sequences
+
+
+def split_budget(budget_bytes: int, block_bytes: int, slot_bytes: int, max_num_seqs: int) -> tuple[int, int]:
+    """(KV blocks, state slots) from one budget: a slot for each of max_num_seqs sequences, or as many as
+    the budget holds with one block beside each; the rest of the budget in blocks."""
+    if not slot_bytes:
+        return budget_bytes // block_bytes, 0
+    slots = min(max_num_seqs, budget_bytes // (slot_bytes + block_bytes))
+    return (budget_bytes - slots * slot_bytes) // block_bytes, slots
+
+
+def sequences_with_state(pool_blocks: int, blocks_per_seq: int, num_slots: int | None) -> int:
+    """Sequences held at once when each needs blocks_per_seq blocks and (num_slots not None) a slot."""
+    held = pool_blocks // max(1, blocks_per_seq)
+    return held if num_slots is None else min(held, num_slots)
+
+
+@dataclass(frozen=True)
 class KVCacheGroup:
     spec: KVCacheSpec
     layers: tuple[int, ...]  # the model's layer indices; the j-th uses the workers' cache tensor j

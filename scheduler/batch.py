@@ -73,6 +73,10 @@ class StepBuilder:
             swap_out_dst=[dst for _, dst in out.swap_out],
             swap_in_src=[src for src, _ in out.swap_in],
             swap_in_dst=[dst for _, dst in out.swap_in],
+            state_swap_out_src=[src for src, _ in out.state_swap_out],
+            state_swap_out_dst=[dst for _, dst in out.state_swap_out],
+            state_swap_in_src=[src for src, _ in out.state_swap_in],
+            state_swap_in_dst=[dst for _, dst in out.state_swap_in],
         )
         self._next_step_id += 1
         for seq_id in out.forgotten_seq_ids:
@@ -90,6 +94,7 @@ class StepBuilder:
         seq_ids, query_lens, context_lens, sample_counts = array("q"), array("q"), array("q"), array("q")
         prompt_logprob_counts = array("q")
         draft_counts = array("q")
+        state_slots = array("q")
         group_ids = [array("q") for _ in out.scheduled[0].seq.group_tables] if out.scheduled else []
         input_ids, table_reset, new_block_counts, new_block_ids = (
             array("q"),
@@ -108,6 +113,8 @@ class StepBuilder:
             query_lens.append(item.num_new_tokens)
             context_lens.append(end)
             sample_counts.append(item.num_samples)
+            if seq.state_slot is not None:
+                state_slots.append(seq.state_slot)
             prompt_logprob_counts.append(item.num_prompt_logprobs)
             # Proposals sit after the sequence's own tokens, which end at its last one. The draft model's
             # are made on the workers: only their count travels.
@@ -140,6 +147,8 @@ class StepBuilder:
         req.table_reset = pack(table_reset)
         req.new_block_counts = pack(new_block_counts)
         req.new_block_ids = pack(new_block_ids)
+        if state_slots:
+            req.state_slots = pack(state_slots)
         if group_ids:
             req.group_new_block_ids = pack(array("q", [b for ids in group_ids for b in ids]))
         return req

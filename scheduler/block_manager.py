@@ -24,6 +24,7 @@ from common.kv_cache_spec import HOLE, FullAttentionSpec, KVCacheGroup, KVCacheL
 from common.kv_events import KvEventLog
 from scheduler.prefix_cache import PrefixCache
 from scheduler.sequence import Sequence
+from scheduler.state_slots import StateSlots
 from scheduler.swap import HostBlockPool
 
 __all__ = ["HOLE", "BlockManager", "blocks_for"]
@@ -37,6 +38,7 @@ class BlockManager(PrefixCache):
         enable_prefix_caching: bool = False,
         host_tier: HostBlockPool | None = None,
         layout: KVCacheLayout | None = None,
+        state: StateSlots | None = None,
     ):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
@@ -48,7 +50,10 @@ class BlockManager(PrefixCache):
             raise ValueError(f"every KV cache group must have blocks of {block_size} tokens")
         # Per live sequence holding blocks: the block tables of groups 1.. (group 0's is seq.block_table).
         self._tables: dict[int, list[list[int]]] = {}
-        self.enable_prefix_caching = enable_prefix_caching
+        # Recurrent-state slots (linear-attention layers): one per sequence holding blocks. The state
+        # after a prefix is not kept, so such a model reuses no cached prefix (nor a fork's blocks).
+        self.state = state
+        self.enable_prefix_caching = enable_prefix_caching and state is None
         # Blocks held by no sequence and holding nothing reusable, a min-heap: the lowest is handed out
         # first, so the blocks in use stay a compact prefix of the cache while it is not full. The CPU
         # attention hands its kernel only the cache up to the highest block a step reads, whose cost
@@ -88,11 +93,14 @@ class BlockManager(PrefixCache):
         # step, until it returned. Empty in the serial loop: every free is at once.
         self._in_flight: dict[int, int] = {}
         self._deferred: list[tuple[int, list[int]]] = []
+        self._deferred_slots: list[tuple[int, int]] = []  # (step, state slot), the same way
 
     @classmethod
     def of(cls, capacity, block_size: int, enable_prefix_caching: bool, host_tier) -> BlockManager:
         """The pool the ranks settled on (scheduler/capacity.py), laid out in their layer groups."""
-        return cls(capacity.num_blocks, block_size, enable_prefix_caching, host_tier, capacity.layout)
+        spec = capacity.state
+        state = None if spec is None else StateSlots(spec.num_slots, spec.num_host_slots)
+        return cls(capacity.num_blocks, block_size, enable_prefix_caching, host_tier, capacity.layout, state)
 
     @property
     def num_free_blocks(self) -> int:
@@ -173,6 +181,8 @@ class BlockManager(PrefixCache):
 
     def _fits(self, seq, num_tokens, reserve, matched, others, device) -> bool:
         """device: device blocks seq reuses (blocks restored from the host tier need fresh ones)."""
+        if self.state is not None and self.state.slot_of(seq.seq_id) is None and not self.state.num_free:
+            return False
         taken_from_free = sum(1 for b in device if self._ref_count[b] == 0)
         fresh = len(matched) - sum(b is not None for _, b in matched)  # restored from the host tier
         start = max(seq.num_computed_tokens, len(matched) * self.block_size)
@@ -227,6 +237,8 @@ class BlockManager(PrefixCache):
             table += [HOLE] * (new.start - len(table)) + [self._take_fresh_block() for _ in new]
         if len(tables) > 1:
             self._tables[seq.seq_id] = seq.group_tables = tables[1:]
+        if self.state is not None:
+            seq.state_slot = self.state.take(seq.seq_id)
         return True
 
     def share(self, seq: Sequence, source: Sequence, num_tokens: int) -> int:
@@ -235,6 +247,8 @@ class BlockManager(PrefixCache):
         Whole blocks only, so they never change again. Returns the tokens they hold."""
         if seq.block_table:
             raise ValueError(f"seq {seq.seq_id} already holds blocks")
+        if self.state is not None:  # the state after the shared blocks is not kept
+            return 0
         num_blocks = min(num_tokens, source.num_computed_tokens, len(source.block_table) * self.block_size)
         num_blocks //= self.block_size
         tables = [t[:num_blocks] for t in self.tables(source)]
@@ -291,6 +305,14 @@ class BlockManager(PrefixCache):
         self._seq_registered.pop(seq.seq_id, None)
         # Group after group, each tail first: the tail is evicted before the head.
         self._let_go(seq.seq_id, [b for t in reversed(tables) for b in t if b != HOLE])
+        slot = None if self.state is None else self.state.release(seq.seq_id)
+        seq.state_slot = None
+        if slot is not None:
+            step = self._in_flight.get(seq.seq_id)
+            if step is None:
+                self.state.put_back(slot)
+            else:  # the step in flight writes its state there
+                self._deferred_slots.append((step, slot))
 
     def _let_go(self, seq_id: int, blocks: list[int]) -> None:
         """seq's hold on these blocks ends: now, or once the step in flight that reads them returned."""
@@ -322,6 +344,9 @@ class BlockManager(PrefixCache):
         for _, table in [d for d in self._deferred if done(d[0])]:
             self._drop(table)
         self._deferred = [d for d in self._deferred if not done(d[0])]
+        for _, slot in [d for d in self._deferred_slots if done(d[0])]:
+            self.state.put_back(slot)
+        self._deferred_slots = [d for d in self._deferred_slots if not done(d[0])]
 
     def check_invariants(self, tables=None) -> None:
         """Raises AssertionError unless the accounting adds up: every block is exactly one of free
@@ -352,6 +377,8 @@ class BlockManager(PrefixCache):
                     if b != HOLE:
                         counts[b] += 1
             assert counts == self._ref_count, "reference counts differ from the tables holding the blocks"
+        if self.state is not None:
+            self.state.check_invariants(deferred=[slot for _, slot in self._deferred_slots])
 
     def counts(self) -> dict[str, int]:
         """The block and prefix-cache counts of a SchedulerSnapshot (scheduler/plan.py)."""

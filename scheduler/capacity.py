@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.kv_cache_spec import KVCacheLayout, blocks_for
+from common.kv_cache_spec import KVCacheLayout, RecurrentStateSpec, blocks_for
 
 # Ranks' block counts may differ by this share of the largest (allocator rounding, NCCL buffers, the
 # CUDA context on rank 0) before the group is refused.
@@ -26,6 +26,8 @@ class RankCapacity:
     num_kv_blocks: int  # blocks of block_size tokens this rank can hold
     kv_block_bytes: int  # bytes one such block takes on this rank (every layer)
     max_position_embeddings: int
+    state_slot_bytes: int = 0  # one sequence's recurrent state on this rank (0: no linear attention)
+    num_state_slots: int = 0  # the slots this rank holds beside its blocks
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,7 @@ class Capacity:
     num_host_blocks: int  # swap space per rank, in blocks (0: none)
     notes: tuple[str, ...] = ()  # what was capped, and why, for the log
     layout: KVCacheLayout | None = None  # the model's layer groups; None: one group of every layer
+    state: RecurrentStateSpec | None = None  # a recurrent-state slot per sequence; None: no such layers
 
 
 class UnfitRanks(ValueError):
@@ -95,5 +98,22 @@ def settle(
     if resolved < 1:
         raise CapacityError(f"{num_blocks} KV blocks cannot hold a block in each of {num_groups} groups")
     # Swap space in blocks: the largest block over ranks, so that every rank's copy fits.
-    num_host_blocks = int(swap_space_gib * 2**30) // max(r.kv_block_bytes for r in ranks)
-    return Capacity(num_blocks, resolved, num_host_blocks, tuple(notes), layout)
+    swap_bytes = int(swap_space_gib * 2**30)
+    block_bytes = max(r.kv_block_bytes for r in ranks)
+    state = _state(ranks, max_num_seqs, swap_bytes, block_bytes)
+    if state is not None:  # the host slots come out of the swap space first
+        swap_bytes -= state.num_host_slots * state.slot_bytes
+    return Capacity(num_blocks, resolved, swap_bytes // block_bytes, tuple(notes), layout, state)
+
+
+def _state(ranks: list[RankCapacity], max_num_seqs: int, swap_bytes: int, block_bytes: int):
+    """The recurrent-state slots every rank holds (the fewest any reports), and as many host slots as
+    the swap space holds with a block beside each, up to one per slot."""
+    slot_bytes = max(r.state_slot_bytes for r in ranks)
+    if not slot_bytes:
+        return None
+    num_slots = min(min(r.num_state_slots for r in ranks), max_num_seqs)
+    if num_slots < 1:
+        raise CapacityError(f"no recurrent-state slots: ranks report {[r.num_state_slots for r in ranks]}")
+    host = min(num_slots, swap_bytes // (slot_bytes + block_bytes))
+    return RecurrentStateSpec(slot_bytes, num_slots, host)

@@ -38,6 +38,9 @@ class SchedulerOutput:
     # one step (scheduler/swap.py).
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # The same for recurrent-state slots (scheduler/state_slots.py): (device, host) out, (host, device) in.
+    state_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    state_swap_in: list[tuple[int, int]] = field(default_factory=list)
     # Sequences admitted from the waiting queue this step (first time, or back after a preemption).
     admitted: list[Sequence] = field(default_factory=list)
     # Of those, the ones admitted for the first time (their queue time ends now).
@@ -61,7 +64,9 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         """Nothing for the workers to do: no sequence to compute, no block to copy, no grammar to await."""
-        return not (self.scheduled or self.swap_out or self.swap_in or self.grammar_waiting)
+        return not (
+            self.scheduled or self.swap_out or self.swap_in or self.state_swap_out or self.grammar_waiting
+        )
 
     @property
     def only_grammars(self) -> bool:

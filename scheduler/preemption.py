@@ -42,8 +42,12 @@ class Preemption:
         out.preempted.append(seq)
         # Only blocks holding computed tokens that later queries read are worth copying.
         computed = self.blocks.computed_blocks(seq)
-        if self.host_blocks is not None and self.host_blocks.can_swap_out(len(computed)):
+        state = self.blocks.state  # a recurrent state goes with the blocks (scheduler/state_slots.py)
+        room = state is None or state.can_swap_out()
+        if self.host_blocks is not None and room and self.host_blocks.can_swap_out(len(computed)):
             out.swap_out += self.host_blocks.swap_out(seq.seq_id, computed)
+            if state is not None:
+                out.state_swap_out.append(state.swap_out(seq.seq_id))
             self._release(seq, host=False)
             seq.status = SequenceStatus.SWAPPED
             self.swapped.append(seq)
@@ -68,6 +72,8 @@ class Preemption:
                 break
             self.blocks.allocate(seq, seq.num_computed_tokens + num_new, count_query=False)
             out.swap_in += self.host_blocks.swap_in(seq.seq_id, self.blocks.computed_blocks(seq))
+            if self.blocks.state is not None:
+                out.state_swap_in.append(self.blocks.state.swap_in(seq.seq_id))
             self.swapped.pop(0)
             seq.status = SequenceStatus.RUNNING
             priority.insert(self.running, seq)

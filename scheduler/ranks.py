@@ -55,6 +55,11 @@ class RankLifecycle:
             i.draft_model_name for i in info.describe
         ):
             raise UnfitRanks("--speculative-method draft: the shard workers hold no --speculative-model")
+        if cap.state is not None and cfg.speculative.enabled:
+            raise UnfitRanks(
+                f"--speculative-method {cfg.speculative.speculative_method}: the model has linear-attention "
+                "layers, whose state cannot take back rejected proposals; serve it without speculation"
+            )
         host_blocks = None
         if cap.num_host_blocks:
             host_blocks = HostBlockPool(cap.num_host_blocks, cache_prefixes=cfg.host_prefix_cache)

@@ -122,6 +122,8 @@ class Scheduler(Admission, Preemption):
         out = SchedulerOutput()
         if self.host_blocks is not None:
             self.host_blocks.begin_step()  # the last step's copies are made
+        if self.blocks.state is not None:
+            self.blocks.state.begin_step()
         budget = self.policy.max_num_batched_tokens
         head = self._make_room(out, now)  # a higher priority waiting preempts lower ones it needs room from
         self._speculating = self.proposer is not None and self.proposer.enabled(len(self._by_request))
@@ -248,6 +250,8 @@ class Scheduler(Admission, Preemption):
         self.blocks.free(seq)
         if host and self.host_blocks is not None:
             self.host_blocks.free(seq.seq_id)
+        if host and self.blocks.state is not None:
+            self.blocks.state.drop_host(seq.seq_id)
 
     def _finish(self, seq: Sequence, reason: int) -> None:
         forks.unfork(seq)
@@ -263,6 +267,10 @@ class Scheduler(Admission, Preemption):
         the running sequences' tables), only running sequences hold device blocks, and every swapped
         sequence holds host blocks."""
         self.blocks.check_invariants([s.block_table for s in self.running])
+        if self.blocks.state is not None:
+            self.blocks.state.check_invariants(
+                [s.seq_id for s in self.running], [slot for _, slot in self.blocks._deferred_slots]
+            )
         idle = (*self.waiting, *self.swapped)
         assert all(not s.block_table for s in idle), "a sequence not running holds blocks"
         if self.host_blocks is not None:

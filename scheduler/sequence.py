@@ -40,6 +40,9 @@ class Sequence:
     # after a decode, or len(token_ids) at the moment a step samples.
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    # Its recurrent-state slot (scheduler/state_slots.py) while it holds blocks, for models with
+    # linear-attention layers; None otherwise.
+    state_slot: int | None = None
     # The other layer groups' block tables (common/kv_cache_spec.py), as long as block_table; kept by the
     # block manager, empty for a model with one group.
     group_tables: list[list[int]] = field(default_factory=list)

@@ -105,7 +105,14 @@ class WorkerGroup:
             )
             capacity = settle(
                 [
-                    RankCapacity(i.rank, i.num_kv_blocks, i.kv_block_bytes, i.max_position_embeddings)
+                    RankCapacity(
+                        i.rank,
+                        i.num_kv_blocks,
+                        i.kv_block_bytes,
+                        i.max_position_embeddings,
+                        i.state_slot_bytes,
+                        i.num_state_slots,
+                    )
                     for i in infos
                 ],
                 block_size=cfg.block_size,
@@ -122,6 +129,15 @@ class WorkerGroup:
                 capacity.num_blocks,
                 cfg.block_size,
             )
+            if capacity.state is not None:
+                log.info(
+                    "KV cache: a recurrent-state slot per sequence (linear-attention layers), %d slots "
+                    "of %.2f MiB, %d in host swap space; no prefix caching (the state after a prefix is "
+                    "not kept: every prompt is computed whole)",
+                    capacity.state.num_slots,
+                    capacity.state.slot_bytes / 2**20,
+                    capacity.state.num_host_slots,
+                )
             for note in capacity.notes:
                 log.warning("%s", note)
             init = worker_pb2.InitCacheRequest(
@@ -130,6 +146,8 @@ class WorkerGroup:
                 num_host_blocks=capacity.num_host_blocks,
                 max_model_len=capacity.max_model_len,
                 max_num_seqs=policy.max_num_seqs,
+                num_state_slots=capacity.state.num_slots if capacity.state else 0,
+                num_host_state_slots=capacity.state.num_host_slots if capacity.state else 0,
             )
             await asyncio.gather(*(s.InitCache(init, metadata=self._metadata) for s in stubs))
         except (grpc.RpcError, TimeoutError) as e:

@@ -21,6 +21,7 @@ from shard_worker.cuda_graphs import CudaGraphRunner, graphs_unsupported
 from shard_worker.draft import DraftModel
 from shard_worker.encoder_cache import EncoderCache
 from shard_worker.images import step_images
+from shard_worker.model.layers.gated_deltanet import StateStep
 from shard_worker.model.loader import load_model
 from shard_worker.model.lora import LoRAAdapters, check_lora, lora_batch, step_lora_batch
 from shard_worker.model.quant import base, cpu_linear
@@ -122,7 +123,15 @@ class ModelRunner(RunnerCaches):
             modules, max_rank, *slots = lora
             self.lora = LoRAAdapters(self.model, modules, max_rank, dtype, self.device, *slots)
         self.graphs: CudaGraphRunner | None = None
+        has_state = getattr(self.model, "has_state", False)
+        if has_state and speculative_model:
+            raise ValueError(
+                "--speculative-model: the model has linear-attention layers, whose state cannot take back "
+                "rejected proposals"
+            )
         reason = graphs_unsupported(self.attention, tp.world_size, _nccl_version()) if cuda_graphs else None
+        if cuda_graphs and reason is None and has_state:
+            reason = "linear-attention layers keep a per-sequence state the decode graphs do not carry"
         if reason is not None:
             log.warning("rank %d: no CUDA graphs: %s", tp.rank, reason)
         self.cuda_graphs = cuda_graphs and reason is None
@@ -141,6 +150,10 @@ class ModelRunner(RunnerCaches):
                 self._check_layers,
                 linear_dtype,
             )
+        # Linear-attention layers' state slots (per layer: conv, delta), and their swap space.
+        self.state_caches: list = []
+        self.host_state_caches: list = []
+        self.num_state_slots = 0  # what profile_num_blocks gave them of the budget
         self.kv_caches: list[torch.Tensor] = []
         # Swap space: the same layout as kv_caches, in host memory (pinned on CUDA, for fast copies).
         self.host_kv_caches: list[torch.Tensor] = []
@@ -168,6 +181,7 @@ class ModelRunner(RunnerCaches):
             "draft_model_name": self.draft.name if self.draft is not None else "",
             "layer_windows": self.model.layer_windows(),
             "layer_latent_dims": self.model.layer_latent_dims(),
+            "state_slot_bytes": self.state_slot_bytes(),
         }
 
     @torch.inference_mode()
@@ -213,6 +227,11 @@ class ModelRunner(RunnerCaches):
             extra = {} if types is None else {"token_type_ids": torch.from_numpy(types).to(self.device)}
             if images is not None:
                 extra["images"] = images
+            if getattr(self.model, "has_state", False):  # linear attention: each sequence's state slot
+                extra["state_step"] = StateStep.build(
+                    inputs.query_lens, inputs.context_lens, inputs.state_slots, self.device
+                )
+                extra["state_caches"] = self.state_caches
             with lora_batch(lora):
                 hidden = self.model(batch.input_ids, positions, ctx, self.kv_caches, **extra)
 

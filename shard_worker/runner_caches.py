@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import torch
 
+from common.kv_cache_spec import split_budget
 from common.sampling import SamplingConfig
 from shard_worker.attention.kv_dtype import as_bits
 from shard_worker.capacity import CudaMemory, kv_budget, synthetic_step, worst_step
@@ -33,6 +34,10 @@ class RunnerCaches:
         per_cache = math.prod(self.model.kv_cache_shape(1, block_size)) * self.kv_dtype.itemsize
         draft = self.draft.kv_block_bytes(block_size) if self.draft is not None else 0
         return self.model.num_kv_caches * per_cache + draft
+
+    def state_slot_bytes(self) -> int:
+        """Bytes one sequence's recurrent state takes on this rank (linear-attention layers; 0 for none)."""
+        return self.model.state_slot_bytes(self.dtype) if getattr(self.model, "has_state", False) else 0
 
     def profile_num_blocks(
         self,
@@ -75,8 +80,11 @@ class RunnerCaches:
             graphs = self._graph_bytes(block_size, max_num_seqs, max_model_len) if self.cuda_graphs else 0
             budget = kv_budget(total, gpu_memory_utilization, outside_torch, weights, peak) - graphs
             log.info("rank %d: CUDA graphs take %.1f MiB", self.tp.rank, graphs / 2**20)
-        num_blocks = budget // per_block - self.reserved_blocks
-        if num_blocks < 1:
+        # Linear-attention layers: a state slot per sequence first, from the same budget
+        # (common/kv_cache_spec.py split_budget); the rest in blocks.
+        blocks, self.num_state_slots = split_budget(budget, per_block, self.state_slot_bytes(), max_num_seqs)
+        num_blocks = blocks - self.reserved_blocks
+        if num_blocks < 1 or (self.state_slot_bytes() and not self.num_state_slots):
             raise RuntimeError(
                 f"no memory left for the KV cache: budget {budget / 2**20:.1f} MiB, one block needs "
                 f"{per_block / 2**20:.2f} MiB (raise gpu_memory_utilization or cpu_kv_cache_gib)"
@@ -95,6 +103,35 @@ class RunnerCaches:
         if self.draft is not None:
             self.draft.allocate(total, block_size)
         return total * self.kv_block_bytes(block_size)
+
+    def allocate_state_cache(self, num_slots: int, num_host_slots: int = 0) -> int:
+        """The recurrent-state slots (and their swap space), per linear-attention layer; returns bytes."""
+        self.state_caches, self.host_state_caches = [], []
+        if not num_slots or not getattr(self.model, "has_state", False):
+            return 0
+        self.state_caches = self.model.new_state_caches(num_slots, self.dtype, self.device)
+        if num_host_slots:
+            self.host_state_caches = self.model.new_state_caches(
+                num_host_slots, self.dtype, self.device, True
+            )
+        return (num_slots + num_host_slots) * self.state_slot_bytes()
+
+    @torch.inference_mode()
+    def swap_states(self, src_slots: list[int], dst_slots: list[int], out: bool) -> None:
+        """Copies state slot src_slots[i] to dst_slots[i] in every linear layer: device to host (out) or
+        host to device."""
+        src, dst = (
+            (self.state_caches, self.host_state_caches)
+            if out
+            else (self.host_state_caches, self.state_caches)
+        )
+        src_index = torch.tensor(src_slots, dtype=torch.long)
+        dst_index = torch.tensor(dst_slots, dtype=torch.long)
+        for layer_src, layer_dst in zip(src, dst, strict=True):
+            for s, d in zip(layer_src, layer_dst, strict=True):
+                d.index_copy_(
+                    0, dst_index.to(d.device), s.index_select(0, src_index.to(s.device)).to(d.device)
+                )
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> float:
         """Captures the decode graphs over the allocated cache (every rank at once: they all-reduce);

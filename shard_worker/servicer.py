@@ -61,6 +61,9 @@ def worker_step(req: worker_pb2.StepRequest) -> WorkerStep:
         new_block_counts=_array(req.new_block_counts),
         new_block_ids=_array(req.new_block_ids),
         group_new_block_ids=_array(req.group_new_block_ids),
+        state_slots=_array(req.state_slots) if req.state_slots else None,
+        state_swap_out=(list(req.state_swap_out_src), list(req.state_swap_out_dst)),
+        state_swap_in=(list(req.state_swap_in_src), list(req.state_swap_in_dst)),
         grammar_wait_ms=req.grammar_wait_ms,
         prompt_logprob_counts=_array(req.prompt_logprob_counts) if req.prompt_logprob_counts else None,
         draft_counts=_array(req.draft_counts) if req.draft_counts else None,
@@ -153,7 +156,7 @@ class ShardWorkerServicer(LoRAService, worker_pb2_grpc.ShardWorkerServicer):
             # A fixed count is the bytes of that many blocks of every layer: a model with layer groups
             # (common/kv_cache_spec.py) has blocks of fewer layers, and more of them in those bytes.
             model = self.runner.model
-            fixed = request.num_kv_blocks * model.config.num_layers // model.num_kv_caches
+            fixed = request.num_kv_blocks * model.num_kv_layers // model.num_kv_caches
             num_blocks = fixed or self.runner.profile_num_blocks(
                 block_size=request.block_size,
                 max_num_batched_tokens=request.max_num_batched_tokens,
@@ -162,6 +165,8 @@ class ShardWorkerServicer(LoRAService, worker_pb2_grpc.ShardWorkerServicer):
                 max_num_seqs=request.max_num_seqs,
                 max_model_len=request.max_model_len or None,
             )
+            if fixed:  # the blocks asked for, and a state slot for each sequence a step may carry
+                self.runner.num_state_slots = (request.max_num_seqs or 1) if info["state_slot_bytes"] else 0
         if not profiling:
             with self.phases.phase("warm_up", self.phases.compile_note):
                 self.runner.warm_up(request.block_size)
@@ -195,6 +200,8 @@ class ShardWorkerServicer(LoRAService, worker_pb2_grpc.ShardWorkerServicer):
             draft_model_name=info["draft_model_name"],
             layer_windows=info["layer_windows"],
             layer_latent_dims=info["layer_latent_dims"],
+            state_slot_bytes=info["state_slot_bytes"],
+            num_state_slots=self.runner.num_state_slots,
             startup_phases=[
                 worker_pb2.StartupPhase(name=n, seconds=t) for n, t in self.phases.seconds.items()
             ],
@@ -225,6 +232,8 @@ class ShardWorkerServicer(LoRAService, worker_pb2_grpc.ShardWorkerServicer):
                 request.num_host_blocks,
                 request.max_model_len,
                 request.max_num_seqs,
+                request.num_state_slots,
+                request.num_host_state_slots,
             )
         self.metrics.startup.labels(phase="kv_allocate").set(self.phases.seconds["kv_allocate"])
         log.info(

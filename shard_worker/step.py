@@ -62,6 +62,9 @@ class StepInputs:
     # (None: every token's type is 0).
     pool_index: np.ndarray | None = None
     token_type_ids: np.ndarray | None = None
+    # [S] each sequence's recurrent-state slot (linear-attention layers); None: none (a synthetic step
+    # then starts every sequence afresh and keeps nothing).
+    state_slots: np.ndarray | None = None
     # The other layer groups' tables, shaped as block_table (common/kv_cache_spec.py); empty for a model
     # with one group, or a synthetic step (every layer then reads block_table).
     group_block_tables: list = field(default_factory=list)
@@ -134,3 +137,8 @@ class WorkerStep:
     # The other layer groups' new table entries, group after group (as many per sequence as
     # new_block_counts says); empty for a model with one group.
     group_new_block_ids: np.ndarray | None = None
+    # Linear-attention models: each sequence's state slot, and the step's state copies (as swap_out and
+    # swap_in, for slots).
+    state_slots: np.ndarray | None = None
+    state_swap_out: tuple[list[int], list[int]] = ((), ())
+    state_swap_in: tuple[list[int], list[int]] = ((), ())

@@ -63,6 +63,8 @@ class Worker:
         num_host_blocks: int,
         max_model_len: int,
         max_num_seqs: int = 0,
+        num_state_slots: int = 0,
+        num_host_state_slots: int = 0,
     ):
         """Allocates the KV cache (and the swap space) for a new scheduler session, which introduces
         every sequence again: what this worker knew of the last one is dropped; then captures the decode
@@ -77,6 +79,7 @@ class Worker:
         ]
         nbytes = self.runner.allocate_kv_cache(num_blocks, block_size)
         host_bytes = self.runner.allocate_host_kv_cache(num_host_blocks, block_size)
+        nbytes += self.runner.allocate_state_cache(num_state_slots, num_host_state_slots)
         self.runner.capture_cuda_graphs(max_num_seqs, max_model_len)
         return nbytes, host_bytes
 
@@ -124,6 +127,10 @@ class Worker:
             self.runner.swap_out(*step.swap_out)
         if step.swap_in[0]:
             self.runner.swap_in(*step.swap_in)
+        if step.state_swap_out[0]:
+            self.runner.swap_states(*step.state_swap_out, out=True)
+        if step.state_swap_in[0]:
+            self.runner.swap_states(*step.state_swap_in, out=False)
         if not len(step.seq_ids):  # only grammars to wait for (every rank answers at once)
             return StepOutputs(grammar_ready_seq_ids=ready, grammar_errors=errors)
         try:
@@ -157,6 +164,7 @@ class Worker:
             input_ids=step.input_ids,
             block_table=block_table,
             group_block_tables=group_block_tables,
+            state_slots=step.state_slots,
             draft_counts=step.draft_counts,
             sequences=batch,
         )

@@ -62,6 +62,7 @@ class CausalLM(nn.Module):
     window_rule: ClassVar[str] = NO_WINDOW  # see shard_worker/model/config.py
     rope_by_layer_type: ClassVar[bool] = False  # rope_parameters has one rope per layer type (Gemma 3)
     kv_block_dim: ClassVar[int] = 1  # the dim of kv_cache_shape that indexes blocks (swap copies along it)
+    partial_rotary: ClassVar[bool] = False  # rotary over part of each head (Qwen3-Next)
     activations: ClassVar[tuple[str, ...]] = ("silu",)
     layer_class: ClassVar[type[nn.Module]]
     norm_class: ClassVar[type[nn.Module]] = RMSNorm
@@ -78,7 +79,7 @@ class CausalLM(nn.Module):
         specs = list(dict.fromkeys(config.rotary))
         self.rotary = nn.ModuleList(RotaryEmbedding(spec) for spec in specs)
         self.rotary_of_layer = [specs.index(spec) for spec in config.rotary]
-        attn = self.model.layers[0].self_attn.attn
+        attn = self.attentions()[0]
         self.num_local_kv_heads = attn.num_kv_heads
         self.head_dim = config.head_dim
         self.kv_layout = self._lay_out_kv_cache()
@@ -87,18 +88,27 @@ class CausalLM(nn.Module):
         # layer (a test or a benchmark driving the runner) needs a tensor per layer.
         self.share_kv_tensors = False
 
+    def attentions(self) -> list:
+        """The Attention of every layer that keeps K and V (all of them but a hybrid's linear-attention
+        layers), in order: the KV cache's layers."""
+        return [layer.self_attn.attn for layer in self.model.layers if hasattr(layer, "self_attn")]
+
+    @property
+    def num_kv_layers(self) -> int:
+        return len(self.attentions())
+
     @property
     def num_kv_caches(self) -> int:
         """The cache tensors a block has a page in."""
         if self.kv_layout is not None and self.share_kv_tensors:
             return self.kv_layout.layers_per_block
-        return self.config.num_layers
+        return self.num_kv_layers
 
     def _lay_out_kv_cache(self):
         """The layer groups (common/kv_cache_spec.py) when the layers' windows differ: each Attention
         learns its group, and the cache is layers_per_block tensors shared by the groups (layer j of
         every group in tensor j); None when every layer attends to every key (a tensor a layer)."""
-        attns = [layer.self_attn.attn for layer in self.model.layers]
+        attns = self.attentions()
         layout = kv_cache_spec.from_describe(
             [a.sliding_window or 0 for a in attns], 1, [getattr(a, "latent_dim", 0) for a in attns]
         )
@@ -109,19 +119,21 @@ class CausalLM(nn.Module):
         return layout
 
     def layer_windows(self) -> list[int]:
-        """Per layer: its sliding window, 0 for full attention (DescribeResponse.layer_windows)."""
-        return [layer.self_attn.attn.sliding_window or 0 for layer in self.model.layers]
+        """Per KV layer: its sliding window, 0 for full attention (DescribeResponse.layer_windows)."""
+        return [attn.sliding_window or 0 for attn in self.attentions()]
 
     def layer_latent_dims(self) -> list[int]:
         """Per layer: the values its cached latent holds a token (MLA), 0 for K and V per head
         (DescribeResponse.layer_latent_dims)."""
-        return [getattr(layer.self_attn.attn, "latent_dim", 0) for layer in self.model.layers]
+        return [getattr(attn, "latent_dim", 0) for attn in self.attentions()]
 
     @classmethod
     def config_from_hf(cls, hf, architecture: str, eos_ids: tuple[int, ...] = ()) -> ModelConfig:
         """This family's ModelConfig from transformers' parse of config.json; ValueError naming a field
         that is not served."""
-        common = common_fields(hf, architecture, eos_ids, cls.window_rule, cls.rope_by_layer_type)
+        common = common_fields(
+            hf, architecture, eos_ids, cls.window_rule, cls.rope_by_layer_type, cls.partial_rotary
+        )
         fields = common | cls.family_fields(hf)
         if fields["hidden_act"] not in cls.activations:
             raise ValueError(
@@ -152,10 +164,10 @@ class CausalLM(nn.Module):
             tensors = [lazy_zeros(shape, dtype) for _ in range(self.num_kv_caches)]
         else:
             tensors = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.num_kv_caches)]
-        if self.num_kv_caches == self.config.num_layers:
+        if self.num_kv_caches == self.num_kv_layers:
             return tensors
-        # One per layer, the groups' layers sharing the tensors: a pool block is one page of each.
-        return [tensors[self.kv_layout.tensor_of(i)] for i in range(self.config.num_layers)]
+        # One per KV layer, the groups' layers sharing the tensors: a pool block is one page of each.
+        return [tensors[self.kv_layout.tensor_of(i)] for i in range(self.num_kv_layers)]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)

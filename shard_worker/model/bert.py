@@ -182,6 +182,7 @@ class BertModel(nn.Module):
         self.num_local_kv_heads = 1
         self.head_dim = 1
         self.num_kv_caches = 1
+        self.num_kv_layers = config.num_layers  # what a fixed --num-kv-blocks counts in (servicer.py)
         self.offset = config.position_offset
 
     @classmethod

@@ -67,10 +67,16 @@ class ModelConfig:
 
 
 def common_fields(
-    hf, architecture: str, eos_ids: tuple[int, ...], window_rule: str, rope_by_layer_type: bool = False
+    hf,
+    architecture: str,
+    eos_ids: tuple[int, ...],
+    window_rule: str,
+    rope_by_layer_type: bool = False,
+    partial_rotary: bool = False,
 ) -> dict:
     """ModelConfig's fields as most families spell them in config.json (a family overrides any).
-    rope_by_layer_type: rope_parameters holds one rope per layer type (Gemma 3), not one for all."""
+    rope_by_layer_type: rope_parameters holds one rope per layer type (Gemma 3), not one for all.
+    partial_rotary: the family rotates part of each head (rotary_spec)."""
     refuse_if_set(hf, "mlp_bias", "attn_logit_softcapping", "final_logit_softcapping")
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     attention_bias = bool(getattr(hf, "attention_bias", False))
@@ -91,14 +97,14 @@ def common_fields(
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         eos_token_ids=_merge_ids(_as_ids(getattr(hf, "eos_token_id", None)), eos_ids),
         sliding_windows=layer_windows(hf, window_rule),
-        rotary=layer_rotary(hf, head_dim, rope_by_layer_type),
+        rotary=layer_rotary(hf, head_dim, rope_by_layer_type, partial_rotary),
     )
 
 
-def layer_rotary(hf, head_dim: int, by_layer_type: bool) -> tuple[RotarySpec, ...]:
+def layer_rotary(hf, head_dim: int, by_layer_type: bool, partial: bool = False) -> tuple[RotarySpec, ...]:
     params = getattr(hf, "rope_parameters", None) or {}
     if not by_layer_type:
-        return (rotary_spec(hf, head_dim, params),) * hf.num_hidden_layers
+        return (rotary_spec(hf, head_dim, params, partial=partial),) * hf.num_hidden_layers
     types = layer_types(hf)
     specs = {t: rotary_spec(hf, head_dim, params[t], layer_type=t) for t in sorted(set(types))}
     return tuple(specs[t] for t in types)

@@ -23,6 +23,9 @@ ARCHITECTURES = {
     "DeepseekV3ForCausalLM": "deepseek_v3:DeepseekV3ForCausalLM",
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl:Qwen2_5_VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration": "qwen3_vl:Qwen3VLForConditionalGeneration",
+    "Qwen3NextForCausalLM": "qwen3_next:Qwen3NextForCausalLM",
+    "Qwen3_5ForCausalLM": "qwen3_5:Qwen3_5ForCausalLM",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5:Qwen3_5ForConditionalGeneration",  # text only
     # Encoders, served for pooling only (common/pooling.py).
     "BertModel": "bert:BertModel",
     "BertForSequenceClassification": "bert:BertForSequenceClassification",

@@ -260,3 +260,20 @@ def test_gpu_check_skips_the_quantized_parts_when_the_budget_is_short():
     assert "quant_reference needs 150" in skip_reason("quant_reference", "cuda", 100)
     assert skip_reason("quant", "cpu", 10) is None  # toy sizes take seconds
     assert skip_reason("benchmark", "cuda", 1) is None and skip_reason("benchmark", "cuda", 0) is not None
+
+
+def test_kv_capacity_of_a_linear_attention_hybrid_is_3x_a_cache_for_every_layer(tmp_path):
+    """bench/kv_capacity.py on the test's Qwen3-Next (3 Gated DeltaNet layers, 1 attention layer): at
+    a fixed budget the scheduler's pool and slots hold at least 3x the 1,024-token sequences that the
+    same model with a KV cache for every layer would."""
+    import torch
+
+    from bench import kv_capacity
+    from tests.model_families import build_checkpoint
+
+    path = build_checkpoint("qwen3_next", tmp_path)
+    (name, _, _, full), (hybrid_name, _, _, hybrid) = kv_capacity.capacity(
+        str(path), 0.01, [1024], 16, torch.float32, max_num_seqs=128
+    )
+    assert (name, hybrid_name) == ("every layer full", "state + attention")
+    assert full >= 5 and hybrid >= 3 * full

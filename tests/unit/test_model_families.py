@@ -112,3 +112,29 @@ def test_a_tensor_the_model_does_not_have_is_named(checkpoint, tmp_path):
         save_file({**tensors, stray: torch.zeros(4)}, tmp_path / "model.safetensors")
         with pytest.raises(ValueError, match=f"tensor {stray} matches no "):
             new_runner(tmp_path, torch.float32)
+
+
+def test_qwen3_5_vision_language_checkpoint_serves_its_text_model(tmp_path):
+    """Qwen3.5's released layout (Qwen3_5ForConditionalGeneration: a text_config, the text model's
+    tensors under model.language_model., a vision tower and an MTP layer beside them) decodes what the
+    same text model does on its own."""
+    import shutil
+
+    from transformers import Qwen3_5Config
+
+    text = build_checkpoint("qwen3_5", tmp_path / "text")
+    vl = tmp_path / "vl"
+    config = Qwen3_5Config(text_config=json.loads((text / "config.json").read_text()))
+    config.architectures = ["Qwen3_5ForConditionalGeneration"]
+    config.save_pretrained(vl)
+    shutil.copy(text / "generation_config.json", vl)
+    with safe_open(text / "model.safetensors", "pt") as f:
+        tensors = {
+            name.replace("model.", "model.language_model.", 1): f.get_tensor(name)
+            for name in f.keys()  # noqa: SIM118 (not iterable)
+        }
+    tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(2, 2)
+    tensors["mtp.fc.weight"] = torch.zeros(2, 2)
+    save_file(tensors, vl / "model.safetensors")
+    served = chunked_greedy(new_runner(vl, torch.float64), prompts(), 6)
+    assert served == chunked_greedy(new_runner(text, torch.float64), prompts(), 6)

@@ -76,6 +76,10 @@ class Driver:
             self.states[init.seq_id] = self.runner.sampler.new_state(init)
 
     def execute(self, inp: StepInputs):
+        if getattr(self.runner.model, "has_state", False):  # linear attention: a slot per sequence id
+            if not self.runner.state_caches:
+                self.runner.allocate_state_cache(64)
+            inp.state_slots = inp.seq_ids.copy()
         sampled = [self.states[int(i)] for i, n in zip(inp.seq_ids, inp.sample_counts, strict=True) if n]
         return self.runner.execute(inp, sampled)
 

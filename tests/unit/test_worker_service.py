@@ -76,6 +76,7 @@ class FakeRunner:
     device = torch.device("meta")  # not "cpu": the servicer would size this process's torch threads
     dtype = kv_dtype = torch.float32
     kernel_warm_up = graphs = lora = sampler = None
+    num_state_slots = 0
 
     def __init__(self):
         self.allocations: list[int] = []
@@ -83,6 +84,7 @@ class FakeRunner:
         self.model = types.SimpleNamespace(
             config=types.SimpleNamespace(num_layers=1),
             num_kv_caches=1,
+            num_kv_layers=1,
             share_kv_tensors=False,
             kv_layout=None,
         )
@@ -91,7 +93,7 @@ class FakeRunner:
         return dict(
             model_name="fake", vocab_size=10, max_position_embeddings=64, eos_token_ids=[1],
             weight_bytes=0, draft_model_name="", layer_windows=[0], layer_latent_dims=[0], runner="generate",
-            embedding_size=0, cross_encoder=False,
+            embedding_size=0, cross_encoder=False, state_slot_bytes=0,
         )  # fmt: skip
 
     def warm_up(self, block_size):
@@ -108,6 +110,9 @@ class FakeRunner:
         return num_blocks
 
     def allocate_host_kv_cache(self, num_blocks, block_size):
+        return 0
+
+    def allocate_state_cache(self, num_slots, num_host_slots):
         return 0
 
     def capture_cuda_graphs(self, max_num_seqs, max_model_len):

@@ -51,23 +51,27 @@ def mrope_components(section: list[int], num_freqs: int, interleaved: bool) -> t
     return tuple(components)
 
 
-def rotary_spec(hf, head_dim: int, params: dict, layer_type: str | None = None) -> RotarySpec:
+def rotary_spec(
+    hf, head_dim: int, params: dict, layer_type: str | None = None, partial: bool = False
+) -> RotarySpec:
     """The spec of one rope: `params` is its rope_parameters dict (the whole dict, or the entry for
-    layer_type when the family gives each layer type its own). ValueError names what is not served."""
+    layer_type when the family gives each layer type its own). partial: the family rotates only the first
+    partial_rotary_factor of each head (Qwen3-Next; default rope only: len(inv_freq) says how much).
+    ValueError names what is not served."""
     where = f"rope_parameters[{layer_type!r}]" if layer_type else "rope_parameters"
     rope_type = params.get("rope_type", "default")
     if rope_type not in STATIC_ROPE_TYPES:
         raise ValueError(f"{where}.rope_type {rope_type!r} is not supported; supported: {STATIC_ROPE_TYPES}")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(
-            f"{where}.partial_rotary_factor {params['partial_rotary_factor']} is not supported (only 1)"
-        )
+    factor = params.get("partial_rotary_factor", 1.0)
+    if factor != 1.0 and not (partial and rope_type == "default"):
+        raise ValueError(f"{where}.partial_rotary_factor {factor} is not supported (only 1)")
     if rope_type == "yarn":
         inv_freq, attention_scaling = yarn_rope(params, head_dim, hf.max_position_embeddings)
         return RotarySpec(tuple(inv_freq.tolist()), attention_scaling)
     if rope_type == "default":
         # transformers' default rope, which lives on each model's rotary class rather than in the table.
-        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        dim = int(head_dim * factor)
+        exponent = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
         return RotarySpec(tuple((1.0 / (params["rope_theta"] ** exponent)).tolist()), 1.0)
     extra = {"layer_type": layer_type} if layer_type else {}
     inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"), **extra)
@@ -157,6 +161,9 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    if cos.shape[-1] < x.shape[-1]:  # partial rotary: the rest of each head passes unrotated
+        rot = cos.shape[-1]
+        return torch.cat([apply_rotary(x[..., :rot], cos, sin), x[..., rot:]], dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
