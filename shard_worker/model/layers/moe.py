@@ -75,7 +75,7 @@ class FusedMoE(nn.Module):
         num_experts: int,
         hidden_size: int,
         intermediate_size: int,
-        activation: str,
+        activation: str | None,
         tp: TensorParallel,
         bias: bool = False,
     ):
@@ -84,7 +84,7 @@ class FusedMoE(nn.Module):
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.local_intermediate = divide(intermediate_size, tp.world_size, "expert intermediate features")
-        self.act = ACTIVATIONS.get(activation)
+        self.act = ACTIVATIONS[activation] if activation is not None else None  # None: gated() overridden
         self.gate_up_proj_bias = self.down_proj_bias = None
         if bias:
             n = self.local_intermediate
@@ -191,7 +191,7 @@ class GptOssExperts(FusedMoE):
 
     def __init__(self, num_experts, hidden_size, intermediate_size, tp, alpha: float, limit: float):
         self.alpha, self.limit = alpha, limit
-        super().__init__(num_experts, hidden_size, intermediate_size, "clamped_swiglu", tp, bias=True)
+        super().__init__(num_experts, hidden_size, intermediate_size, None, tp, bias=True)
         self.gate_up_proj_bias.weight_loader = self.load_gate_up_bias
         self.down_proj_bias.weight_loader = self.load_down_bias
 
