@@ -19,6 +19,38 @@ TINY = ROOT / "models" / "tiny"
 SMOLLM2 = ROOT / "models" / "smollm2"
 
 
+# The modules that serve the session's SmolLM2 stack (smollm2_stack below). Under `-n N --dist loadfile` they
+# are one unit of work, so one worker starts that stack once (each start costs 40-50 s, and the stack then
+# holds its memory to the session's end); a module missing from this list still works, on a stack of its
+# worker's own.
+SMOLLM2_MODULES = {
+    "tests/e2e/test_agent_apis_serving.py",
+    "tests/e2e/test_chat.py",
+    "tests/e2e/test_openai.py",
+    "tests/e2e/test_openai_vllm.py",
+    "tests/e2e/test_pooling_serving.py",
+    "tests/e2e/test_structured.py",
+}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` with the SmolLM2 modules as one unit, and the units handed out in collection
+    order (tests/e2e/ first: its modules are the long ones) rather than xdist's default of most tests
+    first, which left the e2e modules, a few long tests each, to run last and set the tail."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class Scheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = super()._split_scope(nodeid)
+            return "smollm2 stack" if module in SMOLLM2_MODULES else module
+
+    config.option.loadscopereorder = False
+    return Scheduling(config, log)
+
+
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
     if not (TINY / "config.json").is_file():

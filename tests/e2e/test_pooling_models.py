@@ -6,24 +6,19 @@ different lengths in one step, as the scheduler batches them."""
 
 from __future__ import annotations
 
-import gc
 import random
-import traceback
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from common.grpc_util import ReservedPort
 from shard_worker.model_runner import ModelRunner
-from shard_worker.parallel import TensorParallel, init_tensor_parallel
+from shard_worker.parallel import TensorParallel
 from shard_worker.pooling import token_types
 from shard_worker.step import StepInputs
 from tests.pooling_models import KINDS, VOCAB, build, reference
+from tests.two_ranks import run_two_ranks
 
-JOIN_TIMEOUT_S = 180
 BLOCK = 16
 
 
@@ -62,24 +57,9 @@ def pooled(model_dir: str, kind: str, tp: TensorParallel) -> torch.Tensor | None
     return torch.tensor(out.pooled).view(len(ps), -1) if tp.rank == 0 else None
 
 
-def _rank_main(rank: int, addr: str, models: dict[str, str], results, release) -> None:
-    try:
-        torch.set_num_threads(1)
-        torch.set_flush_denormal(True)
-        tp = init_tensor_parallel(rank, 2, addr, torch.device("cpu"))
-        for kind, model_dir in models.items():
-            got = pooled(model_dir, kind, tp)
-            if rank == 0:
-                results.put((kind, got))
-        dist.barrier()  # see tests/e2e/test_tensor_parallel.py: the group's teardown order
-        del tp
-        gc.collect()
-        dist.destroy_process_group()
-        if rank == 0:
-            release.wait(JOIN_TIMEOUT_S)
-    except BaseException:
-        results.put((f"rank {rank} failed", traceback.format_exc()))
-        raise
+def _pooled_each(tp: TensorParallel, models: dict[str, str]):
+    for kind, model_dir in models.items():
+        yield kind, pooled(model_dir, kind, tp)
 
 
 @pytest.fixture(scope="module")
@@ -90,31 +70,7 @@ def models(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def two_ranks(models) -> dict[str, torch.Tensor]:
-    ctx = mp.get_context("spawn")
-    results, release = ctx.Queue(), ctx.Event()
-    rendezvous = ReservedPort()
-    args = (f"127.0.0.1:{rendezvous.port}", models, results, release)
-    procs = [ctx.Process(target=_rank_main, args=(r, *args)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        got = {}
-        while len(got) < len(models):
-            key, value = results.get(timeout=JOIN_TIMEOUT_S)
-            if "failed" in key:
-                pytest.fail(f"{key}:\n{value}")
-            got[key] = value
-        for rank in (1, 0):
-            procs[rank].join(timeout=JOIN_TIMEOUT_S)
-            release.set()
-            assert procs[rank].exitcode == 0, f"rank {rank} exited with {procs[rank].exitcode}"
-        return got
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=10)
-        rendezvous.close()
+    return run_two_ranks(_pooled_each, (models,), len(models))
 
 
 def expected(model_dir: str, kind: str) -> torch.Tensor:

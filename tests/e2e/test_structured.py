@@ -264,19 +264,19 @@ PROMPT = "Write a short story about a lighthouse keeper who finds a message in a
 
 def test_n_choices_equal_single_requests_with_derived_seeds_and_share_the_prompt(stack):
     http, stub, _ = stack
-    kw = dict(model="smollm2", prompt=PROMPT, max_tokens=24, temperature=1.0, extra_body={"ignore_eos": True})
+    kw = dict(model="smollm2", prompt=PROMPT, max_tokens=16, temperature=1.0, extra_body={"ignore_eos": True})
     together = http.completions.create(n=3, seed=7, **kw)
     assert [c.index for c in together.choices] == [0, 1, 2]
     alone = [http.completions.create(seed=7 + i, **kw).choices[0].text for i in range(3)]
     assert [c.text for c in together.choices] == alone
     assert len(set(alone)) == 3
-    assert together.usage.completion_tokens == 72
-    # KV in use mid-flight: n=3 holds the prompt's full blocks once, three requests three times.
-    longer = kw | {"max_tokens": 48}
-    shared = peak_blocks(stub, lambda: http.completions.create(n=3, seed=1, **longer))
+    assert together.usage.completion_tokens == 3 * 16
+    # KV in use mid-flight: n=3 holds the prompt's full blocks once (4 of its 65 tokens), three
+    # requests three times; 16 tokens each keep them all in flight together.
+    shared = peak_blocks(stub, lambda: http.completions.create(n=3, seed=1, **kw))
     with ThreadPoolExecutor(3) as pool:
         apart = peak_blocks(
-            stub, lambda: list(pool.map(lambda s: http.completions.create(seed=s, **longer), range(3)))
+            stub, lambda: list(pool.map(lambda s: http.completions.create(seed=s, **kw), range(3)))
         )
     prompt_blocks = len(together.choices) and http.completions.create(
         model="smollm2", prompt=PROMPT, max_tokens=1

@@ -3,28 +3,24 @@ one rank, on the tiny model and on a tiny model with a single KV head (replicate
 
 from __future__ import annotations
 
-import gc
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from common.grpc_util import ReservedPort
 from common.sampling import SamplingConfig
 from shard_worker.model.builder import build_model
 from shard_worker.model_runner import ModelRunner
-from shard_worker.parallel import TensorParallel, init_tensor_parallel
+from shard_worker.parallel import TensorParallel
 from shard_worker.step import SequenceInit, StepInputs
+from tests.two_ranks import run_two_ranks
 
 BLOCK_SIZE = 4
 BLOCKS_PER_SEQ = 16
 PROMPTS = [[0, 11, 305, 72, 9], [0, 400, 3], [0, *range(500, 520)]]  # the last is prefilled in two chunks
 STEPS = 8
 TOP = 3  # logprobs alternatives asked for, to compare numbers and not only argmaxes
-JOIN_TIMEOUT_S = 120
 
 
 def run_greedy(runner: ModelRunner, tp: TensorParallel) -> tuple[list[list[int]], list[list[float]]]:
@@ -69,29 +65,9 @@ def run_greedy(runner: ModelRunner, tp: TensorParallel) -> tuple[list[list[int]]
     return [t[len(p) :] for t, p in zip(tokens, PROMPTS, strict=True)], logprobs
 
 
-def _rank_main(rank: int, world_size: int, addr: str, model_dirs: list[str], results, release) -> None:
-    try:
-        torch.set_num_threads(1)
-        torch.set_flush_denormal(True)
-        tp = init_tensor_parallel(rank, world_size, addr, torch.device("cpu"))
-        for model_dir in model_dirs:
-            runner = ModelRunner(model_dir, torch.float64, torch.device("cpu"), tp)
-            got = run_greedy(runner, tp)
-            if rank == 0:
-                results.put((model_dir, got))
-        # Neither rank may tear its connections down while the other still uses them, and rank 0, which
-        # serves the rendezvous store, leaves last. The group must be destroyed by its last owner: one
-        # still referenced (by tp) is destroyed at interpreter exit instead, where gloo's threads abort
-        # the process now and then ("terminate called without an active exception").
-        dist.barrier()
-        del runner, tp
-        gc.collect()
-        dist.destroy_process_group()
-        if rank == 0:
-            release.wait(JOIN_TIMEOUT_S)
-    except BaseException:
-        results.put((f"rank {rank} failed", traceback.format_exc()))
-        raise
+def _greedy_on_each(tp: TensorParallel, model_dirs: list[str]):
+    for model_dir in model_dirs:
+        yield model_dir, run_greedy(ModelRunner(model_dir, torch.float64, torch.device("cpu"), tp), tp)
 
 
 @pytest.fixture(scope="module")
@@ -102,34 +78,8 @@ def one_kv_head_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def two_rank_results(tiny_model, one_kv_head_model) -> dict:
     """Runs both models in one pair of processes (spawning is the slow part)."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    rendezvous = ReservedPort()  # held until the ranks are done (closed below)
-    addr = f"127.0.0.1:{rendezvous.port}"
     model_dirs = [str(tiny_model), str(one_kv_head_model)]
-    release = ctx.Event()
-    args = (addr, model_dirs, results, release)
-    procs = [ctx.Process(target=_rank_main, args=(r, 2, *args)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        got = {}
-        while len(got) < len(model_dirs):
-            key, value = results.get(timeout=JOIN_TIMEOUT_S)
-            if "failed" in key:
-                pytest.fail(f"{key}:\n{value}")
-            got[key] = value
-        for rank in (1, 0):
-            procs[rank].join(timeout=JOIN_TIMEOUT_S)
-            release.set()
-            assert procs[rank].exitcode == 0, f"rank {rank} exited with {procs[rank].exitcode}"
-        return got
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=10)
-        rendezvous.close()
+    return run_two_ranks(_greedy_on_each, (model_dirs,), len(model_dirs))
 
 
 def single_rank(model_dir) -> tuple[list[list[int]], list[list[float]]]:
