@@ -2,7 +2,10 @@
 2048, and one mixed step (a 1,900-token prompt, 30 short prompts and 64 decodes at 2,048), in float32 on
 this machine's device, at SmolLM2-135M's attention shape (9 query heads, 3 KV heads, head_dim 64).
 
-    .venv/bin/python -m bench.attention [--backends flex,reference] [--rounds 3] [--window 0]
+    .venv/bin/python -m bench.attention [--backends flex,reference] [--rounds 3] [--window 0] [--sinks]
+
+--sinks gives the layer gpt-oss's attention sinks (a logit per head; the backends that serve them: cpu,
+triton, reference), to compare with a run without.
 
 Each figure is the best of --rounds (a neighbour's burst of work then costs a round, not a case), after
 one untimed call that compiles (a worker does this at start-up). Ratios from one run are what to quote.
@@ -61,6 +64,7 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--window", type=int, default=0, help="sliding window of the layer (0: none)")
+    p.add_argument("--sinks", action="store_true", help="the layer has gpt-oss's attention sinks")
     a = p.parse_args()
     torch.set_flush_denormal(True)
     device = torch.device(a.device)
@@ -68,6 +72,8 @@ def main() -> None:
     num_blocks = max(n * -(-c // BLOCK_SIZE) for n, c in DECODE_CASES + [(len(MIXED_STEP), 2048)])
     cache = torch.rand(2, num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device=device) - 0.5
     layer = Attention(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5, sliding_window=a.window or None)
+    if a.sinks:
+        layer.sinks = torch.linspace(-2.0, 2.0, HEADS, device=device)
     cases = [(f"decode {n} x {c}", [(1, c)] * n) for n, c in DECODE_CASES] + [("mixed step", MIXED_STEP)]
     print(f"{'case':>20} " + " ".join(f"{n + ' ms':>14}" for n in names) + f"  {names[-1]}/{names[0]}")
     for title, lens in cases:

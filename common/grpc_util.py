@@ -14,10 +14,14 @@ import grpc
 # Set deliberately rather than left at gRPC's 4 MiB receive default: a step for a full batch of long
 # prompts carries a few hundred thousand ints, and a prompt may be sent as token ids.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# The internal streams' limit (router -> scheduler -> workers): a request's images travel with it as the
+# processor's float32 pixels (9.6 MB for one of Gemma 3's 896 x 896), and one step may introduce several
+# such sequences to the workers at once.
+INTERNAL_MESSAGE_BYTES = 1024 * 1024 * 1024
 
 OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", INTERNAL_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", INTERNAL_MESSAGE_BYTES),
     # Internal streams stay open for hours; keepalives notice a dead peer instead of waiting forever.
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
@@ -50,7 +54,10 @@ def public_server_options(max_pending_calls: int) -> list[tuple[str, object]]:
     is shed below it, so each one reaches the router, which answers it (RESOURCE_EXHAUSTED when its own
     queue is full). Core still cancels a call that waits there longer than 30 s
     (grpc.server_max_unrequested_time_in_server)."""
-    return SERVER_OPTIONS + [
+    limits = ("grpc.max_send_message_length", "grpc.max_receive_message_length")
+    # Clients' messages keep the public limit (an image comes as a URL or its file's bytes, not pixels).
+    return [o for o in SERVER_OPTIONS if o[0] not in limits] + [
+        *((name, MAX_MESSAGE_BYTES) for name in limits),
         ("grpc.server.max_pending_requests", max_pending_calls),
         ("grpc.server.max_pending_requests_hard_limit", max_pending_calls),
     ]

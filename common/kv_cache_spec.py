@@ -62,7 +62,21 @@ class SlidingWindowSpec:
         return blocks_for(num_tokens, self.block_size) - self.first_needed_block(num_tokens)
 
 
-KVCacheSpec = FullAttentionSpec | SlidingWindowSpec
+@dataclass(frozen=True)
+class MLASpec(FullAttentionSpec):
+    """Multi-head latent attention (DeepSeek-V2/V3): every query reads every token before it, as in full
+    attention, so the same blocks are held; but a token's page is one latent of latent_dim values
+    (kv_lora_rank + qk_rope_head_dim) that every head reads, not a key and a value per KV head, and it
+    is the same on every tensor-parallel rank (the latent is replicated; the heads are split)."""
+
+    latent_dim: int = 0
+
+    def __post_init__(self):
+        if self.latent_dim < 1:
+            raise ValueError(f"an MLA latent must hold at least 1 value a token, got {self.latent_dim}")
+
+
+KVCacheSpec = FullAttentionSpec | SlidingWindowSpec | MLASpec
 
 
 @dataclass(frozen=True)
@@ -123,8 +137,11 @@ class KVCacheLayout:
         return sum(g.spec.blocks_held(num_tokens) for g in self.groups)
 
 
-def group_layers(windows: list[int | None], block_size: int) -> KVCacheLayout:
-    """The layout of a model whose layer i attends over windows[i] tokens (None: every token before it).
+def group_layers(
+    windows: list[int | None], block_size: int, latent_dims: list[int] | tuple[int, ...] = ()
+) -> KVCacheLayout:
+    """The layout of a model whose layer i attends over windows[i] tokens (None: every token before it),
+    and caches a latent of latent_dims[i] values a token (MLA; 0 or absent: K and V per head).
 
     Layers of one kind share a group; every group holds the same number of layers, the fewest any kind
     has (vLLM's rule), so that a pool block is the same page whichever group takes it. A kind whose count
@@ -133,25 +150,40 @@ def group_layers(windows: list[int | None], block_size: int) -> KVCacheLayout:
     one the prefix cache names and swaps whole."""
     if not windows:
         raise ValueError("a model with no attention layers has no KV cache layout")
-    kinds: dict[int | None, list[int]] = {}
-    for layer, w in enumerate(windows):
-        kinds.setdefault(w, []).append(layer)
+    latents = list(latent_dims) or [0] * len(windows)
+    if len(latents) != len(windows):
+        raise ValueError(f"{len(latents)} latent widths for {len(windows)} layers")
+    if any(latents) and len(set(latents)) > 1:
+        # A pool block is one page of each cache tensor, shared by the groups: pages of one size only.
+        raise ValueError(
+            f"layers caching latents of widths {sorted(set(latents))} in one model are not served"
+        )
+    kinds: dict[tuple[int | None, int], list[int]] = {}
+    for layer, (w, latent) in enumerate(zip(windows, latents, strict=True)):
+        if w is not None and latent:
+            raise ValueError(f"layer {layer}: a sliding window over an MLA latent is not served")
+        kinds.setdefault((w, latent), []).append(layer)
     size = min(len(v) for v in kinds.values())
     groups = []
-    for w in sorted(kinds, key=lambda w: (w is not None, w or 0)):
-        spec = FullAttentionSpec(block_size) if w is None else SlidingWindowSpec(block_size, w)
-        layers = kinds[w]
+    for w, latent in sorted(kinds, key=lambda k: (k[0] is not None, k[0] or 0, k[1])):
+        if latent:
+            spec = MLASpec(block_size, latent)
+        else:
+            spec = FullAttentionSpec(block_size) if w is None else SlidingWindowSpec(block_size, w)
+        layers = kinds[(w, latent)]
         groups += [KVCacheGroup(spec, tuple(layers[i : i + size])) for i in range(0, len(layers), size)]
     return KVCacheLayout(tuple(groups), size)
 
 
-def from_describe(layer_windows, block_size: int) -> KVCacheLayout | None:
-    """The layout of a worker's DescribeResponse.layer_windows (0: full attention); None when every layer
-    is full attention (one group of every layer: the pool as it always was)."""
+def from_describe(layer_windows, block_size: int, layer_latent_dims=()) -> KVCacheLayout | None:
+    """The layout of a worker's DescribeResponse.layer_windows (0: full attention) and layer_latent_dims
+    (0 or absent: K and V per head); None when every layer is full attention over K and V (one group of
+    every layer: the pool as it always was)."""
     windows = [w or None for w in layer_windows]
-    if all(w is None for w in windows):
+    latents = list(layer_latent_dims)
+    if all(w is None for w in windows) and not any(latents):
         return None
-    return group_layers(windows, block_size)
+    return group_layers(windows, block_size, latents)
 
 
 def padding(layout: KVCacheLayout) -> int:
@@ -174,7 +206,10 @@ def summary(layout: KVCacheLayout) -> str:
     """One line for the log: the groups and what each keeps."""
     parts = []
     for g in layout.groups:
-        kind = "full" if isinstance(g.spec, FullAttentionSpec) else f"sliding {g.spec.window}"
+        if isinstance(g.spec, MLASpec):
+            kind = f"MLA latent {g.spec.latent_dim}"
+        else:
+            kind = "full" if isinstance(g.spec, FullAttentionSpec) else f"sliding {g.spec.window}"
         parts.append(f"{kind} x{len(g.layers)}")
     gcd = math.gcd(*(len(g.layers) for g in layout.groups))
     return f"{layout.num_groups} KV groups ({', '.join(parts)}), {layout.layers_per_block} pages a block" + (

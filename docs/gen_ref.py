@@ -101,16 +101,19 @@ def _registries():
     from router.metrics import RouterMetrics
     from scheduler.metrics import SchedulerMetrics
     from scheduler.speculation import SpeculationTotals
+    from shard_worker.encoder_cache import EncoderCache
     from shard_worker.metrics import WorkerMetrics
 
     admission = SimpleNamespace(stats=lambda now: [])
     engine = SimpleNamespace(
         snapshot=lambda: None, speculator=SimpleNamespace(totals=SpeculationTotals(accepted_per_position=[]))
     )
+    worker = WorkerMetrics(torch.device("cpu"), 0)
+    worker.watch_encoder_cache(EncoderCache(0))  # a vision model's
     return [
         ("router", "router/metrics.py", RouterMetrics(admission).registry),
         ("scheduler", "scheduler/metrics.py", SchedulerMetrics(engine).registry),
-        ("shard worker", "shard_worker/metrics.py", WorkerMetrics(torch.device("cpu"), 0).registry),
+        ("shard worker", "shard_worker/metrics.py", worker.registry),
     ]
 
 

@@ -30,6 +30,7 @@ from router.choices import choice_ids, choice_seed, merged
 from router.config import RouterConfig
 from router.lora import LoRANames
 from router.media.loader import MediaLoader, takes_images
+from router.media.render import ImagePromptRenderer, prompt_images
 from router.metrics import RouterMetrics
 from router.objectives import NotAllowed, for_request
 from router.pool import SchedulerPool
@@ -63,6 +64,8 @@ class Frontend(ChoiceStreams):
         # The LoRA adapters served, loaded and unloaded while serving on every replica (router/lora.py).
         self.loras = LoRANames(config, pool, RequestFailed)
         self.media = MediaLoader(config.media, takes_images(config.model))  # a chat request's images
+        # The checkpoint's own processor (placeholders expanded, pixels prepared), for prompts with images.
+        self.renderer = ImagePromptRenderer.from_pretrained(config.model) if self.media.takes_images else None
         pool.on_link_connected = self.loras.reconnected
         self.priority_keys: ApiKeys | None = None  # --priority-api-key-file (objectives.py for_request)
 
@@ -155,7 +158,10 @@ class Frontend(ChoiceStreams):
 
         def encode() -> tuple[list[int], list[str] | None]:
             check_chat(request, limits.max_chat_messages, limits.prompt_char_limit)
-            if request.messages:
+            if images:  # the placeholders expanded, as generate renders them
+                prompt = chat_prompt(request)
+                ids = self.renderer.render(tok.chat_text(prompt), prompt, images).token_ids
+            elif request.messages:
                 ids = tok.render_chat(chat_prompt(request))
             elif len(request.text) > limits.prompt_char_limit:
                 raise ValidationError(
@@ -165,7 +171,7 @@ class Frontend(ChoiceStreams):
                 ids = tok.encode(request.text, add_special_tokens(request))
             return ids, tok.token_strs(ids) if token_strs else None
 
-        await self._checked(self.media.load(request), request)  # images: as generate refuses them
+        images = await self._checked(self.media.load(request), request)  # as generate refuses them
         ids, strs = await self._checked(tok.run(encode), request)
         return ids, strs, limits.max_model_len
 
@@ -181,9 +187,25 @@ class Frontend(ChoiceStreams):
             )
         return await self.tokenizer.decoding.run(self.tokenizer.decode, token_ids)
 
-    async def _validate(self, request: generation_pb2.GenerateRequest) -> ValidatedRequest:
+    async def _validate(self, request: generation_pb2.GenerateRequest, images=()) -> ValidatedRequest:
+        """images: the request's decoded images (MediaLoader.load); the prompt is then rendered by the
+        checkpoint's processor, and the result's .images are AddRequest.images (pixels included)."""
         limits = self._ready_limits()
         tok = self.tokenizer
+        if images:
+            # The processor tokenizes the template's text with the images' placeholders expanded and
+            # prepares each image's pixels (resize, rescale, normalise): on the tokenizer's threads, like
+            # any prompt, never on the event loop.
+            prepared = []
+
+            def render_chat(prompt) -> list[int]:
+                rendered = self.renderer.render(tok.chat_text(prompt), prompt, images)
+                prepared[:] = prompt_images(rendered.images)  # the pixels packed here too, off the loop
+                return rendered.token_ids
+
+            validating = tok.run(validate_request, request, limits, tok.encode, render_chat, tok.encode_words)
+            req = await self._checked(validating, request)
+            return dataclasses.replace(req, images=tuple(prepared))
         light = not request.sampling.bad_words and not request.sampling.HasField("structured_output")
         if len(request.token_ids) and light:  # nothing to tokenize or compile: cheap enough for the loop
             return await self._checked(_done(validate_request, request, limits), request)
@@ -208,8 +230,8 @@ class Frontend(ChoiceStreams):
             raise RequestFailed(
                 grpc.StatusCode.NOT_FOUND, f"LoRA adapter {request.lora_name!r} is not served", "lora_name"
             )
-        await self._checked(self.media.load(request), request)  # refused, or read, before anything else
-        req = await self._validate(request)
+        images = await self._checked(self.media.load(request), request)  # refused, or read, first
+        req = await self._validate(request, images)
         # Before the tool-call parser and the grammar: both see only the content after a think block.
         parser, tok = self.config.reasoning_parser, self.tokenizer
         req, thinking = await self._checked(_done(reasoning_for, parser, tok, request, req), request)
@@ -231,6 +253,7 @@ class Frontend(ChoiceStreams):
                 add = self._add(req, i, rid, ids[0], span, request.lora_name)
                 add.priority = objectives.priority
                 add.tpot_objective_ms = round((objectives.tpot_s or 0) * 1000)
+                add.images.extend(req.images)
                 queues.append(self._submit(add, objectives))
                 submitted.append(rid)
             # Built off the loop too: each decodes the prompt's tail.

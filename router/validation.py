@@ -93,6 +93,9 @@ class ValidatedRequest:
     skip_special_tokens: bool = True
     n: int = 1  # choices
     prompt_logprobs: int | None = None  # alternatives per prompt position; None: not wanted
+    # A chat prompt's images as the checkpoint's processor prepared them, in prompt order: AddRequest's
+    # PromptImage messages (placeholder span, content hash, pixels; router/media/render.py).
+    images: tuple = ()
 
 
 # The prompt's three forms; exactly one must be given.

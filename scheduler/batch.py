@@ -47,6 +47,7 @@ def sequence_init(seq: Sequence) -> worker_pb2.SequenceInit:
         lora_name=seq.lora_name,
         pooling=seq.pooling,
         token_type_start=seq.token_type_start,
+        images=seq.image_inputs,
     )
 
 

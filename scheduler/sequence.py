@@ -75,6 +75,9 @@ class Sequence:
     proposer_state: Any = None
     lora_name: str = ""  # the LoRA adapter it runs on; "": the base model
     images: tuple[ImageSpan, ...] = ()  # the prompt's images: part of its blocks' hashes
+    # The same images as the router sent them (scheduler.proto PromptImage, pixels included): opaque
+    # here, handed to the workers each time the sequence is introduced (their vision encoder's input).
+    image_inputs: tuple[Any, ...] = ()
     # vLLM's priority (lower first) and when its first token is due (monotonic; None: no TTFT objective):
     # the waiting queue's order (scheduler/slack.py).
     priority: int = 0
@@ -123,6 +126,7 @@ def from_request(msg, seq_id: int, arrival_time: float, fork_of: Sequence | None
         prompt_logprobs=msg.prompt_logprobs if msg.want_prompt_logprobs else None,
         lora_name=msg.lora_name,
         images=tuple(ImageSpan(im.offset, im.length, im.hash) for im in msg.images),
+        image_inputs=tuple(msg.images),
         priority=msg.priority,
         ttft_deadline=arrival_time + msg.ttft_budget_ms / 1000 if msg.ttft_budget_ms else None,
         pooling=msg.pooling,

@@ -100,7 +100,9 @@ class WorkerGroup:
                         f"expected rank {rank} of {len(infos)}"
                     )
             check_lora_settings(cfg.enable_lora, cfg.lora_modules, policy.max_loras, infos)
-            layout = kv_cache_spec.from_describe(infos[0].layer_windows, cfg.block_size)
+            layout = kv_cache_spec.from_describe(
+                infos[0].layer_windows, cfg.block_size, infos[0].layer_latent_dims
+            )
             capacity = settle(
                 [
                     RankCapacity(

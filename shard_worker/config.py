@@ -93,7 +93,7 @@ class WorkerConfig:
         "auto",
         help="auto (triton on CUDA, cpu on CPU, reference in float64), cpu (our C++ paged kernel for "
         "decodes, SDPA for prefills; float32, bfloat16, float16), flex (CPU float32), triton, or reference "
-        "(one sequence at a time: exact, slow)",
+        "(one sequence at a time: exact, slow); gpt-oss's attention sinks: all but flex",
         choices=ATTENTION_BACKENDS,
         launch=True,
     )

@@ -6,7 +6,7 @@ import resource
 
 import torch
 from prometheus_client import CollectorRegistry, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from common.metrics import LATENCY_BUCKETS
 
@@ -51,6 +51,33 @@ class _DeviceCollector:
             yield util
 
 
+class _EncoderCacheCollector:
+    """The vision encoder's runs and the encoder cache's hits (shard_worker/encoder_cache.py), read at
+    scrape time from the counters the cache keeps."""
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    def collect(self):
+        encodes = CounterMetricFamily(
+            "tpserve_worker_image_encodes",
+            "Images this rank's vision encoder encoded (an image found in the encoder cache is not).",
+        )
+        encodes.add_metric([], self.cache.encodes)
+        yield encodes
+        hits = CounterMetricFamily(
+            "tpserve_worker_encoder_cache_hits",
+            "Images whose encoder output this rank took from its encoder cache, by content hash.",
+        )
+        hits.add_metric([], self.cache.hits)
+        yield hits
+        held = GaugeMetricFamily(
+            "tpserve_worker_encoder_cache_bytes", "Bytes of encoder outputs this rank's encoder cache holds."
+        )
+        held.add_metric([], self.cache.bytes)
+        yield held
+
+
 class WorkerMetrics:
     def __init__(self, device: torch.device, rank: int):
         r = self.registry = CollectorRegistry()
@@ -89,3 +116,7 @@ class WorkerMetrics:
             registry=r,
         )
         r.register(_DeviceCollector(device, rank))
+
+    def watch_encoder_cache(self, cache) -> None:
+        """Reports a vision model's encoder cache (ModelRunner.encoder_cache)."""
+        self.registry.register(_EncoderCacheCollector(cache))

@@ -16,12 +16,16 @@ import torch
 
 from common.pooling import pooling_config
 from shard_worker.attention import Attention, StepBatch, select_backend
+from shard_worker.attention.latent import LatentAttention
 from shard_worker.cuda_graphs import CudaGraphRunner, graphs_unsupported
 from shard_worker.draft import DraftModel
+from shard_worker.encoder_cache import EncoderCache
+from shard_worker.images import step_images
 from shard_worker.model.layers.gated_deltanet import StateStep
 from shard_worker.model.loader import load_model
 from shard_worker.model.lora import LoRAAdapters, check_lora, lora_batch, step_lora_batch
 from shard_worker.model.quant import base, cpu_linear
+from shard_worker.mrope import step_positions
 from shard_worker.parallel import TensorParallel
 from shard_worker.pooling import Pooler
 from shard_worker.runner_caches import RunnerCaches
@@ -32,6 +36,10 @@ from shard_worker.step import StepInputs, StepOutputs
 from shard_worker.warm_up import KernelWarmUp
 
 log = logging.getLogger("tpserve.shard_worker")
+
+# The vision encoder's outputs kept by image hash (beyond those a running sequence still needs): one of
+# Gemma 3 4B's images is 256 x 2560 floats, 2.6 MB in float32, so about a hundred pictures.
+ENCODER_CACHE_BYTES = 256 * 2**20
 
 
 class ModelRunner(RunnerCaches):
@@ -107,6 +115,9 @@ class ModelRunner(RunnerCaches):
                 self.kernel_warm_up.wait()
             raise
         self.pooler = Pooler(pooling_config(self.model_dir), self.model) if runner == "pooling" else None
+        # A model that takes images (encode_images) keeps its vision encoder's outputs by image hash.
+        takes_images = hasattr(self.model, "encode_images")
+        self.encoder_cache = EncoderCache(ENCODER_CACHE_BYTES) if takes_images else None
         self.lora = None
         if lora is not None:
             modules, max_rank, *slots = lora
@@ -169,6 +180,7 @@ class ModelRunner(RunnerCaches):
             "weight_bytes": base.weight_bytes(self.model),
             "draft_model_name": self.draft.name if self.draft is not None else "",
             "layer_windows": self.model.layer_windows(),
+            "layer_latent_dims": self.model.layer_latent_dims(),
             "state_slot_bytes": self.state_slot_bytes(),
         }
 
@@ -188,6 +200,9 @@ class ModelRunner(RunnerCaches):
             inputs, draft_probs = self.draft.propose(inputs, states)
         elif inputs.draft_counts.any():
             raise ValueError("the step asks for draft tokens, and this worker has no --speculative-model")
+        images = None
+        if self.encoder_cache is not None:
+            images = step_images(inputs, self.encoder_cache, self.model.encode_images, self.device)
         batch = StepBatch.build(
             inputs.input_ids,
             inputs.query_lens,
@@ -197,23 +212,28 @@ class ModelRunner(RunnerCaches):
             self.device,
             num_blocks=self.num_kv_blocks,
             group_tables=inputs.group_block_tables,
+            image_spans=images.spans if images is not None else (),
         )
         if states:
             self.sampler.prepare(states)  # host work for the sampler, overlapping the forward
         lora = step_lora_batch(self.lora, inputs)
-        # Graphs were captured without adapters: a step with adapter rows runs eagerly.
-        hidden = self.graphs.replay(batch) if self.graphs is not None and lora is None else None
+        positions = self._mrope_positions(inputs, batch.positions)
+        # Graphs were captured without adapters, and with one position a token: such steps run eagerly.
+        eager = lora is not None or positions is not batch.positions
+        hidden = self.graphs.replay(batch) if self.graphs is not None and not eager else None
         if hidden is None:  # not a decode step that fits a bucket, or no graphs
             ctx = self.attention.context(batch)
             types = inputs.token_type_ids  # a cross-encoder's pairs (pooling.py)
             extra = {} if types is None else {"token_type_ids": torch.from_numpy(types).to(self.device)}
+            if images is not None:
+                extra["images"] = images
             if getattr(self.model, "has_state", False):  # linear attention: each sequence's state slot
                 extra["state_step"] = StateStep.build(
                     inputs.query_lens, inputs.context_lens, inputs.state_slots, self.device
                 )
                 extra["state_caches"] = self.state_caches
             with lora_batch(lora):
-                hidden = self.model(batch.input_ids, batch.positions, ctx, self.kv_caches, **extra)
+                hidden = self.model(batch.input_ids, positions, ctx, self.kv_caches, **extra)
 
         out = StepOutputs(lora_errors=self.lora.take_errors() if self.lora is not None else [])
         if inputs.pool_index is not None and self.pooler is not None and self.tp.rank == 0:
@@ -245,6 +265,15 @@ class ModelRunner(RunnerCaches):
         out.forward_seconds = time.perf_counter() - start
         return out
 
+    def _mrope_positions(self, inputs: StepInputs, positions: torch.Tensor) -> torch.Tensor:
+        """[3, T] M-RoPE positions when a sequence of the step has a table (a Qwen VL prompt with
+        images: shard_worker/mrope.py); else the step's positions as they are."""
+        tables = [getattr(seq, "mrope", None) for seq in inputs.sequences or ()]
+        if not any(t is not None for t in tables):
+            return positions
+        rows = step_positions(inputs.query_lens, inputs.context_lens, tables)
+        return torch.from_numpy(np.ascontiguousarray(rows)).to(self.device)
+
     def check_lora(self, name: str) -> None:
         check_lora(self.lora, name)
 
@@ -264,7 +293,7 @@ class ModelRunner(RunnerCaches):
     def _check_layers(self, model: torch.nn.Module) -> None:
         """Refuses a model whose attention layers the backend cannot run (before its weights load)."""
         for name, layer in model.named_modules():
-            reason = self.attention.refusal(layer) if isinstance(layer, Attention) else None
+            reason = self.attention.refusal(layer) if isinstance(layer, Attention | LatentAttention) else None
             if reason is not None:
                 raise ValueError(f"--attention-backend {self.attention.name}: {name}: {reason}")
 

@@ -180,23 +180,27 @@ class RunnerCaches:
         """Copies host block host_blocks[i] to device block device_blocks[i], in every layer."""
         self._copy_blocks(self._caches(host=True), host_blocks, self._caches(), device_blocks)
 
-    def _caches(self, host: bool = False) -> list[torch.Tensor]:
-        """Every cache tensor (or swap space), the draft model's after the target's; once each, where layer
+    def _caches(self, host: bool = False) -> list[tuple[torch.Tensor, int]]:
+        """Every cache tensor (or swap space) with the dim its blocks are on (the model's kv_block_dim: 1
+        for K/V caches, 0 for an MLA latent), the draft model's after the target's; once each, where layer
         groups share them (common/kv_cache_spec.py)."""
-        draft = [] if self.draft is None else self.draft.host_kv_caches if host else self.draft.kv_caches
-        return list({id(t): t for t in (self.host_kv_caches if host else self.kv_caches) + draft}.values())
+        own = [(t, self.model.kv_block_dim) for t in (self.host_kv_caches if host else self.kv_caches)]
+        if self.draft is not None:
+            dim = self.draft.model.kv_block_dim
+            own += [(t, dim) for t in (self.draft.host_kv_caches if host else self.draft.kv_caches)]
+        return list({id(t): (t, d) for t, d in own}.values())
 
-    def _copy_blocks(self, src: list[torch.Tensor], src_blocks, dst: list[torch.Tensor], dst_blocks) -> None:
+    def _copy_blocks(self, src: list[tuple], src_blocks, dst: list[tuple], dst_blocks) -> None:
         if len(src_blocks) != len(dst_blocks):
             raise ValueError(f"{len(src_blocks)} source blocks for {len(dst_blocks)} destinations")
         if not src_blocks:
             return
-        src_index = torch.tensor(src_blocks, dtype=torch.long, device=src[0].device)
-        dst_index = torch.tensor(dst_blocks, dtype=torch.long, device=dst[0].device)
-        for s, d in zip(src, dst, strict=True):
+        src_index = torch.tensor(src_blocks, dtype=torch.long, device=src[0][0].device)
+        dst_index = torch.tensor(dst_blocks, dtype=torch.long, device=dst[0][0].device)
+        for (s, dim), (d, _) in zip(src, dst, strict=True):
             # One gather on the source side, one transfer, one scatter on the destination side per layer.
             # Synchronous, so a swap out is complete before the forward reuses its device blocks.
-            as_bits(d).index_copy_(1, dst_index, as_bits(s).index_select(1, src_index).to(d.device))
+            as_bits(d).index_copy_(dim, dst_index, as_bits(s).index_select(dim, src_index).to(d.device))
 
     def warm_up(self, block_size: int) -> None:
         """Runs the steps a first request brings (warm_up_steps), sampled greedily and by a draw, so that

@@ -105,6 +105,8 @@ def serve(config: WorkerConfig) -> None:
     stop = threading.Event()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=SERVER_OPTIONS)
     worker_metrics = WorkerMetrics(device, config.rank)
+    if runner.encoder_cache is not None:
+        worker_metrics.watch_encoder_cache(runner.encoder_cache)
     servicer = ShardWorkerServicer(runner, config, worker_metrics, phases)
     worker_pb2_grpc.add_ShardWorkerServicer_to_server(servicer, server)
     # Standard health (Kubernetes probes): the server starts only once the process group is up and

@@ -20,6 +20,7 @@ from common.grpc_util import SCHEDULER_EPOCH_KEY, SCHEDULER_METADATA_KEY
 from common.pb.tpserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from common.sampling import SamplingConfig
 from shard_worker.config import StepThreads, WorkerConfig
+from shard_worker.images import PromptImage
 from shard_worker.lease import Caller, Lease, LeaseRefused
 from shard_worker.lora_service import LoRAService, lora_settings
 from shard_worker.metrics import WorkerMetrics
@@ -83,6 +84,15 @@ def sequence_init(msg: worker_pb2.SequenceInit) -> SequenceInit:
         lora_name=msg.lora_name,
         pooling=msg.pooling,
         token_type_start=msg.token_type_start,
+        images=tuple(
+            PromptImage(
+                im.offset,
+                im.length,
+                im.hash,
+                np.frombuffer(im.pixel_values, dtype="<f4").reshape(tuple(im.pixel_shape)),
+            )
+            for im in msg.images
+        ),
     )
 
 
@@ -189,6 +199,7 @@ class ShardWorkerServicer(LoRAService, worker_pb2_grpc.ShardWorkerServicer):
             kv_block_bytes=self.runner.kv_block_bytes(request.block_size),
             draft_model_name=info["draft_model_name"],
             layer_windows=info["layer_windows"],
+            layer_latent_dims=info["layer_latent_dims"],
             state_slot_bytes=info["state_slot_bytes"],
             num_state_slots=self.runner.num_state_slots,
             startup_phases=[

@@ -29,6 +29,7 @@ class SequenceInit:
     lora_name: str = ""  # the LoRA adapter it runs on; "": the base model
     pooling: bool = False  # its prompt comes whole in one step, which pools it (shard_worker/pooling.py)
     token_type_start: int = 0  # a cross-encoder pair's second text starts here (token type 1); 0: none
+    images: tuple = ()  # its prompt's images (shard_worker/images.py PromptImage), in prompt order
 
 
 @dataclass

@@ -42,6 +42,8 @@ class WorkerSequence:
     lora_name: str = ""  # its LoRA adapter (shard_worker/model/lora); "": the base model
     pooling: bool = False  # pooled in its one step (shard_worker/pooling.py), never sampled
     token_type_start: int = 0
+    images: tuple = ()  # its prompt's images (shard_worker/images.py), for the vision encoder
+    mrope: object | None = None  # its prompt's M-RoPE positions (shard_worker/mrope.py), with images
 
 
 class Worker:
@@ -91,6 +93,8 @@ class Worker:
                 tables.release(seq.row)
             if seq.sampling is not None:
                 self.runner.sampler.release(seq.sampling)
+            if seq.images and self.runner.encoder_cache is not None:
+                self.runner.encoder_cache.forget(seq.seq_id)  # outputs it held are only cached now
 
     def step(self, step: WorkerStep) -> StepOutputs:
         if self.tables is None:
@@ -114,6 +118,8 @@ class Worker:
                 lora_name=init.lora_name,
                 pooling=init.pooling,
                 token_type_start=init.token_type_start,
+                images=init.images,
+                mrope=self._mrope(init),
             )
         ready, errors = self._grammars(step.grammar_wait_ms / 1000)
         # Swap out first: its device blocks may be handed to this step's tokens or swap ins.
@@ -180,6 +186,13 @@ class Worker:
             out.grammar_mask_seconds = grammar.mask_seconds - before[0]
             out.grammar_fill_seconds = grammar.fill_seconds - before[1]
         return out
+
+    def _mrope(self, init):
+        """The prompt's M-RoPE table, for a model with M-RoPE (Qwen VL) and a prompt with images."""
+        positions_of = getattr(self.runner.model, "prompt_positions", None)
+        if positions_of is None or not init.images:
+            return None
+        return positions_of(init.token_ids[: init.num_prompt_tokens], init.images)
 
     def _fill_placeholders(self, step: WorkerStep, batch: list[WorkerSequence]) -> np.ndarray:
         """Async scheduling (scheduler/overlap.py): the step was planned before the last one's tokens were

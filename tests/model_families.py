@@ -114,6 +114,59 @@ def _configs():
             linear_value_head_dim=16,
             linear_conv_kernel_dim=4,
         ),
+        # Sliding and full layers alternating, sinks, YaRN (stretched 4x past 128 positions), biased
+        # router and experts. Expert features a multiple of 64: 32 a rank at --tp 2, one MXFP4 block.
+        "gpt_oss": lambda: t.GptOssConfig(
+            **{**SMALL, "intermediate_size": 64},
+            num_hidden_layers=2,
+            sliding_window=WINDOW,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            swiglu_limit=3.0,  # not the real 7: the clamp must bite on these small random weights
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10_000.0,
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 128,
+            },
+        ),
+        # Multi-head latent attention over a latent of 32 + 8 (q through a rank-24 bottleneck; no head
+        # shares keys: num_key_value_heads is num_attention_heads, as in the real model), interleaved
+        # YaRN rope with mscale folded into the softmax scale; layer 0 dense, then 8 routed experts in 2
+        # groups (top-1 group, top 2 in it, a correction bias) and a shared expert.
+        "deepseek_v3": lambda: t.DeepseekV3Config(
+            **{k: v for k, v in SMALL.items() if k not in ("head_dim", "num_key_value_heads")},
+            num_key_value_heads=4,
+            num_hidden_layers=3,
+            first_k_dense_replace=1,
+            q_lora_rank=24,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            moe_intermediate_size=32,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            rope_interleave=True,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10_000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 128,
+                "beta_fast": 32,
+                "beta_slow": 1,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+            },
+        ),
     }
 
 
@@ -124,12 +177,15 @@ def hf_config(family: str):
     return _configs()[family]()
 
 
-def build_checkpoint(family: str, out_dir: str | Path, seed: int = 0) -> Path:
-    """Writes a random `family` checkpoint (config.json, generation_config.json, safetensors) to out_dir."""
+def build_checkpoint(family: str, out_dir: str | Path, seed: int = 0, **overrides) -> Path:
+    """Writes a random `family` checkpoint (config.json, generation_config.json, safetensors) to out_dir;
+    overrides: config fields set otherwise (a variant's shape)."""
     from transformers import AutoModelForCausalLM
 
     out = Path(out_dir)
     config = hf_config(family)
+    for name, value in overrides.items():
+        setattr(config, name, value)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -137,10 +193,80 @@ def build_checkpoint(family: str, out_dir: str | Path, seed: int = 0) -> Path:
             for name, param in model.named_parameters():
                 if "norm" in name:
                     param.add_(torch.randn_like(param) * 0.2)
+                if name.endswith("sinks"):  # gpt-oss: some heads' sinks take much of the weight
+                    param.normal_(0.0, 2.0)
+                if name.endswith(("router.bias", "experts.gate_up_proj_bias", "experts.down_proj_bias")):
+                    param.normal_(0.0, 0.5)  # gpt-oss's, which transformers initialises to zero
+            if family == "gpt_oss":
+                _put_mxfp4_experts(model, config, seed)
+            for name, buffer in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's: zeros would hide it
+                    buffer.normal_(0.0, 0.3)
             # Logits of std LOGIT_STD whatever the hidden size (see shard_worker/model/builder.py).
             model.lm_head.weight.normal_(0.0, LOGIT_STD / config.hidden_size**0.5)
     model.generation_config.eos_token_id = config.eos_token_id
     model.save_pretrained(out)
+    return out
+
+
+def mxfp4_experts(config, seed: int) -> dict[str, torch.Tensor]:
+    """gpt-oss's experts as its released checkpoints store them (MXFP4 blocks and scales, output rows
+    first: gate_up_proj_blocks [E, 2I, H / 32, 16], down_proj_blocks [E, H, I / 32, 16]), random, with
+    scales around 2 ** -4 so the decoded weights are about as large as the other layers'."""
+    g = torch.Generator().manual_seed(seed + 7)
+    e, h, i = config.num_local_experts, config.hidden_size, config.intermediate_size
+    tensors = {}
+    for layer in range(config.num_hidden_layers):
+        for name, (rows, cols) in (("gate_up_proj", (2 * i, h)), ("down_proj", (h, i))):
+            prefix = f"model.layers.{layer}.mlp.experts.{name}"
+            tensors[f"{prefix}_blocks"] = torch.randint(
+                0, 256, (e, rows, cols // 32, 16), dtype=torch.uint8, generator=g
+            )
+            tensors[f"{prefix}_scales"] = torch.randint(
+                122, 126, (e, rows, cols // 32), dtype=torch.uint8, generator=g
+            )
+    return tensors
+
+
+def _put_mxfp4_experts(model, config, seed: int) -> None:
+    """The float checkpoint's experts are exactly the MXFP4 ones, decoded by transformers itself."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    tensors = mxfp4_experts(config, seed)
+    for name, param in model.named_parameters():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = tensors[f"{name}_blocks"], tensors[f"{name}_scales"]
+            param.copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))  # [E, in, out]
+
+
+def write_mxfp4_checkpoint(float_dir: str | Path, out_dir: str | Path, seed: int = 0) -> Path:
+    """The gpt-oss checkpoint of build_checkpoint(.., seed) as released: its experts in MXFP4 (the same
+    weights), quantization_config quant_method mxfp4."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    src, out = Path(float_dir), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"
+        ],
+    }  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config))
+    (out / "generation_config.json").write_text((src / "generation_config.json").read_text())
+    with safe_open(src / "model.safetensors", "pt") as f:
+        tensors = {n: f.get_tensor(n) for n in f.keys()}  # noqa: SIM118 (not iterable)
+    tensors = {
+        n: t for n, t in tensors.items() if not n.endswith(("experts.gate_up_proj", "experts.down_proj"))
+    }
+    from transformers import AutoConfig
+
+    tensors |= mxfp4_experts(AutoConfig.from_pretrained(src), seed)
+    save_file(tensors, out / "model.safetensors")
     return out
 
 

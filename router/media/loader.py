@@ -15,14 +15,15 @@ from pathlib import Path
 import aiohttp
 
 from common.pb.tpserve.v1 import generation_pb2
+from router.media import qwen_vl
 from router.media.decode import DecodedImage, decode_image
 from router.media.fetch import read_source
 from router.media.policy import MediaPolicy, Source, resolve_source
 from router.validation_error import ValidationError
 
-# The architectures whose images a shard worker can encode. None yet: the vision families come with their
-# encoders (issue 43, stage 3); until then an image is refused, after the policy checks, with a clear 400.
-VISION_ARCHITECTURES: frozenset[str] = frozenset()
+# The architectures whose images a shard worker can encode (shard_worker/model/registry.py); any other
+# model's image parts are refused, after the policy checks, with a clear 400.
+VISION_ARCHITECTURES: frozenset[str] = frozenset({"Gemma3ForConditionalGeneration"}) | qwen_vl.ARCHITECTURES
 
 
 def image_parts(req: generation_pb2.GenerateRequest) -> list[tuple[str, generation_pb2.Image]]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from common.pb.tpserve.internal.v1 import scheduler_pb2
 from router.chat import ChatPrompt
 from router.media.decode import DecodedImage
 from router.validation_error import ValidationError
@@ -24,7 +25,9 @@ class PreparedImage:
     offset: int  # its first placeholder token in the prompt
     length: int  # its placeholder tokens: the rows of the encoder's output written there
     hash: str  # the decoded image's content hash (decode.py)
-    pixel_values: np.ndarray  # float32, the processor's layout for one image (e.g. [3, H, W])
+    # float32, the processor's layout for one image (Gemma 3: [3, H, W]; Qwen VL: its patches as
+    # [t, h, w, patch values], the grid the worker's tower and M-RoPE read from the shape)
+    pixel_values: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -47,12 +50,17 @@ class ImagePromptRenderer:
 
     def __init__(self, processor):
         self.processor = processor
-        self.image_token_id = processor.tokenizer.image_token_id
+        # The tokenizer's (Gemma 3's names it); Qwen VL's processor (qwen_vl.py) knows its own.
+        self.image_token_id = getattr(processor.tokenizer, "image_token_id", None) or processor.image_token_id
 
     @classmethod
     def from_pretrained(cls, model_dir: str) -> ImagePromptRenderer:
         import transformers
 
+        from router.media.qwen_vl import QwenVLProcessor, is_qwen_vl
+
+        if is_qwen_vl(model_dir):
+            return cls(QwenVLProcessor.from_pretrained(model_dir))
         return cls(transformers.AutoProcessor.from_pretrained(model_dir))
 
     def render(self, text: str, prompt: ChatPrompt, images: list[DecodedImage]) -> RenderedPrompt:
@@ -70,6 +78,13 @@ class ImagePromptRenderer:
         ids = out["input_ids"][0].tolist()
         runs = placeholder_runs(ids, self.image_token_id)
         pixels = out["pixel_values"]
+        grids = out.get("image_grid_thw")
+        if grids is not None:  # Qwen VL: every image's patches in one array, each one's grid beside it
+            ends = np.cumsum([int(np.prod(g)) for g in grids])[:-1]
+            pixels = [
+                p.reshape(*(int(x) for x in g), -1)
+                for p, g in zip(np.split(pixels, ends), grids, strict=True)
+            ]
         if len(runs) != len(images) or len(pixels) != len(images):
             raise ValidationError(
                 "messages",
@@ -83,3 +98,17 @@ class ImagePromptRenderer:
                 for (offset, length), image, p in zip(runs, images, pixels, strict=True)
             ],
         )
+
+
+def prompt_images(images: Sequence[PreparedImage]) -> list[scheduler_pb2.PromptImage]:
+    """The prepared images as AddRequest carries them to the scheduler (and it to the workers)."""
+    return [
+        scheduler_pb2.PromptImage(
+            offset=im.offset,
+            length=im.length,
+            hash=bytes.fromhex(im.hash),
+            pixel_values=im.pixel_values.astype("<f4", copy=False).tobytes(),
+            pixel_shape=list(im.pixel_values.shape),
+        )
+        for im in images
+    ]

@@ -8,6 +8,8 @@
 auto picks triton on CUDA, cpu on CPU in float32/bfloat16/float16 (flex for float32 where the kernel
 cannot be built: no C++ compiler), and the reference otherwise (float64, which the end-to-end tests
 compare with transformers in).
+Multi-head latent attention layers (DeepSeek-V3) attend in torch through latent.py under cpu, flex and
+reference, which give it the step's block tables; triton refuses them at start-up.
 """
 
 from __future__ import annotations

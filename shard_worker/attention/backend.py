@@ -46,6 +46,10 @@ class StepBatch:
     # The other layer groups' batches (common/kv_cache_spec.py): the same step through each group's block
     # table (its own slot_mapping and block_table). Empty for a model with one group.
     groups: tuple[StepBatch, ...] = ()
+    # Per sequence (batch order), or empty when no sequence has any: the (first, end) positions of each
+    # image whose placeholders the step computes. A query inside one attends to all of its keys, later
+    # ones included (Gemma 3's bidirectional image attention), within the layer's window.
+    image_spans: tuple[tuple[tuple[int, int], ...], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -74,6 +78,7 @@ class StepBatch:
         device: torch.device,
         num_blocks: int | None = None,
         group_tables: list[np.ndarray] = (),
+        image_spans: tuple = (),
     ) -> StepBatch:
         """input_ids [T], query_lens and context_lens [S] and block_table [S, max_blocks] (int64 numpy
         arrays, as the step arrived), and the other layer groups' tables shaped alike. Raises ValueError
@@ -112,9 +117,12 @@ class StepBatch:
             seq_lens_host=np.asarray(context_lens, dtype=np.int64),
             block_size=block_size,
             groups=tuple(
-                cls.build(input_ids, query_lens, context_lens, t, block_size, device, num_blocks)
+                cls.build(
+                    input_ids, query_lens, context_lens, t, block_size, device, num_blocks, (), image_spans
+                )
                 for t in group_tables
             ),
+            image_spans=image_spans,
         )
 
 
@@ -176,10 +184,16 @@ class AttentionBackend(ABC):
     # Whether attend() honours a layer's attention sinks (Attention.sinks); a model with sinks is refused
     # at start-up by a backend without (refusal).
     supports_sinks: ClassVar[bool] = False
+    # Whether its contexts serve multi-head latent attention layers (attention/latent.py, which attends
+    # in torch through the step's block tables); a model with such layers is refused at start by others.
+    supports_mla: ClassVar[bool] = True
     # Whether a CUDA graph captured over one step's metadata stays right when replayed with other
     # lengths in the same tensors: true only of metadata made of device tensors and host bounds (not of
     # host-planned tilings or per-sequence loops). shard_worker/cuda_graphs.py captures only such backends.
     graph_capturable: ClassVar[bool] = False
+    # Whether attend() honours StepBatch.image_spans (a model with bidirectional image attention is
+    # refused at start-up by a backend without).
+    supports_image_spans: ClassVar[bool] = False
 
     def __init__(self, device: torch.device, dtype: torch.dtype):
         self.device = device
@@ -198,11 +212,24 @@ class AttentionBackend(ABC):
     def refusal(self, layer: Attention) -> str | None:
         """Why this backend cannot run this layer, in one line (what every backend lacks, then its own
         limits); None when it can."""
+        if getattr(layer, "latent_dim", 0):  # an MLA layer (attention/latent.py): none of the kernels' limits
+            if self.supports_mla:
+                return None
+            return (
+                "multi-head latent attention (DeepSeek-V3) runs in torch on CPU: "
+                "--attention-backend cpu, flex or reference"
+            )
         if layer.sinks is not None and not self.supports_sinks:
             # flex could weight its output by sigmoid(lse - sink) (with_sinks), but torch's compiled CPU
             # flex returns no log-sum-exp (inductor: "return_lse is not supported yet").
             return (
-                "gpt-oss's attention sinks are in the reference backend only (--attention-backend reference)"
+                f"gpt-oss's attention sinks are not in the {self.name} backend "
+                "(--attention-backend cpu, triton or reference serves them)"
+            )
+        if layer.image_bidirectional and not self.supports_image_spans:
+            return (
+                "the bidirectional attention among an image's tokens is in the cpu and reference backends "
+                "only (--attention-backend cpu or reference)"
             )
         return self.unsupported_layer(layer)
 
@@ -232,6 +259,21 @@ class AttentionBackend(ABC):
         self, layer: Attention, q: torch.Tensor, kv_cache: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
         """[T, heads, head_dim]: each query attended over its sequence's keys (this step's included)."""
+
+
+def float32_sinks(layer: Attention) -> torch.Tensor | None:
+    """The layer's sinks as the kernels read them (float32, contiguous), converted once and kept (the
+    model's parameter is in the model's dtype), again only if the tensor or its contents changed (so a
+    CUDA graph captured after the weights loaded keeps reading the same address)."""
+    sinks = layer.sinks
+    if sinks is None:
+        return None
+    key = (id(sinks), sinks._version)
+    kept = getattr(layer, "_kernel_sinks", None)
+    if kept is None or kept[0] != key:
+        kept = (key, sinks.detach().float().contiguous())
+        layer._kernel_sinks = kept
+    return kept[1]
 
 
 def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:

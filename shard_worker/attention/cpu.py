@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from shard_worker.attention import cpu_kernel, cpu_ops
-from shard_worker.attention.backend import AttentionBackend, AttentionContext, StepBatch
+from shard_worker.attention.backend import AttentionBackend, AttentionContext, StepBatch, float32_sinks
 from shard_worker.attention.reference import attend_sequence
 
 # A sequence with at least this many query tokens in a step is attended by SDPA, shorter ones by the
@@ -49,6 +49,10 @@ class CpuMetadata:
 
 class CpuBackend(AttentionBackend):
     name = "cpu"
+    supports_image_spans = True  # a sequence with an image in the step takes the SDPA path
+    # The kernel takes each head's sink logit into its softmax; prefill chunks go through the
+    # reference's attend_sequence, which writes the sink out.
+    supports_sinks = True
 
     @classmethod
     def unsupported(cls, device, dtype):
@@ -66,6 +70,8 @@ class CpuBackend(AttentionBackend):
         q_lens, c_lens = batch.query_lens_host, batch.seq_lens_host
         starts = np.cumsum(q_lens) - q_lens
         short = q_lens < PREFILL_MIN_QUERY
+        if batch.image_spans:  # the kernel is causal: images attend both ways through SDPA's mask
+            short &= np.array([not spans for spans in batch.image_spans], dtype=bool)
         if short.all():
             seq = np.repeat(np.arange(len(q_lens)), q_lens)
             tokens = np.arange(batch.num_tokens)
@@ -127,6 +133,7 @@ class CpuBackend(AttentionBackend):
             1.0,
             1.0,
             layer.sliding_window or 0,
+            _sinks_address(layer),
         )
         if rc == -4:
             raise ValueError(f"a KV slot of this step is outside the KV cache's {num_blocks} blocks")
@@ -150,14 +157,23 @@ class CpuBackend(AttentionBackend):
             layer.k_scale,
             layer.v_scale,
             layer.sliding_window,
+            float32_sinks(layer),
         )
         self._prefills(layer, q, kv_cache, ctx, out)
         return out
 
     def _prefills(self, layer, q, kv_cache, ctx, out) -> None:
-        table = ctx.batch.block_table
+        table, spans = ctx.batch.block_table, ctx.batch.image_spans
         for seq, start, q_len, c_len in ctx.metadata.prefills:
-            out[start : start + q_len] = attend_sequence(layer, q, kv_cache, table[seq], start, q_len, c_len)
+            images = spans[seq] if spans else ()
+            out[start : start + q_len] = attend_sequence(
+                layer, q, kv_cache, table[seq], start, q_len, c_len, images, fast_sinks=True
+            )
+
+
+def _sinks_address(layer) -> int | None:
+    sinks = float32_sinks(layer)
+    return sinks.data_ptr() if sinks is not None else None
 
 
 def _plan(batch: StepBatch, tokens, seq, positions, fault) -> cpu_ops.StepPlan | None:

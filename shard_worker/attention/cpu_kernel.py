@@ -19,7 +19,7 @@ EXT = cpu_ext.Extension(
     "cpu_attention",
     CSRC / "cpu_paged_attention.cpp",
     "tp_paged_attention_abi",
-    2,
+    3,
     "the CPU attention kernel",
     more=(CSRC / "cpu_small_ops.cpp", CSRC / "cpu_kernels.h"),
 )
@@ -45,7 +45,7 @@ def load() -> ctypes.CDLL:
     fn = lib.tp_paged_attention
     i, i64, ptr, f = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     fn.argtypes = [i, i, ptr, ptr, i64, i64, i64, i64, ptr, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i64]
-    fn.argtypes += [i, i, i, i, f, f, f, i64, i, i64, i64, i64, ptr]
+    fn.argtypes += [i, i, i, i, f, f, f, i64, i, i64, i64, i64, ptr, ptr]
     fn.restype = ctypes.c_int
     return lib
 
@@ -67,9 +67,11 @@ def paged_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,  # [H] float32 contiguous: gpt-oss's per-head sink logits
 ) -> None:
     """Each selected token attended over keys max(0, p - window + 1) .. p of its sequence (p its
-    position), in float32 arithmetic, written into out. The cache must already hold this step's keys.
+    position), in float32 arithmetic, written into out; with sinks, each head's sink logit is one more
+    term of its softmax's denominator. The cache must already hold this step's keys.
     Every block id read is checked against the cache and every position against the table's width:
     ValueError naming the batch row and the id (check) rather than a read outside them."""
     n = tokens.shape[0]
@@ -84,6 +86,10 @@ def paged_attention(
     for t in (tokens, seq, positions):
         if t.dtype != torch.int64 or not t.is_contiguous():
             raise ValueError("tokens, seq and positions must be contiguous int64")
+    if sinks is not None and not (
+        sinks.dtype == torch.float32 and sinks.is_contiguous() and sinks.shape == (heads,)
+    ):
+        raise ValueError(f"sinks must be contiguous float32 of shape ({heads},)")
     if kv_cache.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
         k_scale = v_scale = 1.0  # only fp8 caches hold scaled values (kv_dtype.store)
     fault = new_fault()
@@ -119,6 +125,7 @@ def paged_attention(
         block_table.shape[1],
         kv_cache.shape[1],
         fault.data_ptr(),
+        sinks.data_ptr() if sinks is not None else None,
     )
     check(rc, fault, kv_cache.shape[1])
 

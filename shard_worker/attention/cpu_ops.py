@@ -62,7 +62,7 @@ def library() -> ctypes.CDLL | None:
     lib.tp_silu_mul.argtypes = [i, ptr, i64, ptr, i64, i64, i]
     lib.tp_argmax.argtypes = [ptr, i64, i64, i64, ptr]
     lib.tp_attention_layer.argtypes = [ptr, i, i, ptr, i64, i64, ptr, i64, ptr, i64, ptr, i64, ptr]
-    lib.tp_attention_layer.argtypes += [i, i, i, i, f, f, f, i64]
+    lib.tp_attention_layer.argtypes += [i, i, i, i, f, f, f, i64, ptr]
     for fn in (lib.tp_rms_norm, lib.tp_rotary, lib.tp_silu_mul, lib.tp_argmax, lib.tp_attention_layer):
         fn.restype = ctypes.c_int
     return lib

@@ -40,6 +40,9 @@ class Attention(nn.Module):
         # Its layer group (common/kv_cache_spec.py): which of the step's block tables it reads, set when
         # the runner lays out the cache (0: the only one, or the full-attention layers').
         self.kv_group = 0
+        # An image's placeholder tokens attend to each other both ways (Gemma 3; StepBatch.image_spans).
+        # The family sets it; a backend that cannot is refused at start-up.
+        self.image_bidirectional = False
 
     def forward(
         self,

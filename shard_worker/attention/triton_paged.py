@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shard_worker.attention.backend import AttentionBackend, AttentionContext, StepBatch
+from shard_worker.attention.backend import AttentionBackend, AttentionContext, StepBatch, float32_sinks
 
 # What the kernels take (kernels/host.py SUPPORTED_DTYPES; repeated so that refusing needs no triton).
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -48,6 +48,8 @@ class TritonMetadata:
 
 class TritonBackend(AttentionBackend):
     name = "triton"
+    supports_sinks = True  # folded into the kernel's softmax (or the split combine)
+    supports_mla = False  # no MLA kernel (attention/latent.py's per-sequence torch path is for CPU)
     # The metadata holds only device tensors and bounds, so a graph replays it with new lengths.
     graph_capturable = True
 
@@ -133,6 +135,7 @@ class TritonBackend(AttentionBackend):
             max_seq_len=md.max_seq_len,
             num_kv_splits=num_kv_splits,
             workspace=workspace,
+            sinks=float32_sinks(layer),
         )
 
     def _plan(

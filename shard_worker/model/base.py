@@ -62,6 +62,7 @@ class CausalLM(nn.Module):
     window_rule: ClassVar[str] = NO_WINDOW  # see shard_worker/model/config.py
     rope_by_layer_type: ClassVar[bool] = False  # rope_parameters has one rope per layer type (Gemma 3)
     partial_rotary: ClassVar[bool] = False  # rotary over part of each head (Qwen3-Next)
+    kv_block_dim: ClassVar[int] = 1  # the dim of kv_cache_shape that indexes blocks (swap copies along it)
     activations: ClassVar[tuple[str, ...]] = ("silu",)
     layer_class: ClassVar[type[nn.Module]]
     norm_class: ClassVar[type[nn.Module]] = RMSNorm
@@ -108,7 +109,9 @@ class CausalLM(nn.Module):
         learns its group, and the cache is layers_per_block tensors shared by the groups (layer j of
         every group in tensor j); None when every layer attends to every key (a tensor a layer)."""
         attns = self.attentions()
-        layout = kv_cache_spec.from_describe([a.sliding_window or 0 for a in attns], block_size=1)
+        layout = kv_cache_spec.from_describe(
+            [a.sliding_window or 0 for a in attns], 1, [getattr(a, "latent_dim", 0) for a in attns]
+        )
         if layout is not None:
             for g, group in enumerate(layout.groups):
                 for i in group.layers:
@@ -118,6 +121,11 @@ class CausalLM(nn.Module):
     def layer_windows(self) -> list[int]:
         """Per KV layer: its sliding window, 0 for full attention (DescribeResponse.layer_windows)."""
         return [attn.sliding_window or 0 for attn in self.attentions()]
+
+    def layer_latent_dims(self) -> list[int]:
+        """Per KV layer: the values its cached latent holds a token (MLA), 0 for K and V per head
+        (DescribeResponse.layer_latent_dims)."""
+        return [getattr(attn, "latent_dim", 0) for attn in self.attentions()]
 
     @classmethod
     def config_from_hf(cls, hf, architecture: str, eos_ids: tuple[int, ...] = ()) -> ModelConfig:
@@ -170,8 +178,11 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,  # [T]
         ctx,
         kv_caches: list[torch.Tensor],  # one per layer (layer groups share num_kv_caches tensors)
+        images=None,  # shard_worker/images.py StepImages: the vision encoder's rows for placeholders
     ) -> torch.Tensor:  # [T, hidden]
         h = self.embed(input_ids)
+        if images is not None:  # the placeholders' embeddings replaced by the image's soft tokens
+            h = h.index_copy(0, images.rows, images.embeds.to(h.dtype))
         ropes = [rotary(positions, h.dtype) for rotary in self.rotary]
         for layer, rope, kv_cache in zip(self.model.layers, self.rotary_of_layer, kv_caches, strict=True):
             h = layer(h, ropes[rope], ctx, kv_cache)

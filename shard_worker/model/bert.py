@@ -200,10 +200,14 @@ class BertModel(nn.Module):
     def config_from_hf(cls, hf, architecture: str, eos_ids=()) -> ModelConfig:
         return _config(hf, architecture, eos_ids)
 
+    kv_block_dim = 1  # the placeholder's blocks (swap copies along it)
     kv_layout = None  # one layer group (common/kv_cache_spec.py): the placeholder cache below
 
     def layer_windows(self) -> list[int]:
         return [0]  # one placeholder cache "layer" of full attention: one group, nothing to release
+
+    def layer_latent_dims(self) -> list[int]:
+        return [0]
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (1, num_blocks)  # a placeholder: no KV is kept (the module docstring)

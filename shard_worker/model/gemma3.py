@@ -1,4 +1,5 @@
-"""Gemma 3, text only (Gemma3ForCausalLM: the 270M and 1B checkpoints; the larger ones are multimodal).
+"""Gemma 3: text only (Gemma3ForCausalLM: the 270M and 1B checkpoints), and with images
+(Gemma3ForConditionalGeneration: 4B and up; the encoder is gemma3_vision.py).
 
 Against Llama: (1 + w) RMS norms in float32, on the hidden states and on each query and key head; four
 norms per layer (around attention and around the MLP, each output normed before the residual add); the
@@ -10,13 +11,14 @@ layer type: local theta 10k, global 1M with the larger models' linear scaling).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
 from shard_worker.model.base import CausalLM
-from shard_worker.model.config import BY_LAYER_TYPE, ModelConfig, refuse_if_set
+from shard_worker.model.config import BY_LAYER_TYPE, ModelConfig, common_fields, refuse_if_set
 from shard_worker.model.layers.mlp import GatedMLP
 from shard_worker.model.layers.norm import GemmaRMSNorm
 from shard_worker.model.layers.self_attention import SelfAttention
@@ -68,3 +70,92 @@ class Gemma3ForCausalLM(CausalLM):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids) * self.embed_scale
+
+
+@dataclass(frozen=True)
+class Gemma3VisionConfig(Gemma3Config):
+    image_token_id: int
+    # transformers' parse of config.json: the vision tower's and projector's shapes (gemma3_vision.py).
+    hf: Any = field(compare=False, repr=False)
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """Gemma 3 4B and up: the text decoder above, with the SigLIP encoder's soft tokens written over each
+    image's placeholder embeddings (after the embedding's scaling, as transformers merges them), and an
+    image's placeholders attending to each other both ways in every layer (within a sliding layer's
+    window), as transformers' token_type_ids mask does. A text-only prompt runs exactly as
+    Gemma3ForCausalLM. The encoder is replicated on every rank (shard_worker/images.py)."""
+
+    config_class = Gemma3VisionConfig
+    # The encoder's tensors, loaded whole by the encoder itself (its q_proj is not the decoder's).
+    self_loaded_prefix = "encoder."
+
+    def __init__(self, config: Gemma3VisionConfig, tp: TensorParallel):
+        from shard_worker.model.gemma3_vision import Gemma3ImageEncoder
+
+        super().__init__(config, tp)
+        for layer in self.model.layers:
+            layer.self_attn.attn.image_bidirectional = True
+        self.encoder = Gemma3ImageEncoder(config.hf)
+        self._encoder_tensors: dict[str, torch.Tensor] = {}
+
+    @classmethod
+    def config_from_hf(cls, hf, architecture: str, eos_ids: tuple[int, ...] = ()) -> Gemma3VisionConfig:
+        text = hf.text_config
+        fields = common_fields(text, architecture, eos_ids, cls.window_rule, cls.rope_by_layer_type)
+        fields |= cls.family_fields(text)
+        # The published checkpoints tie the LM head to the embedding at the top level of config.json.
+        fields["tie_word_embeddings"] = bool(
+            getattr(hf, "tie_word_embeddings", fields["tie_word_embeddings"])
+        )
+        eos = getattr(hf, "eos_token_id", None)
+        if eos is not None:
+            fields["eos_token_ids"] = tuple(dict.fromkeys((*fields["eos_token_ids"], *_ids(eos))))
+        if fields["hidden_act"] not in cls.activations:
+            raise ValueError(f"hidden_act {fields['hidden_act']!r} is not supported")
+        if getattr(hf.vision_config, "vision_use_head", False):
+            raise ValueError("vision_config.vision_use_head=True is not supported (Gemma 3 uses the patches)")
+        return cls.config_class(**fields, image_token_id=hf.image_token_id, hf=hf)
+
+    def rename_checkpoint_tensor(self, name: str) -> str:
+        """Our name for a checkpoint tensor: the published layout (language_model.model.*,
+        vision_tower.vision_model.*) and transformers 5's (model.language_model.*, model.vision_tower.*)."""
+        for old, new in RENAMES:
+            if name.startswith(old):
+                return new + name[len(old) :]
+        return name
+
+    def take_checkpoint_tensor(self, name: str, source) -> bool:
+        """The encoder's tensors (and the SigLIP head's, which Gemma 3 does not use) are kept here until
+        finish_loading; False for the decoder's."""
+        if name.startswith("encoder.vision_tower.head."):
+            return True
+        if not name.startswith(self.self_loaded_prefix):
+            return False
+        self._encoder_tensors[name[len(self.self_loaded_prefix) :]] = source[:]
+        return True
+
+    def finish_loading(self) -> None:
+        tensors, self._encoder_tensors = self._encoder_tensors, {}
+        self.encoder.load(tensors)
+
+    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """[N, 3, image_size, image_size] -> [N, mm_tokens_per_image, hidden] soft tokens."""
+        return self.encoder(pixel_values)
+
+
+RENAMES = (
+    ("language_model.model.", "model."),
+    ("model.language_model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("model.vision_tower.vision_model.", "encoder.vision_tower."),
+    ("vision_tower.vision_model.", "encoder.vision_tower."),
+    ("model.vision_tower.", "encoder.vision_tower."),
+    ("vision_tower.", "encoder.vision_tower."),
+    ("model.multi_modal_projector.", "encoder.multi_modal_projector."),
+    ("multi_modal_projector.", "encoder.multi_modal_projector."),
+)
+
+
+def _ids(value) -> tuple[int, ...]:
+    return (value,) if isinstance(value, int) else tuple(value)

@@ -195,8 +195,15 @@ def fill_weights(model: nn.Module, tensors, model_dir, tie_word_embeddings: bool
     params = dict(model.named_parameters(remove_duplicate=False))
     # Each (parameter, part) must be filled exactly once; a merged parameter has one entry per part.
     expected = set()
+    # A family's part that loads its own tensors (a vision encoder, replicated and read whole):
+    # rename_checkpoint_tensor gives our name, take_checkpoint_tensor keeps what is its own, and
+    # finish_loading fills that part (naming what is missing).
+    self_loaded = getattr(model, "self_loaded_prefix", None)
+    rename = getattr(model, "rename_checkpoint_tensor", lambda name: name)
     for name, param in params.items():
         if tie_word_embeddings and name == "lm_head.weight":
+            continue
+        if self_loaded and name.startswith(self_loaded):
             continue
         expected.update((name, p) for p in getattr(param, "checkpoint_parts", (None,)))
     loaded = set()
@@ -214,12 +221,12 @@ def fill_weights(model: nn.Module, tensors, model_dir, tie_word_embeddings: bool
     processed: set[str] = set()
     # A family's tensors it has no use for (an encoder's pooler when served for embeddings).
     ignores = getattr(model, "ignores_checkpoint_tensor", lambda name: False)
-    # and one whose tensors sit under another prefix (a vision-language checkpoint's text model).
-    rename = getattr(model, "checkpoint_tensor_name", lambda name: name)
     for file_name, ckpt_name, source in tensors:
+        ckpt_name = rename(ckpt_name)
         if ckpt_name.endswith(IGNORED_SUFFIXES) or ignores(ckpt_name):
             continue
-        ckpt_name = rename(ckpt_name)
+        if self_loaded and model.take_checkpoint_tensor(ckpt_name, source):
+            continue
         if tie_word_embeddings and ckpt_name == "lm_head.weight":
             continue  # shared with the embedding, which is loaded from its own tensor
         if ckpt_name.endswith(KV_SCALES):
@@ -255,6 +262,8 @@ def fill_weights(model: nn.Module, tensors, model_dir, tie_word_embeddings: bool
             f"checkpoint {model_dir} has no tensor {_checkpoint_name(*missing[0], mapping)} "
             f"({len(missing)} missing in all)"
         )
+    if self_loaded:
+        model.finish_loading()
     process_weights(model, processed)  # a tied LM head (filled with the embedding), and the rest
 
 

@@ -37,7 +37,7 @@ class Qwen3_5ForCausalLM(Qwen3NextForCausalLM):
     def ignores_checkpoint_tensor(self, name: str) -> bool:
         return name.startswith(("mtp.", "model.visual."))
 
-    def checkpoint_tensor_name(self, name: str) -> str:
+    def rename_checkpoint_tensor(self, name: str) -> str:
         """A vision-language checkpoint's text tensors under model.language_model. are the text model's."""
         return "model." + name.removeprefix(TEXT_PREFIX) if name.startswith(TEXT_PREFIX) else name
 

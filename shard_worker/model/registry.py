@@ -14,9 +14,15 @@ ARCHITECTURES = {
     "MistralForCausalLM": "mistral:MistralForCausalLM",
     "Qwen3ForCausalLM": "qwen3:Qwen3ForCausalLM",
     "Gemma3ForCausalLM": "gemma3:Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration": "gemma3:Gemma3ForConditionalGeneration",
     "Phi3ForCausalLM": "phi3:Phi3ForCausalLM",
     "MixtralForCausalLM": "mixtral:MixtralForCausalLM",
     "Qwen3MoeForCausalLM": "qwen3_moe:Qwen3MoeForCausalLM",
+    "GptOssForCausalLM": "gpt_oss:GptOssForCausalLM",
+    # DeepSeek-V3, DeepSeek-R1 and Kimi K2.
+    "DeepseekV3ForCausalLM": "deepseek_v3:DeepseekV3ForCausalLM",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl:Qwen2_5_VLForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration": "qwen3_vl:Qwen3VLForConditionalGeneration",
     "Qwen3NextForCausalLM": "qwen3_next:Qwen3NextForCausalLM",
     "Qwen3_5ForCausalLM": "qwen3_5:Qwen3_5ForCausalLM",
     "Qwen3_5ForConditionalGeneration": "qwen3_5:Qwen3_5ForConditionalGeneration",  # text only

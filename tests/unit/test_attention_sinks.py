@@ -1,7 +1,7 @@
 """gpt-oss's attention sinks (a learned logit per head in the softmax's denominator) in the backend that
-serves them (reference), against a naive float64 attention with the sink written out, on random steps
-with and without sliding windows; the backends without sinks (flex: compiled CPU flex returns no
-log-sum-exp; cpu) refuse such a layer."""
+serve them (reference; cpu: its C++ kernel for short queries, the reference's path for prefill chunks),
+against a naive float64 attention with the sink written out, on random steps with and without sliding
+windows, in the dtypes each serves; flex (compiled CPU flex returns no log-sum-exp) refuses such a layer."""
 
 from __future__ import annotations
 
@@ -38,10 +38,18 @@ def naive_with_sinks(step, q, cache, scale, window, sinks) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize(
+    "backend,dtype",
+    [
+        ("reference", torch.float32),
+        ("reference", torch.float64),
+        ("cpu", torch.float32),
+        ("cpu", torch.bfloat16),
+    ],
+    ids=str,
+)
 @pytest.mark.parametrize("window", [None, 20])
-def test_sinks_match_naive_attention(dtype, window):
-    backend = "reference"
+def test_sinks_match_naive_attention(backend, dtype, window):
     rng = random.Random(f"{backend}{window}")
     heads, kv_heads, d = 8, 2, 16
     for seed in range(2):
@@ -65,6 +73,10 @@ def test_sinks_match_naive_attention(dtype, window):
         want = naive_with_sinks(step, q, written.view_as(cache), d**-0.5, window, sinks)
         tol = TOLERANCE[dtype]
         torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
+        if backend == "cpu":  # the per-call path too (fp8 caches take it), over the cache now written
+            with torch.inference_mode():
+                again = b.attend(layer, q.to(dtype), written.view_as(cache).to(dtype), b.context(batch))
+            torch.testing.assert_close(again.double(), want, rtol=tol, atol=tol)
         without = naive_with_sinks(step, q, written.view_as(cache), d**-0.5, window, sinks - 1e9)
         assert not torch.allclose(want, without, atol=1e-3)  # the sinks changed the output
 
@@ -72,7 +84,7 @@ def test_sinks_match_naive_attention(dtype, window):
 def test_backends_without_sinks_refuse_them():
     layer = Attention(4, 2, 16, 0.25)
     layer.sinks = torch.zeros(4)
-    for name in ("cpu", "flex"):
-        assert "sinks" in select_backend(name, CPU, torch.float32).refusal(layer)
-    assert select_backend("reference", CPU, torch.float32).refusal(layer) is None
+    assert "sinks" in select_backend("flex", CPU, torch.float32).refusal(layer)
+    for name in ("cpu", "reference"):
+        assert select_backend(name, CPU, torch.float32).refusal(layer) is None
     assert select_backend("cpu", CPU, torch.float32).refusal(Attention(4, 2, 16, 0.25)) is None

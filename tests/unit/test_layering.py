@@ -30,6 +30,7 @@ PURE = [
     "router.stop_strings",
     "common.settings",
     "shard_worker.devices",
+    "shard_worker.mrope",
 ]
 
 

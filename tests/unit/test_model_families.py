@@ -52,10 +52,13 @@ def test_family_decodes_like_transformers(checkpoint):
     assert chunked_greedy(runner, prompts(), NEW_TOKENS) == list(reference.values())
 
 
-@pytest.mark.parametrize("family,backend", [("gemma3", "auto"), ("gemma3", "flex"), ("mixtral", "auto")])
+@pytest.mark.parametrize(
+    "family,backend", [("gemma3", "auto"), ("gemma3", "flex"), ("mixtral", "auto"), ("gpt_oss", "auto")]
+)
 def test_float32_decodes_like_transformers(tmp_path, family, backend):
     """The production paths the float64 tests do not take: the CPU attention kernel (auto's choice) and
-    the compiled flex attention, with sliding windows, and the experts' grouped matmul."""
+    the compiled flex attention, with sliding windows, and the experts' grouped matmul (gpt-oss: the
+    kernel's sinks, the biased experts)."""
     from transformers import AutoModelForCausalLM
 
     path = build_checkpoint(family, tmp_path)

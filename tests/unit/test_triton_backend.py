@@ -1,8 +1,9 @@
 """The Triton attention backend (shard_worker/attention/triton_paged.py), tested on CPU.
 
 - Under Triton's interpreter, in subprocesses (triton_backend_cases.py): the backend against a float64
-  naive attention on random steps, its split-KV workspace, and the decode graphs' padded replay path on
-  the tiny model for every bucket (shard_worker/cuda_graphs.py with capture off).
+  naive attention on random steps (with gpt-oss's sinks too, split or not), its split-KV workspace, and
+  the decode graphs' padded replay path on the tiny model for every bucket (shard_worker/cuda_graphs.py
+  with capture off).
 - Here: when the backend refuses to run, and the layers it refuses, each in one line.
 """
 
@@ -21,7 +22,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install -e '.
 CPU = torch.device("cpu")
 
 
-@pytest.mark.parametrize("case", ["random_steps", "split_workspace", "graph_buckets"])
+@pytest.mark.parametrize("case", ["random_steps", "split_workspace", "graph_buckets", "sinks"])
 def test_backend_under_the_interpreter(case):
     assert (HERE / "triton_backend_cases.py").is_file()
     for result in _run_helper("triton_backend_cases.py", [case], {**os.environ, "TRITON_INTERPRET": "1"}):

@@ -92,8 +92,8 @@ class FakeRunner:
     def describe(self):
         return dict(
             model_name="fake", vocab_size=10, max_position_embeddings=64, eos_token_ids=[1],
-            weight_bytes=0, draft_model_name="", layer_windows=[0], runner="generate", embedding_size=0,
-            cross_encoder=False, state_slot_bytes=0,
+            weight_bytes=0, draft_model_name="", layer_windows=[0], layer_latent_dims=[0], runner="generate",
+            embedding_size=0, cross_encoder=False, state_slot_bytes=0,
         )  # fmt: skip
 
     def warm_up(self, block_size):

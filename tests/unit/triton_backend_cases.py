@@ -98,6 +98,41 @@ def case_split_workspace() -> None:
     record("split_workspace", "new buffer, old one kept", 0.0 if bigger is not workspace else 1.0, 0.0)
 
 
+def case_sinks() -> None:
+    """gpt-oss's sinks (tests/unit/test_attention_sinks.py's naive reference): mixed steps with and
+    without a window, and split long decodes, where the combine kernel alone adds them."""
+    from tests.unit.test_attention_sinks import naive_with_sinks
+
+    rng = random.Random(11)
+    backend = select_backend("triton", CPU, torch.float32)
+    heads, kv_heads, d = 8, 2, 16
+    sinks = torch.linspace(-6.0, 6.0, heads)
+    steps = [(random_step(rng, 160, max_context=70), None, 1), (random_step(rng, 160, max_context=70), 20, 1)]
+    lens = [(1, 600), (1, 530)]
+    tables = [list(range(40 * i, 40 * i + -(-c // BLOCK_SIZE))) for i, (_, c) in enumerate(lens)]
+    steps.append((Step([q for q, _ in lens], [c for _, c in lens], tables), None, 64))
+    for i, (step, window, num_sms) in enumerate(steps):
+        backend.num_sms = num_sms  # 64: the long decodes split their keys
+        gen = torch.Generator().manual_seed(i)
+        t = sum(step.query_lens)
+        q, k, v = (torch.randn(t, h, d, generator=gen) for h in (heads, kv_heads, kv_heads))
+        cache = torch.full((2, 160, BLOCK_SIZE, kv_heads, d), float("nan"))
+        used = sorted({b for table in step.tables for b in table})
+        cache[:, used] = torch.randn(2, len(used), BLOCK_SIZE, kv_heads, d, generator=gen)
+        layer = Attention(heads, kv_heads, d, d**-0.5, sliding_window=window)
+        layer.sinks = sinks
+        batch = step.batch(width_pad=2)
+        ctx = backend.context(batch)
+        with torch.inference_mode():
+            out = layer(q, k, v, cache, ctx)
+        splits = [p[0] for p in ctx.metadata.plans.values()]
+        written = cache.clone().view(2, -1, kv_heads, d)
+        written[0, batch.slot_mapping], written[1, batch.slot_mapping] = k, v
+        want = naive_with_sinks(step, q, written.view_as(cache), d**-0.5, window, sinks)
+        err = (out.double() - want).abs().max().item()
+        record("sinks", f"window={window} splits={splits}", err, 2e-5)
+
+
 def decode_step(rng: random.Random, num_seqs: int, num_blocks: int, max_context: int) -> StepInputs:
     """One decode per sequence over scrambled blocks (the cache's last block, reserved, never used)."""
     pool = list(range(num_blocks))

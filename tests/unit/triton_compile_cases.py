@@ -42,8 +42,9 @@ from shard_worker.attention.kernels.triton_paged_attention import (  # noqa: E40
 MAX_STACK_BYTES = 32
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 TRITON_TYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
-# (dtype, head_dim, queries_per_kv, max_query_len, sliding_window, num_kv_splits, sm)
+# (dtype, head_dim, queries_per_kv, max_query_len, sliding_window, num_kv_splits, sm[, sinks])
 DEFAULT = [
+    (torch.bfloat16, 64, 8, 1, 128, 4, 90, True),  # gpt-oss's decode: sinks, a window, split keys
     (torch.float16, 128, 4, 1, 0, 1, 90),
     (torch.bfloat16, 128, 4, 512, 21, 4, 90),
     (torch.float16, 80, 8, 512, 0, 1, 90),
@@ -82,16 +83,20 @@ def resources(cubin: bytes) -> dict[str, int]:
 
 
 def compile_variant(
-    dtype, head_dim, queries_per_kv, max_query_len, sliding_window, num_kv_splits, sm
+    dtype, head_dim, queries_per_kv, max_query_len, sliding_window, num_kv_splits, sm, sinks=False
 ) -> dict:
     plan = plan_tiles(queries_per_kv, max_query_len, head_dim, dtype)
-    constants = kernel_constants(plan, head_dim, queries_per_kv, 16, dtype, sliding_window, num_kv_splits)
+    constants = kernel_constants(
+        plan, head_dim, queries_per_kv, 16, dtype, sliding_window, num_kv_splits, sinks
+    )
     element = TRITON_TYPE[dtype]
     pointers = {name: f"*{element}" for name in ("out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr")}
     pointers |= {name: "*i32" for name in ("block_table_ptr", "query_start_loc_ptr", "seq_lens_ptr")}
     # As host.py passes them: the fp32 workspace when splitting, else out again as an unused placeholder.
     partial = "*fp32" if num_kv_splits > 1 else f"*{element}"
-    pointers |= {"partial_out_ptr": partial, "partial_lse_ptr": partial}
+    # The sinks as host.py passes them: float32, or out again as a placeholder.
+    sinks_type = "*fp32" if sinks else f"*{element}"
+    pointers |= {"partial_out_ptr": partial, "partial_lse_ptr": partial, "sinks_ptr": sinks_type}
     source = ASTSource(
         paged_attention_kernel, signature(paged_attention_kernel, pointers, constants), constants
     )
@@ -108,6 +113,7 @@ def compile_variant(
         "num_warps": plan.num_warps,
         "window": sliding_window,
         "splits": num_kv_splits,
+        "sinks": sinks,
         "sm": sm,
         "shared_bytes": kernel.metadata.shared,
         **resources(kernel.asm["cubin"]),
@@ -117,8 +123,10 @@ def compile_variant(
             "HEAD_DIM": head_dim,
             "HEAD_DIM_PAD": constants["HEAD_DIM_PAD"],
             "NUM_SPLITS": num_kv_splits,
+            "HAS_SINKS": sinks,
         }
         combine_pointers = {"out_ptr": f"*{element}", "partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32"}
+        combine_pointers["sinks_ptr"] = sinks_type
         combine_pointers["query_start_loc_ptr"] = "*i32"
         types = signature(combine_splits_kernel, combine_pointers, combine)
         triton.compile(ASTSource(combine_splits_kernel, types, combine), target=target)

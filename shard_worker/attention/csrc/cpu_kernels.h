@@ -58,4 +58,5 @@ extern "C" int tp_paged_attention(int q_dtype, int kv_dtype, const void* q, void
                                   const int64_t* pos, int64_t n, const int32_t* table, int64_t table_stride,
                                   int heads, int kv_heads, int d, int block_size, float scale, float k_scale,
                                   float v_scale, int64_t window, int num_threads, int64_t num_seqs,
-                                  int64_t table_width, int64_t num_blocks, int64_t* fault);
+                                  int64_t table_width, int64_t num_blocks, int64_t* fault,
+                                  const float* sinks);

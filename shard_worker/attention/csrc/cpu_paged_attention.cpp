@@ -15,6 +15,8 @@
 // anything runs, and a block id outside [0, num_blocks) when it is read (-5: that item stops, the others
 // go on, the call fails); fault then holds {sequence row, column, the id (-6: the width; -7: the rows)}.
 // Never a read outside the cache or the table.
+// sinks (null: none): gpt-oss's per-head logit [heads] in float32, one more term exp(sink) in each softmax's
+// denominator (a key every query sees whose value is zero).
 //
 // One work item is a token's query heads of one or all of its KV heads: the heads that share a KV head
 // share every key and value row read.
@@ -142,6 +144,7 @@ struct Args {
   int64_t window;
   int64_t num_blocks;
   Fault* fault;
+  const float* sinks;
 };
 
 struct Scratch {
@@ -217,13 +220,15 @@ void attend_item(const Args& a, int64_t i, int g0, int g1, Scratch& s) {
     }
   });
   if (!keys_read) return;
-  // Softmax per head (v_scale folded into the normaliser).
+  // Softmax per head (v_scale folded into the normaliser), the head's sink in the max and the sum.
   for (int h = 0; h < nh; ++h) {
     float* sr = scores + h * count;
     float m = sr[0];
 #pragma omp simd reduction(max : m)
     for (int64_t j = 1; j < count; ++j) m = sr[j] > m ? sr[j] : m;
-    float sum = 0.f;
+    const float sink = a.sinks ? a.sinks[g0 * rep + h] : 0.f;
+    if (a.sinks && sink > m) m = sink;
+    float sum = a.sinks ? exp_nonpositive(sink - m) : 0.f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t j = 0; j < count; ++j) {
       sr[j] = exp_nonpositive(sr[j] - m);
@@ -286,7 +291,7 @@ ItemFn item_for(int d, int kv_dtype) {
 
 extern "C" {
 
-int tp_paged_attention_abi() { return 2; }
+int tp_paged_attention_abi() { return 3; }
 
 // Returns 0, or a negative value for arguments it cannot take (checked by the caller too); -5, -6 and -7
 // with fault[3] filled (see the bounds at the top).
@@ -296,7 +301,7 @@ int tp_paged_attention(int q_dtype, int kv_dtype, const void* q, void* out, int6
                        const int64_t* seq, const int64_t* pos, int64_t n, const int32_t* table,
                        int64_t table_stride, int heads, int kv_heads, int d, int block_size, float scale,
                        float k_scale, float v_scale, int64_t window, int num_threads, int64_t num_seqs,
-                       int64_t table_width, int64_t num_blocks, int64_t* fault) {
+                       int64_t table_width, int64_t num_blocks, int64_t* fault, const float* sinks) {
   if (kv_heads <= 0 || heads % kv_heads || d <= 0 || d > 1024 || heads > 1024 || block_size <= 0) return -1;
   if (q_dtype != F32 && q_dtype != BF16 && q_dtype != F16) return -2;
   if (kv_dtype < F32 || kv_dtype > E5M2) return -3;
@@ -318,7 +323,7 @@ int tp_paged_attention(int q_dtype, int kv_dtype, const void* q, void* out, int6
                tokens,         seq,            pos,                               table,
                table_stride,   heads,          kv_heads,                          d,
                block_size,     scale,          k_scale,                           v_scale,
-               window,         num_blocks,     &bad};
+               window,         num_blocks,     &bad,                              sinks};
   const ItemFn item = item_for(d, kv_dtype);
   // Small steps run on the calling thread: a parallel region costs more than a few short rows.
   int64_t total_keys = 0;

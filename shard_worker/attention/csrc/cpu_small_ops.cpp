@@ -311,11 +311,12 @@ struct StepPlan {
 // One layer: the step's keys and values (k, v: [num_tokens, kv_heads, d], heads contiguous, token strides
 // in elements; in the cache's element type) copied to their slots of cache [2, num_blocks, block_size,
 // kv_heads, d] (contiguous), then the plan's rows attended into out ([num_tokens, heads, d], contiguous).
-// Returns 0; -4 for a slot outside the cache (nothing written); the attention's codes otherwise.
+// sinks: float32 [heads] or null (tp_paged_attention). Returns 0; -4 for a slot outside the cache (nothing
+// written); the attention's codes otherwise.
 int tp_attention_layer(const StepPlan* st, int q_dtype, int kv_dtype, const void* q, int64_t q_tok,
                        int64_t q_head, const void* k, int64_t k_tok, const void* v, int64_t v_tok, void* cache,
                        int64_t num_blocks, void* out, int heads, int kv_heads, int d, int block_size, float scale,
-                       float k_scale, float v_scale, int64_t window) {
+                       float k_scale, float v_scale, int64_t window, const float* sinks) {
   const int64_t es = elem_size(kv_dtype);
   const int64_t row = static_cast<int64_t>(kv_heads) * d;
   const int64_t slots = num_blocks * block_size;
@@ -333,7 +334,7 @@ int tp_attention_layer(const StepPlan* st, int q_dtype, int kv_dtype, const void
                             static_cast<int64_t>(block_size) * row, row, st->tokens, st->seq, st->pos, st->n,
                             st->table, st->table_stride, heads, kv_heads, d, block_size, scale, k_scale,
                             v_scale, window, st->num_threads, st->num_seqs, st->table_width, num_blocks,
-                            st->fault);
+                            st->fault, sinks);
 }
 
 }  // extern "C"

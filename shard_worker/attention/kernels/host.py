@@ -120,6 +120,7 @@ def paged_attention(
     num_kv_splits: int | None = None,
     workspace: torch.Tensor | None = None,
     check_indices: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a step's queries over the paged cache, written to out ([T, H, D]) and returned.
 
@@ -133,6 +134,7 @@ def paged_attention(
     splitting off, a power of two forces it. workspace: float32, at least kv_split_workspace_numel()
     elements, used when splitting (allocated per call if None; pass a static one under a CUDA graph).
     check_indices: also check the index tensors' values against the cache (syncs with the device).
+    sinks: [H] float32 on q's device, each head's sink logit (gpt-oss), or None.
     Rows at or past query_start_loc[S] are not written (zeros when out is None)."""
     num_tokens, num_heads, head_dim = _check_shapes(
         q, k_cache, v_cache, block_table, query_start_loc, seq_lens
@@ -146,6 +148,13 @@ def paged_attention(
     else:
         _check_out(out, q)
     _check_int("sliding_window", sliding_window)
+    if sinks is not None and not (
+        sinks.dtype == torch.float32
+        and sinks.shape == (num_heads,)
+        and sinks.is_contiguous()
+        and sinks.device == q.device
+    ):
+        raise ValueError(f"sinks must be contiguous float32 [{num_heads}] on {q.device}")
     if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
         raise ValueError(f"scale must be a finite host float, got {scale!r}")
     max_query_len = num_tokens if max_query_len is None else _check_int("max_query_len", max_query_len)
@@ -178,12 +187,13 @@ def paged_attention(
         partial_lse = workspace[split_rows * head_dim_pad : split_rows * (head_dim_pad + 1)]
 
     constants = kernel_constants(
-        plan, head_dim, queries_per_kv, block_size, q.dtype, sliding_window, num_kv_splits
+        plan, head_dim, queries_per_kv, block_size, q.dtype, sliding_window, num_kv_splits, sinks is not None
     )
+    sinks_arg = out if sinks is None else sinks  # a placeholder the kernels never read without sinks
     grid = (num_tokens // plan.block_q + num_seqs, num_kv_heads, num_kv_splits)
     paged_attention_kernel[grid](
         out, q, k_cache, v_cache, block_table, query_start_loc, seq_lens, partial_out, partial_lse,
-        num_seqs, num_heads, scale * _LOG2E,
+        sinks_arg, num_seqs, num_heads, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -192,8 +202,9 @@ def paged_attention(
     )  # fmt: skip
     if num_kv_splits > 1:
         combine_splits_kernel[(num_tokens, num_heads)](
-            out, partial_out, partial_lse, query_start_loc, num_seqs, num_heads, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=num_kv_splits, num_warps=4,
+            out, partial_out, partial_lse, sinks_arg, query_start_loc, num_seqs, num_heads, out.stride(0),
+            out.stride(1), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=num_kv_splits,
+            HAS_SINKS=sinks is not None, num_warps=4,
         )  # fmt: skip
     return out
 
@@ -206,6 +217,7 @@ def kernel_constants(
     dtype: torch.dtype,
     sliding_window: int,
     num_kv_splits: int,
+    sinks: bool = False,
 ) -> dict[str, int | bool]:
     """paged_attention_kernel's constexpr arguments for a launch (the compile test builds the same)."""
     return {
@@ -220,6 +232,7 @@ def kernel_constants(
         "NUM_SPLITS": num_kv_splits,
         "UPCAST_DOT": INTERPRET,
         "IEEE_DOT": dtype == torch.float32,
+        "HAS_SINKS": sinks,
     }
 
 

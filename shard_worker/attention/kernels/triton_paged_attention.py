@@ -33,6 +33,10 @@ Correctness never depends on max_query_len or max_seq_len: they pick tile sizes 
 CUDA graph bucket's loose bounds are fine), while every range is computed on the device from the tensors.
 Rows at or past query_start_loc[S] (padding of a graph bucket) are not written.
 
+Sinks (gpt-oss; HAS_SINKS): each head's learned logit is one more term of its softmax's denominator
+whose value is zero. Folded into the running max and sum once the walk is done, or, when the keys are
+split, by the combine kernel alone (a split's partial output and log-sum-exp stay the keys' own).
+
 Under Triton's interpreter (TRITON_INTERPRET=1 in the environment before this module is imported; CPU
 tensors) tl.dot multiplies bf16 bit patterns, so host.py asks for dot inputs upcast to fp32 there.
 """
@@ -77,6 +81,7 @@ def paged_attention_kernel(
     seq_lens_ptr,  # [S] int32
     partial_out_ptr,  # [T, H, NUM_SPLITS, HEAD_DIM_PAD] fp32 (split launches only)
     partial_lse_ptr,  # [T, H, NUM_SPLITS] fp32, base 2 (split launches only)
+    sinks_ptr,  # [H] fp32, natural-log logits (HAS_SINKS only)
     num_seqs,
     num_heads,
     qk_scale,  # softmax scale x log2(e): scores are in base 2 from the start
@@ -102,6 +107,7 @@ def paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     IEEE_DOT: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -186,6 +192,15 @@ def paged_attention_kernel(
         acc = acc * rescale[:, None] + _dot(p.to(v.dtype), v, UPCAST_DOT, IEEE_DOT)
         row_max = new_max
 
+    if HAS_SINKS and NUM_SPLITS == 1:
+        sink = tl.load(sinks_ptr + row_head, mask=row_valid, other=float("-inf")) * 1.4426950408889634
+        new_max = tl.maximum(row_max, sink)
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        rescale = tl.exp2(row_max - shift)
+        row_sum = row_sum * rescale + tl.exp2(sink - shift)
+        acc = acc * rescale[:, None]
+        row_max = new_max
+
     # Rows that saw no key (padding, an empty split) give 0, not 0 / 0.
     denom = tl.where(row_sum > 0, row_sum, 1.0)
     result = acc / denom[:, None]
@@ -212,6 +227,7 @@ def combine_splits_kernel(
     out_ptr,
     partial_out_ptr,
     partial_lse_ptr,
+    sinks_ptr,  # [H] fp32 (HAS_SINKS only)
     query_start_loc_ptr,
     num_seqs,
     num_heads,
@@ -220,8 +236,10 @@ def combine_splits_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
-    """out[token, head] = sum_s 2^(lse_s - M) * partial_s / sum_s 2^(lse_s - M), M = max_s lse_s."""
+    """out[token, head] = sum_s 2^(lse_s - M) * partial_s / sum_s 2^(lse_s - M), M = max_s lse_s (with a
+    sink, one more term 2^(sink - M) in the denominator and M the larger of it and the lses)."""
     token = tl.program_id(0)
     head = tl.program_id(1)
     if token >= tl.load(query_start_loc_ptr + num_seqs):
@@ -232,12 +250,17 @@ def combine_splits_kernel(
     part = (token.to(tl.int64) * num_heads + head) * NUM_SPLITS + splits
     lse = tl.load(partial_lse_ptr + part)
     top = tl.max(lse, axis=0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head) * 1.4426950408889634
+        top = tl.maximum(top, sink)
     top = tl.where(top == float("-inf"), 0.0, top)
     weight = tl.exp2(lse - top)  # empty splits: lse -inf, weight 0
     partial = tl.load(
         partial_out_ptr + part[:, None] * HEAD_DIM_PAD + dims[None, :], mask=dim_valid[None, :], other=0.0
     )
     total = tl.sum(weight, axis=0)
+    if HAS_SINKS:
+        total += tl.exp2(sink - top)
     result = tl.sum(partial * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
     tl.store(
         out_ptr + token.to(tl.int64) * stride_out_token + head * stride_out_head + dims,

@@ -235,12 +235,13 @@ class QKVParallelLinear(MergedColumnParallelLinear):
 
 
 class ReplicatedLinear(LinearBase):
-    """y = x W^T with the whole W on every rank (an MoE router: small, and every rank needs every logit)."""
+    """y = x W^T (+ b) with the whole W on every rank (an MoE router: small, and every rank needs every
+    logit; gpt-oss's has a bias)."""
 
-    def __init__(self, input_size: int, output_size: int):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__()
         self._init_geometry(input_size, (0, input_size), [(0, output_size)], [0], [output_size])
-        self.bias = None
+        self._make_bias(bias, output_size, sharded=False)
         bind_now_or_later(self)
 
 

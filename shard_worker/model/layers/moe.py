@@ -41,6 +41,13 @@ def route(
     return (weights if weights_dtype is None else weights.to(weights_dtype)), ids
 
 
+def route_top_k_softmax(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k], expert ids [T, k]) as gpt-oss routes: the top k logits, then a softmax over just
+    those, in the logits' dtype."""
+    logits, ids = torch.topk(router_logits, top_k, dim=-1)
+    return torch.softmax(logits, dim=-1), ids
+
+
 def grouped_mm_supported(x: torch.Tensor, *row_sizes: int) -> bool:
     """Whether F.grouped_mm takes these operands: CPU float32 and half types, CUDA bfloat16 on Ampere and
     later (as transformers uses it; not verified on a device here yet); and every row (hidden,
@@ -58,19 +65,37 @@ class FusedMoE(nn.Module):
     """num_experts gated MLPs, their weights stacked and held by an expert method (quant/base.py; the
     unquantized one: gate_up_proj [E, 2 * I / tp, H], each expert's [gate shard; up shard], and down_proj
     [E, H, I / tp]). Each parameter is named like transformers' stacked experts; the loader fills it one
-    checkpoint tensor at a time, part (expert, 0 gate | 1 up) and (expert, None) for down."""
+    checkpoint tensor at a time, part (expert, 0 gate | 1 up) and (expert, None) for down.
+
+    bias: each expert's gate/up and down biases besides (gate_up_proj_bias [E, 2 * I / tp], split like
+    its rows; down_proj_bias [E, H], whole, added by rank 0 only, before the all-reduce)."""
 
     def __init__(
-        self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str, tp: TensorParallel
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        activation: str,
+        tp: TensorParallel,
+        bias: bool = False,
     ):
         super().__init__()
         self.tp = tp
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.local_intermediate = divide(intermediate_size, tp.world_size, "expert intermediate features")
-        self.act = ACTIVATIONS[activation]
+        self.act = ACTIVATIONS.get(activation)
+        self.gate_up_proj_bias = self.down_proj_bias = None
+        if bias:
+            n = self.local_intermediate
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * n), requires_grad=False)
+            self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
         self.quant_method = None
         bind_now_or_later(self)
+
+    def gated(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The gated activation between gate/up and down: act(gate) * up."""
+        return self.act(gate) * up
 
     def default_method(self):
         from shard_worker.model.quant.unquantized import UnquantizedExpertMethod
@@ -140,3 +165,132 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.forward_partial(x))
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's gated activation: gate clamped above at limit, up to [-limit, limit], then
+    (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def deinterleave(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """Rows g0 u0 g1 u1 ... along dim (gpt-oss's fused gate/up) as g0 g1 ... u0 u1 ... (ours)."""
+    index = [slice(None)] * t.dim()
+    gates, ups = list(index), list(index)
+    gates[dim], ups[dim] = slice(0, None, 2), slice(1, None, 2)
+    return torch.cat([t[tuple(gates)], t[tuple(ups)]], dim=dim)
+
+
+class GptOssExperts(FusedMoE):
+    """gpt-oss's experts: biased, the clamped SwiGLU, and a checkpoint that stacks every expert in one
+    tensor per kind, transposed (gate_up_proj [E, H, 2 * I], down_proj [E, I, H]) with gate and up
+    interleaved along the features. Each rank reads its features' columns and lays them out as FusedMoE
+    holds them. (quant/mxfp4.py reads the MXFP4 form of the same tensors.)"""
+
+    def __init__(self, num_experts, hidden_size, intermediate_size, tp, alpha: float, limit: float):
+        self.alpha, self.limit = alpha, limit
+        super().__init__(num_experts, hidden_size, intermediate_size, "clamped_swiglu", tp, bias=True)
+        self.gate_up_proj_bias.weight_loader = self.load_gate_up_bias
+        self.down_proj_bias.weight_loader = self.load_down_bias
+
+    def gated(self, gate, up):
+        return clamped_swiglu(gate, up, self.alpha, self.limit)
+
+    def set_method(self, method) -> None:
+        super().set_method(method)
+        for name, loader in (
+            ("gate_up_proj", self.load_stacked_gate_up),
+            ("down_proj", self.load_stacked_down),
+        ):
+            param = getattr(self, name, None)
+            if param is not None and getattr(param, "weight_loader", None) in (
+                self.load_gate_up,
+                self.load_down,
+            ):
+                param.weight_loader, param.checkpoint_parts = loader, (None,)
+
+    def feature_columns(self) -> slice:
+        """This rank's columns of the interleaved gate/up features."""
+        n = self.local_intermediate
+        return slice(2 * self.tp.rank * n, 2 * (self.tp.rank + 1) * n)
+
+    def feature_rows(self) -> slice:
+        """This rank's rows of the intermediate features (down's input)."""
+        n = self.local_intermediate
+        return slice(self.tp.rank * n, (self.tp.rank + 1) * n)
+
+    def load_stacked_gate_up(self, param, source, part=None) -> None:
+        tensor = source[:, :, self.feature_columns()]  # [E, H, 2n], interleaved
+        copy_checked(param.data, deinterleave(tensor, 2).transpose(1, 2), ..., "experts.gate_up_proj")
+
+    def load_stacked_down(self, param, source, part=None) -> None:
+        tensor = source[:, self.feature_rows(), :]  # [E, n, H]
+        copy_checked(param.data, tensor.transpose(1, 2), ..., "experts.down_proj")
+
+    def load_gate_up_bias(self, param, source, part=None) -> None:
+        copy_checked(
+            param.data, deinterleave(source[:, self.feature_columns()], 1), ..., "experts.gate_up_proj_bias"
+        )
+
+    def load_down_bias(self, param, source, part=None) -> None:
+        copy_checked(param.data, source, ..., "experts.down_proj_bias")
+
+
+class GptOssMoE(nn.Module):
+    """gpt-oss's MLP: a biased router (`router`, replicated; route_top_k_softmax) and GptOssExperts, the
+    output all-reduced once."""
+
+    def __init__(self, hidden_size, intermediate_size, num_experts, top_k, tp, alpha: float, limit: float):
+        super().__init__()
+        self.tp = tp
+        self.top_k = top_k
+        self.router = ReplicatedLinear(hidden_size, num_experts, bias=True)
+        self.experts = GptOssExperts(num_experts, hidden_size, intermediate_size, tp, alpha, limit)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route_top_k_softmax(self.router(x), self.top_k)
+        return self.tp.all_reduce(self.experts(x, ids, weights))
+
+
+def route_grouped(
+    router_logits: torch.Tensor,
+    correction_bias: torch.Tensor,
+    top_k: int,
+    num_groups: int,
+    topk_group: int,
+    renormalize: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] float32, expert ids [T, k]) as DeepSeek-V3 routes (noaux_tc), in transformers'
+    arithmetic: sigmoid scores; the correction bias added for choosing only; the experts split into
+    num_groups groups, each group scored by its two best biased scores, the topk_group best groups kept;
+    the top k biased experts among them; weighted by their unbiased scores, renormalised when asked,
+    times scaling (routed_scaling_factor)."""
+    scores = router_logits.float().sigmoid()
+    choice = scores + correction_bias.float()
+    tokens, experts = scores.shape
+    grouped = choice.view(tokens, num_groups, experts // num_groups)
+    group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+    groups = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    kept = torch.zeros_like(group_scores).scatter_(1, groups, 1).bool()
+    kept = kept[:, :, None].expand(grouped.shape).reshape(tokens, experts)
+    ids = torch.topk(choice.masked_fill(~kept, float("-inf")), k=top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
+
+
+class GroupLimitedRouter(nn.Module):
+    """DeepSeek-V3's router (`gate`): a float32 weight and correction bias, replicated, logits in float32
+    whatever the model dtype (transformers keeps both in float32 too)."""
+
+    def __init__(self, hidden_size: int, num_experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32), False)
+        self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32), False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x.float(), self.weight)

@@ -8,7 +8,7 @@ from torch import nn
 
 from shard_worker.attention import Attention, cpu_ops
 from shard_worker.model.config import ModelConfig
-from shard_worker.model.layers.linear import QKVParallelLinear, RowParallelLinear
+from shard_worker.model.layers.linear import QKVParallelLinear, RowParallelLinear, copy_checked
 from shard_worker.model.layers.rotary import apply_rotary
 from shard_worker.parallel import TensorParallel
 
@@ -21,9 +21,11 @@ class SelfAttention(nn.Module):
         tp: TensorParallel,
         qk_norm: type[nn.Module] | None = None,
         scale: float | None = None,
+        sinks: bool = False,
     ):
         """qk_norm: the norm class applied to each query and key head before rotary (Qwen3, Gemma 3);
-        scale: the attention scale, head_dim ** -0.5 unless the family says otherwise."""
+        scale: the attention scale, head_dim ** -0.5 unless the family says otherwise; sinks: a learned
+        logit per head in each softmax's denominator (gpt-oss: `self_attn.sinks`, split by heads)."""
         super().__init__()
         self.head_dim = config.head_dim
         self.qkv_proj = QKVParallelLinear(
@@ -48,6 +50,17 @@ class SelfAttention(nn.Module):
             scale=self.head_dim**-0.5 if scale is None else scale,
             sliding_window=config.sliding_windows[layer_idx],
         )
+        if sinks:
+            self.tp = tp
+            self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
+            self.sinks.weight_loader = self._load_sinks
+            # The backend reads the layer's; a view of the parameter, so the loaded values are what it
+            # sees (a parameter of its own would be a second, never-filled entry for the loader).
+            self.attn.sinks = self.sinks.detach()
+
+    def _load_sinks(self, param: nn.Parameter, source, part=None) -> None:
+        start = self.tp.rank * self.num_heads
+        copy_checked(param.data, source, slice(start, start + self.num_heads), "self_attn.sinks")
 
     def forward(self, x: torch.Tensor, rope, ctx, kv_cache: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.local_sizes, dim=-1)

@@ -18,6 +18,8 @@ CHECKPOINT_FORMATS = {
     "compressed-tensors": "shard_worker.model.quant.compressed_tensors:CompressedTensorsConfig",
     "awq": "shard_worker.model.quant.int4_checkpoints:AWQConfig",
     "gptq": "shard_worker.model.quant.int4_checkpoints:GPTQConfig",
+    # gpt-oss's released checkpoints: experts in MXFP4, decoded at load.
+    "mxfp4": "shard_worker.model.quant.mxfp4:Mxfp4Config",
     # Written by common/gguf_model.py for `--model x.gguf`: the weights are the GGUF file's.
     "gguf": "shard_worker.model.quant.gguf:GGUFConfig",
 }

@@ -108,19 +108,33 @@ class UnquantizedExpertMethod(ExpertMethod):
         down.checkpoint_parts = tuple((e, None) for e in range(num_experts))
 
     def apply(self, layer, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """The experts' outputs for rows xs sorted by expert, counts[e] rows for expert e."""
+        """The experts' outputs for rows xs sorted by expert, counts[e] rows for expert e (with the
+        layer's biases when it has them: rank 0 alone adds down's, which the all-reduce then sums once)."""
         from shard_worker.model.layers.moe import grouped_mm_supported
 
+        gate_up_bias, down_bias = layer.gate_up_proj_bias, layer.down_proj_bias
+        if down_bias is not None and layer.tp.rank != 0:
+            down_bias = None
         if grouped_mm_supported(xs, xs.shape[1], layer.local_intermediate):
             offsets = counts.cumsum(0).to(torch.int32)
-            gate, up = F.grouped_mm(xs, layer.gate_up_proj.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
-            return F.grouped_mm(layer.act(gate) * up, layer.down_proj.transpose(1, 2), offs=offsets)
+            gate_up = F.grouped_mm(xs, layer.gate_up_proj.transpose(1, 2), offs=offsets)
+            row_experts = None
+            if gate_up_bias is not None or down_bias is not None:
+                experts = torch.arange(len(counts), device=xs.device)
+                row_experts = experts.repeat_interleave(counts, output_size=xs.shape[0])
+            if gate_up_bias is not None:
+                gate_up = gate_up + gate_up_bias.index_select(0, row_experts)
+            gate, up = gate_up.chunk(2, dim=-1)
+            ys = F.grouped_mm(layer.gated(gate, up), layer.down_proj.transpose(1, 2), offs=offsets)
+            return ys if down_bias is None else ys + down_bias.index_select(0, row_experts)
         ys = torch.empty(xs.shape[0], layer.down_proj.shape[1], dtype=xs.dtype, device=xs.device)
         start = 0
         for expert, n in enumerate(counts.tolist()):  # one host read per layer
             if n:
                 rows = slice(start, start + n)
-                gate, up = F.linear(xs[rows], layer.gate_up_proj[expert]).chunk(2, dim=-1)
-                ys[rows] = F.linear(layer.act(gate) * up, layer.down_proj[expert])
+                b1 = None if gate_up_bias is None else gate_up_bias[expert]
+                b2 = None if down_bias is None else down_bias[expert]
+                gate, up = F.linear(xs[rows], layer.gate_up_proj[expert], b1).chunk(2, dim=-1)
+                ys[rows] = F.linear(layer.gated(gate, up), layer.down_proj[expert], b2)
                 start += n
         return ys
