@@ -11,14 +11,6 @@ Gemma 3 270M (3 full layers, 15 of 512-token windows, bf16), 1 GiB: 3,640 blocks
 21,845 of 3 layers; sequences held at once: 113 against 113 at 512 tokens, 14 against 52 at 4,096 (3.7x),
 1 against 9 at 32,768.
 
-A model with linear-attention layers (Qwen3-Next) is sized as its workers size it: a state slot for each
-of --max-num-seqs sequences first, the rest in blocks of its attention layers:
-
-    python -m bench.kv_capacity /tmp/q3n --write-qwen3-next --budget-gib 4 --tokens 4096 32768 131072
-
-Qwen3-Next-80B-A3B's shapes, 4 GiB, bf16: 128 slots of 6.14 MiB; 128 against 128 sequences at 4,096
-tokens (both capped), 51 against 16 at 32,768 (3.2x), 12 against 4 at 131,072.
-
 DeepSeek-V3 (--deepseek-v3, no model directory): the real model's shapes (transformers' DeepseekV3Config
 defaults: 61 layers, 128 heads of K 192 and V 128, a latent of 512 + 64), the model class built on the
 meta device (no memory), its latent pages (DeepseekV3ForCausalLM.kv_cache_shape) in the layout the
@@ -28,6 +20,13 @@ scheduler builds from its DescribeResponse, against K and V per head (128 x (192
 
 bf16, 64 GiB: 4,997,120 bytes a token against 70,272 (71.1x); 859 blocks against 61,119; sequences held
 at once: 3 against 238 at 4,096 tokens, 0 against 29 at 32,768.
+A model with linear-attention layers (Qwen3-Next) is sized as its workers size it: a state slot for each
+of --max-num-seqs sequences first, the rest in blocks of its attention layers:
+
+    python -m bench.kv_capacity /tmp/q3n --write-qwen3-next --budget-gib 4 --tokens 4096 32768 131072
+
+Qwen3-Next-80B-A3B's shapes, 4 GiB, bf16: 128 slots of 6.14 MiB; 128 against 128 sequences at 4,096
+tokens (both capped), 51 against 16 at 32,768 (3.2x), 12 against 4 at 131,072.
 """
 
 from __future__ import annotations
@@ -68,6 +67,38 @@ def capacity(
             rows.append(
                 ("layer groups" if shared else "every layer full", num_blocks, n, num_blocks // per_seq)
             )
+    return rows
+
+
+def deepseek_v3_rows(budget_gib: float, tokens: list[int], block_size: int, dtype: torch.dtype) -> list:
+    """(layout, pool blocks, tokens, sequences held at once) rows: K and V per head, then MLA's latent."""
+    from transformers import DeepseekV3Config
+
+    from shard_worker.model.deepseek_v3 import DeepseekV3ForCausalLM
+
+    hf = DeepseekV3Config()
+    config = DeepseekV3ForCausalLM.config_from_hf(hf, "DeepseekV3ForCausalLM")
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(config, TensorParallel())
+    layout = kv_cache_spec.from_describe(model.layer_windows(), block_size, model.layer_latent_dims())
+    print(kv_cache_spec.summary(layout))
+    # As ModelRunner.kv_block_bytes: every cache tensor's page of one block.
+    latent_block = model.num_kv_caches * math.prod(model.kv_cache_shape(1, block_size)) * dtype.itemsize
+    per_head = hf.num_attention_heads * (hf.qk_nope_head_dim + hf.qk_rope_head_dim + hf.v_head_dim)
+    kv_block = config.num_layers * block_size * per_head * dtype.itemsize
+    all_full = kv_cache_spec.group_layers([None] * config.num_layers, block_size)
+    budget = int(budget_gib * 2**30)
+    rows = []
+    for name, lay, block_bytes in (
+        ("K/V per head", all_full, kv_block),
+        ("MLA latent", layout, latent_block),
+    ):
+        num_blocks = budget // block_bytes
+        rows += [(name, num_blocks, n, kv_cache_spec.sequences_held(num_blocks, lay, n)) for n in tokens]
+    print(
+        f"bytes a token: {kv_block // block_size:,} against {latent_block // block_size:,} "
+        f"({kv_block / latent_block:.1f}x)"
+    )
     return rows
 
 
@@ -136,38 +167,6 @@ def write_qwen3_next(out_dir: str, num_layers: int = 4) -> str:
     return out_dir
 
 
-def deepseek_v3_rows(budget_gib: float, tokens: list[int], block_size: int, dtype: torch.dtype) -> list:
-    """(layout, pool blocks, tokens, sequences held at once) rows: K and V per head, then MLA's latent."""
-    from transformers import DeepseekV3Config
-
-    from shard_worker.model.deepseek_v3 import DeepseekV3ForCausalLM
-
-    hf = DeepseekV3Config()
-    config = DeepseekV3ForCausalLM.config_from_hf(hf, "DeepseekV3ForCausalLM")
-    with torch.device("meta"):
-        model = DeepseekV3ForCausalLM(config, TensorParallel())
-    layout = kv_cache_spec.from_describe(model.layer_windows(), block_size, model.layer_latent_dims())
-    print(kv_cache_spec.summary(layout))
-    # As ModelRunner.kv_block_bytes: every cache tensor's page of one block.
-    latent_block = model.num_kv_caches * math.prod(model.kv_cache_shape(1, block_size)) * dtype.itemsize
-    per_head = hf.num_attention_heads * (hf.qk_nope_head_dim + hf.qk_rope_head_dim + hf.v_head_dim)
-    kv_block = config.num_layers * block_size * per_head * dtype.itemsize
-    all_full = kv_cache_spec.group_layers([None] * config.num_layers, block_size)
-    budget = int(budget_gib * 2**30)
-    rows = []
-    for name, lay, block_bytes in (
-        ("K/V per head", all_full, kv_block),
-        ("MLA latent", layout, latent_block),
-    ):
-        num_blocks = budget // block_bytes
-        rows += [(name, num_blocks, n, kv_cache_spec.sequences_held(num_blocks, lay, n)) for n in tokens]
-    print(
-        f"bytes a token: {kv_block // block_size:,} against {latent_block // block_size:,} "
-        f"({kv_block / latent_block:.1f}x)"
-    )
-    return rows
-
-
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model", nargs="?", help="a checkpoint directory (not with --deepseek-v3)")
@@ -181,14 +180,14 @@ def main(argv=None) -> None:
         "--write-qwen3-next", action="store_true", help="first write a Qwen3-Next-shaped config.json to MODEL"
     )
     args = p.parse_args(argv)
-    if args.write_qwen3_next:
-        write_qwen3_next(args.model)
     if args.deepseek_v3 == bool(args.model):
         p.error("give a model directory or --deepseek-v3")
     dtype = getattr(torch, args.dtype)
     if args.deepseek_v3:
         rows = deepseek_v3_rows(args.budget_gib, args.tokens, args.block_size, dtype)
     else:
+        if args.write_qwen3_next:
+            write_qwen3_next(args.model)
         rows = capacity(args.model, args.budget_gib, args.tokens, args.block_size, dtype, args.max_num_seqs)
     print(f"{'layout':<18}{'blocks':>10}{'tokens':>10}{'sequences':>11}")
     for name, blocks, n, seqs in rows:

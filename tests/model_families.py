@@ -77,43 +77,6 @@ def _configs():
             mlp_only_layers=[1],  # one dense layer among the sparse ones
             **moe,
         ),
-        # Three Gated DeltaNet layers and one gated full-attention layer (the released 3-of-4 pattern),
-        # rotary over a quarter of each head, MoE with a gated shared expert in every layer.
-        "qwen3_next": lambda: t.Qwen3NextConfig(
-            **SMALL,
-            num_hidden_layers=4,
-            layer_types=["linear_attention"] * 3 + ["full_attention"],
-            partial_rotary_factor=0.25,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
-            linear_conv_kernel_dim=4,
-            num_experts=4,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=32,
-            norm_topk_prob=True,
-            num_experts_per_tok=2,
-        ),
-        # Qwen3.5's text model: the same layer kinds, a dense MLP, the linear projections split, mrope
-        # sections (one position for text: plain rope over half of each head).
-        "qwen3_5": lambda: t.Qwen3_5TextConfig(
-            **SMALL,
-            num_hidden_layers=4,
-            layer_types=["linear_attention"] * 3 + ["full_attention"],
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": 10_000.0,
-                "partial_rotary_factor": 0.5,
-                "mrope_section": [2, 1, 1],
-                "mrope_interleaved": True,
-            },
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
-            linear_conv_kernel_dim=4,
-        ),
         # Sliding and full layers alternating, sinks, YaRN (stretched 4x past 128 positions), biased
         # router and experts. Expert features a multiple of 64: 32 a rank at --tp 2, one MXFP4 block.
         "gpt_oss": lambda: t.GptOssConfig(
@@ -166,6 +129,43 @@ def _configs():
                 "mscale": 1.0,
                 "mscale_all_dim": 1.0,
             },
+        ),
+        # Three Gated DeltaNet layers and one gated full-attention layer (the released 3-of-4 pattern),
+        # rotary over a quarter of each head, MoE with a gated shared expert in every layer.
+        "qwen3_next": lambda: t.Qwen3NextConfig(
+            **SMALL,
+            num_hidden_layers=4,
+            layer_types=["linear_attention"] * 3 + ["full_attention"],
+            partial_rotary_factor=0.25,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_conv_kernel_dim=4,
+            num_experts=4,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            norm_topk_prob=True,
+            num_experts_per_tok=2,
+        ),
+        # Qwen3.5's text model: the same layer kinds, a dense MLP, the linear projections split, mrope
+        # sections (one position for text: plain rope over half of each head).
+        "qwen3_5": lambda: t.Qwen3_5TextConfig(
+            **SMALL,
+            num_hidden_layers=4,
+            layer_types=["linear_attention"] * 3 + ["full_attention"],
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10_000.0,
+                "partial_rotary_factor": 0.5,
+                "mrope_section": [2, 1, 1],
+                "mrope_interleaved": True,
+            },
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_conv_kernel_dim=4,
         ),
     }
 

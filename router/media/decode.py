@@ -45,7 +45,10 @@ def decode_image(data: bytes, max_pixels: int, field: str) -> DecodedImage:
     except ValidationError:
         raise
     except Image.DecompressionBombError as e:
-        raise ValidationError(field, f"{field}: the image is too large: {e}") from None
+        # Pillow's own guard, from the header too: far past our limit (twice its 89M pixels).
+        raise ValidationError(
+            field, f"{field}: the image is too large ({e}); the limit is {max_pixels} pixels"
+        ) from None
     except Image.UnidentifiedImageError:
         raise ValidationError(
             field, f"{field}: not an image in a supported format ({', '.join(FORMATS)})"

@@ -61,8 +61,8 @@ class CausalLM(nn.Module):
     config_class: ClassVar[type[ModelConfig]] = ModelConfig
     window_rule: ClassVar[str] = NO_WINDOW  # see shard_worker/model/config.py
     rope_by_layer_type: ClassVar[bool] = False  # rope_parameters has one rope per layer type (Gemma 3)
-    partial_rotary: ClassVar[bool] = False  # rotary over part of each head (Qwen3-Next)
     kv_block_dim: ClassVar[int] = 1  # the dim of kv_cache_shape that indexes blocks (swap copies along it)
+    partial_rotary: ClassVar[bool] = False  # rotary over part of each head (Qwen3-Next)
     activations: ClassVar[tuple[str, ...]] = ("silu",)
     layer_class: ClassVar[type[nn.Module]]
     norm_class: ClassVar[type[nn.Module]] = RMSNorm
@@ -123,7 +123,7 @@ class CausalLM(nn.Module):
         return [attn.sliding_window or 0 for attn in self.attentions()]
 
     def layer_latent_dims(self) -> list[int]:
-        """Per KV layer: the values its cached latent holds a token (MLA), 0 for K and V per head
+        """Per layer: the values its cached latent holds a token (MLA), 0 for K and V per head
         (DescribeResponse.layer_latent_dims)."""
         return [getattr(attn, "latent_dim", 0) for attn in self.attentions()]
 

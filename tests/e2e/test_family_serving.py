@@ -7,8 +7,8 @@ them: common/kv_cache_spec.py). One stack per family; tensor parallelism where i
 experts sharded), which is served as released: its experts in MXFP4, decoded at load, DeepSeek-V3
 (MLA's heads split over a latent every rank caches whole; routed and shared experts sharded; prompts past
 14 tokens expanded, decodes absorbed: shard_worker/attention/latent.py) and Qwen3-Next (linear-attention
-heads and their state slots split, a 1-of-4 attention cache). Llama is
-tests/e2e/test_serving.py's and test_tp_serving.py's, and Qwen2's layers are Llama's with Qwen3's windows
+heads and their state slots split, a 1-of-4 attention cache). Llama is tests/e2e/test_serving.py's and
+test_tp_serving.py's, and Qwen2's layers are Llama's with Qwen3's windows
 (tests/unit/test_model_families.py decodes both)."""
 
 from __future__ import annotations
