@@ -39,7 +39,9 @@ def test_bf16_linear_weights_compute_what_transformers_computes_with_bf16_produc
     )
     got = _prompt_logits(runner, ids)
     assert got.dtype == torch.float32  # activations and logits stay in the model's dtype
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # bf16 products summed in float32 in another order than oneDNN's (our kernel's native bf16 dot
+    # products on AVX-512 BF16 CPUs): 1.2e-4 apart at worst there, against the 1e-2 that float32's are off.
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=3e-4)
     # ... which is not float32's: the test would see products left in float32.
     assert (got - exact).abs().max() > 1e-2
 
