@@ -105,7 +105,9 @@ class ModelRunner(RunnerCaches):
             if self.kernel_warm_up is not None:
                 self.kernel_warm_up.wait()
             raise
-        self.pooler = Pooler(pooling_config(self.model_dir), self.model) if runner == "pooling" else None
+        self.pooler = None
+        if runner == "pooling":
+            self.pooler = Pooler(pooling_config(self.model_dir), self.model, self.model_dir)
         self.lora = None
         if lora is not None:
             modules, max_rank, *slots = lora

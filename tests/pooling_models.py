@@ -1,8 +1,8 @@
 """Small random pooling checkpoints, built with transformers' own classes and save_pretrained, with
-sentence-transformers' files (modules.json, 1_Pooling/config.json, sentence_bert_config.json) written as
-sentence-transformers writes them, and a WordPiece tokenizer of a small vocabulary for the BERT ones; and
-their reference outputs: transformers' forward in float32, pooled as sentence-transformers pools (computed
-here, so the reference does not depend on our code).
+sentence-transformers' files (modules.json, 1_Pooling/config.json, 2_Dense's config and weights,
+sentence_bert_config.json) written as sentence-transformers writes them, and a WordPiece tokenizer of a
+small vocabulary for the BERT ones; and their reference outputs: transformers' forward in float32, pooled
+as sentence-transformers pools (computed here, so the reference does not depend on our code).
 """
 
 from __future__ import annotations
@@ -37,7 +37,10 @@ KINDS = {
     "bert-cross": ("BertForSequenceClassification", None, False),
     "qwen3-last": ("Qwen3Model", "lasttoken", True),
     "llama-mean": ("LlamaModel", "mean", False),
+    "bert-dense": ("BertModel", "mean", True),  # with a Dense module (DENSE) between Pooling and Normalize
 }
+# Kinds with a sentence-transformers Dense module: its out_features and activation_function.
+DENSE = {"bert-dense": (24, "torch.nn.modules.activation.Tanh")}
 VOCAB = len(SPECIAL) + len(WORDS) + 26
 
 
@@ -86,12 +89,16 @@ def build(kind: str, out_dir: str | Path, seed: int = 0) -> Path:
         modules.append(
             {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}
         )
+        if kind in DENSE:
+            _dense(out / "2_Dense", config.hidden_size, *DENSE[kind], seed)
+            dense = {"path": "2_Dense", "type": "sentence_transformers.models.Dense"}
+            modules.append({"idx": len(modules), "name": str(len(modules)), **dense})
         if normalize:
             modules.append(
                 {
-                    "idx": 2,
-                    "name": "2",
-                    "path": "2_Normalize",
+                    "idx": len(modules),
+                    "name": str(len(modules)),
+                    "path": f"{len(modules)}_Normalize",
                     "type": "sentence_transformers.models.Normalize",
                 }
             )
@@ -106,6 +113,35 @@ def build(kind: str, out_dir: str | Path, seed: int = 0) -> Path:
         (out / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64, **flags}))
         (out / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 100}))
     return out
+
+
+def _dense(folder: Path, in_features: int, out_features: int, activation: str, seed: int) -> None:
+    """A Dense module's folder as sentence-transformers saves it: config.json and model.safetensors."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(exist_ok=True)
+    config = {"in_features": in_features, "out_features": out_features, "bias": True}
+    (folder / "config.json").write_text(json.dumps({**config, "activation_function": activation}))
+    gen = torch.Generator().manual_seed(seed + 1)
+    weights = {
+        "linear.weight": torch.randn(out_features, in_features, generator=gen) * in_features**-0.5,
+        "linear.bias": torch.randn(out_features, generator=gen) * 0.1,
+    }
+    save_file(weights, str(folder / "model.safetensors"))
+
+
+def _apply_dense(model_dir: Path, v: torch.Tensor) -> torch.Tensor:
+    """Each Dense module of modules.json on v, as sentence-transformers' Dense computes it."""
+    from safetensors.torch import load_file
+
+    for module in json.loads((model_dir / "modules.json").read_text()):
+        if module["type"].endswith(".Dense"):
+            folder = model_dir / module["path"]
+            w = load_file(str(folder / "model.safetensors"))
+            config = json.loads((folder / "config.json").read_text())
+            act = getattr(torch.nn, config["activation_function"].rsplit(".", 1)[-1])()
+            v = act(torch.nn.functional.linear(v, w["linear.weight"], w.get("linear.bias")))
+    return v
 
 
 @torch.no_grad()
@@ -137,5 +173,6 @@ def reference(model_dir: str | Path, prompts: list[list[int]], types: list[list[
             v = h.max(0).values
         else:
             v = h[-1]
+        v = _apply_dense(model_dir, v)
         out.append(torch.nn.functional.normalize(v, dim=0) if normalize else v)
     return torch.stack(out)

@@ -2,7 +2,9 @@
 XLM-R, a BERT cross-encoder with token types, Qwen3 and Llama decoders pooled) run by the shard worker's
 model runner, at one rank and at two ranks in real processes over torch.distributed (gloo), against
 transformers in float32 pooled as sentence-transformers pools: cosine >= 0.99999. Several prompts of
-different lengths in one step, as the scheduler batches them."""
+different lengths in one step, as the scheduler batches them (two close enough in length to share one
+padded attention group: shard_worker/model/bert.py's EncoderPlan). And BERT with a sentence-transformers
+Dense module between pooling and Normalize."""
 
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ BLOCK = 16
 
 def prompts() -> list[list[int]]:
     rng = random.Random(7)
-    return [[2, *(rng.randrange(5, VOCAB) for _ in range(n)), 3] for n in (1, 14, 40, 70)]
+    return [[2, *(rng.randrange(5, VOCAB) for _ in range(n)), 3] for n in (1, 14, 40, 70, 60)]
 
 
 def type_starts(kind: str) -> list[int]:
