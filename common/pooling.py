@@ -21,6 +21,7 @@ POOLING_METHODS = ("cls", "mean", "max", "last")
 # Architectures with no causal LM head: served only for pooling.
 ENCODER_ARCHITECTURES = ("BertModel", "XLMRobertaModel", "RobertaModel")
 CROSS_ENCODER_SUFFIX = "ForSequenceClassification"
+ENCODER_PREFIXES = ("Bert", "XLMRoberta", "Roberta")
 # Pooling/config.json's flags -> our method names (the first set one wins, as sentence-transformers reads
 # them in this order).
 _ST_MODES = (
@@ -104,7 +105,9 @@ def pooling_config(model_dir: str | Path) -> PoolingConfig:
     config = _read(root / "config.json") or {}
     if arch.endswith(CROSS_ENCODER_SUFFIX):
         labels = config.get("num_labels") or len(config.get("id2label") or {}) or 1
-        return PoolingConfig("cls", False, True, "sigmoid" if labels == 1 else "none", _max_seq(root))
+        # An encoder's head reads [CLS]; a decoder's (Qwen3-Reranker converted) its last token.
+        method = "cls" if arch.startswith(ENCODER_PREFIXES) else "last"
+        return PoolingConfig(method, False, True, "sigmoid" if labels == 1 else "none", _max_seq(root))
     modules = _read(root / "modules.json")
     if modules is None:
         return PoolingConfig("cls" if arch in ENCODER_ARCHITECTURES else "last", False, False)

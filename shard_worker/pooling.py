@@ -1,8 +1,8 @@
 """Rank 0's pooling: a step's pooling sequences' hidden states into one vector each, as the checkpoint says
 (common/pooling.py): cls, mean, max or last token, then any Dense modules, then Normalize; or, for a
-cross-encoder, the
-classification head over [CLS] and its activation. Every pooling sequence's whole prompt is in the step
-(the scheduler never chunks one), so its rows are all there.
+cross-encoder, the classification head over [CLS] (a decoder's: over the last token) and its activation.
+Every pooling sequence's whole prompt is in the step (the scheduler never chunks one), so its rows are all
+there.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class Pooler:
         concatenated (each self.size floats)."""
         ends = np.cumsum(query_lens)
         starts = ends - query_lens
-        method = "cls" if self.config.cross_encoder else self.config.method
+        method = self.config.method  # a cross-encoder's: the row its head reads (cls, or last)
         if method in ("cls", "last"):
             rows = starts[index] if method == "cls" else ends[index] - 1
             vectors = hidden.index_select(0, torch.from_numpy(rows).to(hidden.device))

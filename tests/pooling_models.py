@@ -35,10 +35,14 @@ KINDS = {
     "bert-last": ("BertModel", "lasttoken", False),
     "xlmr-mean": ("XLMRobertaModel", "mean", True),
     "bert-cross": ("BertForSequenceClassification", None, False),
+    "bert-classify": ("BertForSequenceClassification", None, False),  # three labels (LABELS)
     "qwen3-last": ("Qwen3Model", "lasttoken", True),
     "llama-mean": ("LlamaModel", "mean", False),
+    "qwen3-rerank": ("Qwen3ForSequenceClassification", None, False),  # Qwen3-Reranker's seq-cls shape
     "bert-dense": ("BertModel", "mean", True),  # with a Dense module (DENSE) between Pooling and Normalize
 }
+# Classifiers' label names (config.json's id2label); one label (a cross-encoder's score) where not named.
+LABELS = {"bert-cross": ["relevant"], "bert-classify": ["negative", "neutral", "positive"]}
 # Kinds with a sentence-transformers Dense module: its out_features and activation_function.
 DENSE = {"bert-dense": (24, "torch.nn.modules.activation.Tanh")}
 VOCAB = len(SPECIAL) + len(WORDS) + 26
@@ -58,7 +62,11 @@ def build(kind: str, out_dir: str | Path, seed: int = 0) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if arch.startswith("Bert"):
-        config = t.BertConfig(vocab_size=VOCAB, type_vocab_size=2, num_labels=1, **SMALL)
+        names = LABELS.get(kind, ["LABEL_0"])
+        id2label = dict(enumerate(names))
+        label2id = {v: k for k, v in id2label.items()}
+        labelled = dict(id2label=id2label, label2id=label2id)
+        config = t.BertConfig(vocab_size=VOCAB, type_vocab_size=2, **labelled, **SMALL)
     elif arch.startswith("XLMRoberta"):
         config = t.XLMRobertaConfig(
             vocab_size=VOCAB, pad_token_id=1, **{**SMALL, "max_position_embeddings": 130}
@@ -67,6 +75,8 @@ def build(kind: str, out_dir: str | Path, seed: int = 0) -> Path:
         decoder = dict(
             SMALL, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, tie_word_embeddings=False
         )
+        if arch.endswith("ForSequenceClassification"):  # one label: the reranker's yes-minus-no logit
+            decoder.update(num_labels=1, pad_token_id=0)
         config = (t.Qwen3Config if arch.startswith("Qwen3") else t.LlamaConfig)(vocab_size=VOCAB, **decoder)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -147,7 +157,8 @@ def _apply_dense(model_dir: Path, v: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def reference(model_dir: str | Path, prompts: list[list[int]], types: list[list[int]] | None = None):
     """transformers in float32, one prompt at a time (no padding), pooled as sentence-transformers pools
-    (or, for a cross-encoder, its logits through sigmoid): [len(prompts), size]."""
+    (or, for a classifier, its logits, through sigmoid for one label as CrossEncoder applies it):
+    [len(prompts), size]."""
     import transformers as t
 
     model_dir = Path(model_dir)
@@ -157,7 +168,8 @@ def reference(model_dir: str | Path, prompts: list[list[int]], types: list[list[
         out = []
         for i, ids in enumerate(prompts):
             tt = torch.tensor([types[i]]) if types else None
-            out.append(torch.sigmoid(model(torch.tensor([ids]), token_type_ids=tt).logits[0]))
+            logits = model(torch.tensor([ids]), token_type_ids=tt).logits[0]
+            out.append(torch.sigmoid(logits) if model.config.num_labels == 1 else logits)
         return torch.stack(out)
     model = t.AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
     pooling = json.loads((model_dir / "1_Pooling" / "config.json").read_text())
