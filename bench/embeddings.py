@@ -6,9 +6,7 @@ sentence-transformers encodes the corpus in batches of 1, 8 and 64 (model.encode
 one batch at a time, so concurrency does not apply to it). tpserve gets the corpus as requests of 1, 8
 and 64 inputs, at concurrency 1 to 32 (requests in flight), through its HTTP server: the router tokenizes,
 the scheduler batches the inputs of every request in flight under --max-num-batched-tokens, the worker
-runs them. The two never run at once, and alternate by batch size (sentence-transformers' batch b, then
-the stack's rows for b; --rounds repeats it and keeps each side's best), so that a ratio compares runs
-made at the same load on a shared machine. Prints one table:
+runs them. The two never run at once (sentence-transformers first, then the stack). Prints one table:
 sentences per second, and tpserve's over sentence-transformers' at the same batch size; with the CPU
 (model name, whether it has AVX-512 BF16) and the threads. A benchmark, not a test: ratios in one run.
 
@@ -48,15 +46,12 @@ def cpu_kind() -> str:
     return f"{name}, AVX-512 BF16: {'yes' if 'avx512_bf16' in text else 'no'}"
 
 
-def sentence_transformers_model(model: str, threads: int):
+def sentence_transformers_rate(model: str, sentences: list[str], batch: int, threads: int) -> float:
     import torch
     from sentence_transformers import SentenceTransformer
 
     torch.set_num_threads(threads)
-    return SentenceTransformer(model, device="cpu")
-
-
-def sentence_transformers_rate(st, sentences: list[str], batch: int) -> float:
+    st = SentenceTransformer(model, device="cpu")
     st.encode(sentences[:64], batch_size=batch)  # warm
     start = time.perf_counter()
     st.encode(sentences, batch_size=batch)
@@ -87,13 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sentences", type=int, default=512)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
-    p.add_argument("--rounds", type=int, default=1, help="repeats of each batch size (best kept)")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     a = p.parse_args(argv)
     from common.launcher import running_stack
 
     sentences = corpus(a.sentences)
-    st_model = sentence_transformers_model(a.model, a.threads)
+    st = {b: sentence_transformers_rate(a.model, sentences, b, a.threads) for b in a.batches}
     flags = (
         "--http-port",
         "0",
@@ -107,13 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with running_stack(a.model, *flags, "--max-num-batched-tokens", "4096") as (info, _):
         for b in a.batches:
-            st, ours = 0.0, dict.fromkeys(a.concurrency, 0.0)
-            for _ in range(a.rounds):
-                st = max(st, sentence_transformers_rate(st_model, sentences, b))
-                for c in a.concurrency:
-                    ours[c] = max(ours[c], tpserve_rate(info["http_port"], sentences, b, c))
-            for c, rate in ours.items():
-                rows.append({"batch": b, "concurrency": c, "tpserve": rate, "st": st, "ratio": rate / st})
+            for c in a.concurrency:
+                rate = tpserve_rate(info["http_port"], sentences, b, c)
+                rows.append(
+                    {"batch": b, "concurrency": c, "tpserve": rate, "st": st[b], "ratio": rate / st[b]}
+                )
     print(f"CPU: {cpu_kind()}; {a.threads} threads each; {len(sentences)} sentences; {a.model}")
     print("| inputs/request | concurrency | tpserve sent/s | sentence-transformers sent/s | ratio |")
     print("|---|---|---|---|---|")
