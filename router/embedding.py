@@ -1,7 +1,8 @@
 """Embed and Score, the pooling model's calls (tpserve.v1.Generation): each input tokenized, checked against
 the model's limits, sent as one pooling request (scheduler.proto AddRequest.pooling) through the same
 admission queue and replicas as generation, and its vector awaited. The gRPC servicer and the HTTP
-routes (/v1/embeddings, /v1/score, /v1/rerank: router/openai/pooling.py) call these two and render them.
+routes (/v1/embeddings, /v1/score, /v1/rerank, /pooling, /classify: router/openai/pooling.py) call these two
+and render them.
 """
 
 from __future__ import annotations
@@ -39,10 +40,15 @@ class Embedder:
             raise _invalid(f"{what} needs a pooling model; {info.model_name} is served for generation")
         return info
 
-    async def embed(self, request: pb.EmbedRequest) -> pb.EmbedResponse:
+    async def embed(self, request: pb.EmbedRequest, classifier: bool = False) -> pb.EmbedResponse:
+        """Each input's vector. classifier: the model's output for each input whatever the model
+        (/pooling, /classify: a classifier's labels for one text, not a pair's score), not only an
+        embedding model's."""
         info = self._info("Embed")
-        if info.cross_encoder:
+        if info.cross_encoder and not classifier:
             raise _invalid(f"{info.model_name} is a cross-encoder: it scores pairs (Score, /v1/rerank)")
+        if request.HasField("dimensions") and info.cross_encoder:
+            raise _invalid(f"{info.model_name} is a classifier: dimensions does not apply", "dimensions")
         _check_count(len(request.inputs), "inputs")
         if request.HasField("dimensions") and not 1 <= request.dimensions <= info.embedding_size:
             raise _invalid(

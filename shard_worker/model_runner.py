@@ -114,7 +114,9 @@ class ModelRunner(RunnerCaches):
             if self.kernel_warm_up is not None:
                 self.kernel_warm_up.wait()
             raise
-        self.pooler = Pooler(pooling_config(self.model_dir), self.model) if runner == "pooling" else None
+        self.pooler = None
+        if runner == "pooling":
+            self.pooler = Pooler(pooling_config(self.model_dir), self.model, self.model_dir)
         # A model that takes images (encode_images) keeps its vision encoder's outputs by image hash.
         takes_images = hasattr(self.model, "encode_images")
         self.encoder_cache = EncoderCache(ENCODER_CACHE_BYTES) if takes_images else None

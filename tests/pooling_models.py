@@ -1,8 +1,8 @@
 """Small random pooling checkpoints, built with transformers' own classes and save_pretrained, with
-sentence-transformers' files (modules.json, 1_Pooling/config.json, sentence_bert_config.json) written as
-sentence-transformers writes them, and a WordPiece tokenizer of a small vocabulary for the BERT ones; and
-their reference outputs: transformers' forward in float32, pooled as sentence-transformers pools (computed
-here, so the reference does not depend on our code).
+sentence-transformers' files (modules.json, 1_Pooling/config.json, 2_Dense's config and weights,
+sentence_bert_config.json) written as sentence-transformers writes them, and a WordPiece tokenizer of a
+small vocabulary for the BERT ones; and their reference outputs: transformers' forward in float32, pooled
+as sentence-transformers pools (computed here, so the reference does not depend on our code).
 """
 
 from __future__ import annotations
@@ -35,9 +35,16 @@ KINDS = {
     "bert-last": ("BertModel", "lasttoken", False),
     "xlmr-mean": ("XLMRobertaModel", "mean", True),
     "bert-cross": ("BertForSequenceClassification", None, False),
+    "bert-classify": ("BertForSequenceClassification", None, False),  # three labels (LABELS)
     "qwen3-last": ("Qwen3Model", "lasttoken", True),
     "llama-mean": ("LlamaModel", "mean", False),
+    "qwen3-rerank": ("Qwen3ForSequenceClassification", None, False),  # Qwen3-Reranker's seq-cls shape
+    "bert-dense": ("BertModel", "mean", True),  # with a Dense module (DENSE) between Pooling and Normalize
 }
+# Classifiers' label names (config.json's id2label); one label (a cross-encoder's score) where not named.
+LABELS = {"bert-cross": ["relevant"], "bert-classify": ["negative", "neutral", "positive"]}
+# Kinds with a sentence-transformers Dense module: its out_features and activation_function.
+DENSE = {"bert-dense": (24, "torch.nn.modules.activation.Tanh")}
 VOCAB = len(SPECIAL) + len(WORDS) + 26
 
 
@@ -55,7 +62,11 @@ def build(kind: str, out_dir: str | Path, seed: int = 0) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if arch.startswith("Bert"):
-        config = t.BertConfig(vocab_size=VOCAB, type_vocab_size=2, num_labels=1, **SMALL)
+        names = LABELS.get(kind, ["LABEL_0"])
+        id2label = dict(enumerate(names))
+        label2id = {v: k for k, v in id2label.items()}
+        labelled = dict(id2label=id2label, label2id=label2id)
+        config = t.BertConfig(vocab_size=VOCAB, type_vocab_size=2, **labelled, **SMALL)
     elif arch.startswith("XLMRoberta"):
         config = t.XLMRobertaConfig(
             vocab_size=VOCAB, pad_token_id=1, **{**SMALL, "max_position_embeddings": 130}
@@ -64,6 +75,8 @@ def build(kind: str, out_dir: str | Path, seed: int = 0) -> Path:
         decoder = dict(
             SMALL, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, tie_word_embeddings=False
         )
+        if arch.endswith("ForSequenceClassification"):  # one label: the reranker's yes-minus-no logit
+            decoder.update(num_labels=1, pad_token_id=0)
         config = (t.Qwen3Config if arch.startswith("Qwen3") else t.LlamaConfig)(vocab_size=VOCAB, **decoder)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -86,12 +99,16 @@ def build(kind: str, out_dir: str | Path, seed: int = 0) -> Path:
         modules.append(
             {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}
         )
+        if kind in DENSE:
+            _dense(out / "2_Dense", config.hidden_size, *DENSE[kind], seed)
+            dense = {"path": "2_Dense", "type": "sentence_transformers.models.Dense"}
+            modules.append({"idx": len(modules), "name": str(len(modules)), **dense})
         if normalize:
             modules.append(
                 {
-                    "idx": 2,
-                    "name": "2",
-                    "path": "2_Normalize",
+                    "idx": len(modules),
+                    "name": str(len(modules)),
+                    "path": f"{len(modules)}_Normalize",
                     "type": "sentence_transformers.models.Normalize",
                 }
             )
@@ -108,10 +125,40 @@ def build(kind: str, out_dir: str | Path, seed: int = 0) -> Path:
     return out
 
 
+def _dense(folder: Path, in_features: int, out_features: int, activation: str, seed: int) -> None:
+    """A Dense module's folder as sentence-transformers saves it: config.json and model.safetensors."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(exist_ok=True)
+    config = {"in_features": in_features, "out_features": out_features, "bias": True}
+    (folder / "config.json").write_text(json.dumps({**config, "activation_function": activation}))
+    gen = torch.Generator().manual_seed(seed + 1)
+    weights = {
+        "linear.weight": torch.randn(out_features, in_features, generator=gen) * in_features**-0.5,
+        "linear.bias": torch.randn(out_features, generator=gen) * 0.1,
+    }
+    save_file(weights, str(folder / "model.safetensors"))
+
+
+def _apply_dense(model_dir: Path, v: torch.Tensor) -> torch.Tensor:
+    """Each Dense module of modules.json on v, as sentence-transformers' Dense computes it."""
+    from safetensors.torch import load_file
+
+    for module in json.loads((model_dir / "modules.json").read_text()):
+        if module["type"].endswith(".Dense"):
+            folder = model_dir / module["path"]
+            w = load_file(str(folder / "model.safetensors"))
+            config = json.loads((folder / "config.json").read_text())
+            act = getattr(torch.nn, config["activation_function"].rsplit(".", 1)[-1])()
+            v = act(torch.nn.functional.linear(v, w["linear.weight"], w.get("linear.bias")))
+    return v
+
+
 @torch.no_grad()
 def reference(model_dir: str | Path, prompts: list[list[int]], types: list[list[int]] | None = None):
     """transformers in float32, one prompt at a time (no padding), pooled as sentence-transformers pools
-    (or, for a cross-encoder, its logits through sigmoid): [len(prompts), size]."""
+    (or, for a classifier, its logits, through sigmoid for one label as CrossEncoder applies it):
+    [len(prompts), size]."""
     import transformers as t
 
     model_dir = Path(model_dir)
@@ -121,7 +168,8 @@ def reference(model_dir: str | Path, prompts: list[list[int]], types: list[list[
         out = []
         for i, ids in enumerate(prompts):
             tt = torch.tensor([types[i]]) if types else None
-            out.append(torch.sigmoid(model(torch.tensor([ids]), token_type_ids=tt).logits[0]))
+            logits = model(torch.tensor([ids]), token_type_ids=tt).logits[0]
+            out.append(torch.sigmoid(logits) if model.config.num_labels == 1 else logits)
         return torch.stack(out)
     model = t.AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
     pooling = json.loads((model_dir / "1_Pooling" / "config.json").read_text())
@@ -137,5 +185,6 @@ def reference(model_dir: str | Path, prompts: list[list[int]], types: list[list[
             v = h.max(0).values
         else:
             v = h[-1]
+        v = _apply_dense(model_dir, v)
         out.append(torch.nn.functional.normalize(v, dim=0) if normalize else v)
     return torch.stack(out)

@@ -10,7 +10,14 @@ router's Embedder (router/embedding.py), and a render:
                          "index", "score"}], "usage"}
     POST /v1/rerank      Jina's and Cohere's: {"model", "query", "documents": [str | {"text"}], "top_n",
     POST /rerank         "return_documents"} -> {"results": [{"index", "relevance_score", "document"}]},
-                         best first
+    POST /v2/rerank      best first (v2: Cohere's v2 body, documents as strings; the same answer)
+    POST /pooling        vLLM's: {"model", "input" as /v1/embeddings', "encoding_format",
+                         "truncate_prompt_tokens"} -> {"data": [{"object": "pooling", "index", "data"}]}:
+                         each input's model output (an embedding, or a classifier's outputs)
+    POST /classify       vLLM's, for a *ForSequenceClassification model: {"model", "input": str | [str],
+                         "truncate_prompt_tokens"} -> {"data": [{"index", "label", "probs",
+                         "num_classes"}]}: softmax over the labels (sigmoid for one), config.json's
+                         id2label naming the most likely
 
 Errors are OpenAI's shape (router/openai/errors.py), the field named as the client named it.
 """
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import math
 import struct
 import time
 import uuid
@@ -26,6 +34,7 @@ import uuid
 from aiohttp import web
 
 from common.pb.tpserve.v1 import generation_pb2 as pb
+from common.pooling import labels
 from router.embedding import Embedder
 from router.frontend import RequestFailed
 from router.openai import fields as f
@@ -34,6 +43,8 @@ from router.openai.errors import bad_request, from_failure
 EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "truncate_prompt_tokens", "user"}
 SCORE_FIELDS = {"model", "text_1", "text_2", "truncate_prompt_tokens", "user"}
 RERANK_FIELDS = {"model", "query", "documents", "top_n", "return_documents", "truncate_prompt_tokens", "user"}
+POOLING_FIELDS = {"model", "input", "encoding_format", "truncate_prompt_tokens", "user"}
+CLASSIFY_FIELDS = {"model", "input", "truncate_prompt_tokens", "user"}
 
 
 def _object(body: object, allowed: set[str]) -> dict:
@@ -98,6 +109,9 @@ class PoolingRoutes:
             web.post("/v1/score", self.score),
             web.post("/v1/rerank", self.rerank),
             web.post("/rerank", self.rerank),
+            web.post("/v2/rerank", self.rerank),
+            web.post("/pooling", self.pooling),
+            web.post("/classify", self.classify),
         ]
 
     async def _call(self, fn, request, params: dict[str, str]):
@@ -109,9 +123,7 @@ class PoolingRoutes:
     async def embeddings(self, request: web.Request) -> web.Response:
         body = _object(await self.server.body(request), EMBEDDING_FIELDS)
         info = self.server.check_model(body.get("model"))
-        encoding = body.get("encoding_format", "float")
-        if encoding not in ("float", "base64"):
-            raise bad_request("encoding_format", f"encoding_format must be float or base64, got {encoding!r}")
+        encoding = _encoding(body)
         req = pb.EmbedRequest(request_id=f"embd-{uuid.uuid4().hex}", inputs=embed_inputs(body.get("input")))
         for name in ("dimensions", "truncate_prompt_tokens"):
             if (value := _optional_int(body, name)) is not None:
@@ -123,6 +135,42 @@ class PoolingRoutes:
         ]
         usage = {"prompt_tokens": resp.usage.prompt_tokens, "total_tokens": resp.usage.prompt_tokens}
         return web.json_response({"object": "list", "data": data, "model": info.model_name, "usage": usage})
+
+    async def pooling(self, request: web.Request) -> web.Response:
+        body = _object(await self.server.body(request), POOLING_FIELDS)
+        info = self.server.check_model(body.get("model"))
+        encoding = _encoding(body)
+        resp = await self._outputs(body, embed_inputs(body.get("input")))
+        data = [
+            {"object": "pooling", "index": i, "data": _vector(e.values, encoding)}
+            for i, e in enumerate(resp.embeddings)
+        ]
+        return web.json_response(_listing(f"pool-{uuid.uuid4().hex}", info, data, resp.usage.prompt_tokens))
+
+    async def classify(self, request: web.Request) -> web.Response:
+        body = _object(await self.server.body(request), CLASSIFY_FIELDS)
+        info = self.server.check_model(body.get("model"))
+        if info.runner == "pooling" and not info.cross_encoder:
+            raise bad_request(None, f"{info.model_name} is an embedding model: /classify needs a classifier")
+        texts = _strings(body.get("input"), "input")
+        resp = await self._outputs(body, [pb.EmbedInput(text=t) for t in texts])
+        names = labels(self.server.frontend.config.model)
+        data = []
+        for i, e in enumerate(resp.embeddings):
+            probs = _probabilities(list(e.values))
+            best = max(range(len(probs)), key=probs.__getitem__)
+            label = names[best] if len(names) == len(probs) else f"LABEL_{best}"
+            data.append({"index": i, "label": label, "probs": probs, "num_classes": len(probs)})
+        return web.json_response(
+            _listing(f"classify-{uuid.uuid4().hex}", info, data, resp.usage.prompt_tokens)
+        )
+
+    async def _outputs(self, body: dict, inputs: list[pb.EmbedInput]) -> pb.EmbedResponse:
+        """Each input's model output (Embedder.embed, any pooling model)."""
+        req = pb.EmbedRequest(request_id=f"pool-{uuid.uuid4().hex}", inputs=inputs)
+        if (value := _optional_int(body, "truncate_prompt_tokens")) is not None:
+            req.truncate_prompt_tokens = value
+        return await self._call(lambda r: self.embedder.embed(r, classifier=True), req, {"inputs": "input"})
 
     async def score(self, request: web.Request) -> web.Response:
         body = _object(await self.server.body(request), SCORE_FIELDS)
@@ -188,6 +236,35 @@ class PoolingRoutes:
         return web.json_response(
             {"id": f"rerank-{rid}", "model": info.model_name, "usage": usage, "results": results}
         )
+
+
+def _encoding(body: dict) -> str:
+    encoding = body.get("encoding_format", "float")
+    if encoding not in ("float", "base64"):
+        raise bad_request("encoding_format", f"encoding_format must be float or base64, got {encoding!r}")
+    return encoding
+
+
+def _listing(rid: str, info: pb.ModelInfo, data: list[dict], tokens: int) -> dict:
+    """vLLM's /pooling and /classify answer."""
+    return {
+        "id": rid,
+        "object": "list",
+        "created": int(time.time()),
+        "model": info.model_name,
+        "data": data,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0},
+    }
+
+
+def _probabilities(outputs: list[float]) -> list[float]:
+    """A classifier's outputs as probabilities: one label's is already its sigmoid (the worker applies
+    it, as sentence-transformers does); several labels' logits through softmax."""
+    if len(outputs) == 1:
+        return outputs
+    top = max(outputs)
+    exps = [math.exp(x - top) for x in outputs]
+    return [x / sum(exps) for x in exps]
 
 
 def _score(rid: str, query: str, documents: list[str], truncate: int | None) -> pb.ScoreRequest:

@@ -5,7 +5,8 @@ position ids (offset past padding_idx) and their classification head.
 Post-norm layers over absolute position and token-type embeddings; attention is bidirectional within each
 sequence. An encoder keeps no KV: a pooling sequence's whole prompt is computed in its one step
 (scheduler.proto AddRequest.pooling), so each layer attends densely over that step's tokens of each
-sequence (padded to the longest, keys masked) and the paged backends are not involved. The scheduler still
+sequence (sequences grouped by length, each group padded to its longest, keys masked: EncoderPlan) and
+the paged backends are not involved. The scheduler still
 counts blocks for it (they bound what one step holds): the cache is one placeholder element per block.
 
 Tensor parallel as the decoders: q/k/v and the intermediate layer column-parallel, the attention output
@@ -15,6 +16,7 @@ embeddings, the norms and the heads are whole on every rank.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
@@ -65,29 +67,71 @@ def _config(hf, architecture: str, eos_ids) -> ModelConfig:
     return config
 
 
-def encoder_attention(q, k, v, query_lens, scale: float) -> torch.Tensor:
-    """[T, heads, head_dim]: each sequence's queries over its own keys, all of them (no causal mask).
-    query_lens: the step's tokens per sequence (host ints), contiguous in batch order."""
-    lens = torch.tensor(np.asarray(query_lens).tolist(), dtype=torch.long)
-    if len(lens) == 1:  # one sequence: no padding to do
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale=scale
-        )
-        return o.transpose(0, 1)
+# Sequences of a step are padded only to the longest of their length group: a group's lengths are within
+# this ratio of its longest, so padding wastes little of attention's quadratic work, and a step of mixed
+# lengths makes a few dense products instead of one mostly padding.
+GROUP_RATIO = 0.7
+
+
+@dataclass(frozen=True)
+class _Group:
+    index: torch.Tensor  # [n, L]: the step rows of the group's sequences, padding pointing at row 0
+    mask: torch.Tensor | None  # [n, 1, 1, L]: real keys; None when no sequence is padded
+    real: torch.Tensor  # the real positions of the flattened [n * L] padded rows
+    rows: torch.Tensor  # the step rows they are (where the output goes)
+
+
+class EncoderPlan:
+    """How a step's sequences attend (each over all of its own rows): the sequences sorted by length and
+    cut into groups (GROUP_RATIO), each padded to its longest. Built once a forward, read by every layer."""
+
+    def __init__(self, query_lens, device: torch.device):
+        lens = np.asarray(query_lens, dtype=np.int64)
+        self.num_rows = int(lens.sum())
+        self.whole = len(lens) == 1  # one sequence: attention over the step as it is
+        self.groups: list[_Group] = []
+        if self.whole:
+            return
+        starts = np.cumsum(lens) - lens
+        order = np.argsort(-lens, kind="stable")
+        cut = 0
+        for i in range(1, len(order) + 1):
+            if i == len(order) or lens[order[i]] < GROUP_RATIO * lens[order[cut]]:
+                self.groups.append(_group(lens[order[cut:i]], starts[order[cut:i]], device))
+                cut = i
+
+    def attend(self, q, k, v, scale: float) -> torch.Tensor:
+        """[T, heads, head_dim] from q, k, v [T, heads, head_dim]."""
+        if self.whole:
+            o = F.scaled_dot_product_attention(
+                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale=scale
+            )
+            return o.transpose(0, 1)
+        out = q.new_empty(q.shape)
+        for g in self.groups:
+            n, length = g.index.shape
+
+            def padded(x, g=g):  # [n, heads, L, head_dim]
+                return x[g.index].transpose(1, 2)
+
+            o = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=g.mask, scale=scale)
+            o = o.transpose(1, 2).reshape(n * length, *q.shape[1:])
+            out.index_copy_(0, g.rows, o if g.mask is None else o.index_select(0, g.real))
+        return out
+
+
+def _group(lens: np.ndarray, starts: np.ndarray, device: torch.device) -> _Group:
     longest = int(lens.max())
-    starts = torch.cumsum(lens, 0) - lens
-    cols = torch.arange(longest)
-    valid = cols[None, :] < lens[:, None]  # [S, L]
-    index = torch.where(valid, starts[:, None] + cols[None, :], 0).to(q.device)
-    valid = valid.to(q.device)
+    cols = np.arange(longest)
+    valid = cols[None, :] < lens[:, None]  # [n, L]
+    index = np.where(valid, starts[:, None] + cols[None, :], 0)
+    real = np.flatnonzero(valid)
+    mask = None if valid.all() else torch.from_numpy(valid[:, None, None, :]).to(device)
 
-    def padded(x):  # [S, heads, L, head_dim]
-        return x[index].transpose(1, 2)
+    def t(x):
+        return torch.from_numpy(np.ascontiguousarray(x)).to(device)
 
-    o = F.scaled_dot_product_attention(
-        padded(q), padded(k), padded(v), attn_mask=valid[:, None, None, :], scale=scale
-    )
-    return o.transpose(1, 2)[valid]
+    return _Group(t(index), mask, t(real), t(index.reshape(-1)[real]))
 
 
 class _Named(nn.Module):
@@ -120,10 +164,10 @@ class BertLayer(nn.Module):
             else lambda x: F.gelu(x, approximate="tanh" if act == "gelu_new" else "none")
         )
 
-    def forward(self, h: torch.Tensor, query_lens) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, plan: EncoderPlan) -> torch.Tensor:
         qkv = self.attention.self.qkv_proj
         q, k, v = (x.view(-1, self.num_heads, self.head_dim) for x in qkv(h).split(qkv.local_sizes, dim=-1))
-        a = encoder_attention(q, k, v, query_lens, self.scale).reshape(h.shape[0], -1)
+        a = plan.attend(q, k, v, self.scale).reshape(h.shape[0], -1)
         h = self.attention.output.LayerNorm(self.attention.output.dense(a) + h)
         i = self.act(self.intermediate.dense(h))
         return self.output.LayerNorm(self.output.dense(i) + h)
@@ -220,9 +264,9 @@ class BertModel(nn.Module):
     def forward(self, input_ids, positions, ctx, kv_caches, token_type_ids=None) -> torch.Tensor:
         body = self.body[0]
         h = body.embeddings(input_ids, positions + self.offset, token_type_ids)
-        lens = ctx.batch.query_lens_host
+        plan = EncoderPlan(ctx.batch.query_lens_host, h.device)
         for layer in body.encoder.layer:
-            h = layer(h, lens)
+            h = layer(h, plan)
         return h
 
     def compute_logits(self, hidden_rows: torch.Tensor) -> None:

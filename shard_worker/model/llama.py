@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from shard_worker.model.base import CausalLM
+from shard_worker.model.classifier import sequence_classifier
 from shard_worker.model.config import BY_LAYER_TYPE, ModelConfig
 from shard_worker.model.layers.mlp import GatedMLP
 from shard_worker.model.layers.norm import RMSNorm
@@ -37,6 +38,9 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaForCausalLM(CausalLM):
     layer_class = LlamaDecoderLayer
+
+
+LlamaForSequenceClassification = sequence_classifier(LlamaForCausalLM)
 
 
 class Qwen2ForCausalLM(CausalLM):

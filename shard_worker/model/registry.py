@@ -31,6 +31,9 @@ ARCHITECTURES = {
     "BertForSequenceClassification": "bert:BertForSequenceClassification",
     "XLMRobertaModel": "bert:XLMRobertaModel",
     "XLMRobertaForSequenceClassification": "bert:XLMRobertaForSequenceClassification",
+    # Decoders with a classification head over the last token (shard_worker/model/classifier.py).
+    "LlamaForSequenceClassification": "llama:LlamaForSequenceClassification",
+    "Qwen3ForSequenceClassification": "qwen3:Qwen3ForSequenceClassification",
 }
 
 

@@ -1,8 +1,11 @@
 """Every pooling family and mode (tests/pooling_models.py: BERT with cls, mean, max and last-token pooling,
-XLM-R, a BERT cross-encoder with token types, Qwen3 and Llama decoders pooled) run by the shard worker's
-model runner, at one rank and at two ranks in real processes over torch.distributed (gloo), against
-transformers in float32 pooled as sentence-transformers pools: cosine >= 0.99999. Several prompts of
-different lengths in one step, as the scheduler batches them."""
+XLM-R, a BERT cross-encoder with token types, a three-label BERT classifier, Qwen3 and Llama decoders
+pooled, a Qwen3 sequence classifier (Qwen3-Reranker's converted shape: its last token's score), BERT with
+a sentence-transformers Dense module between pooling and Normalize) run by the shard worker's model
+runner, at one rank and at two ranks in real processes over torch.distributed (gloo), against transformers
+in float32 pooled as sentence-transformers pools: cosine >= 0.99999. Several prompts of different lengths
+in one step, as the scheduler batches them (two close enough in length to share one padded attention
+group: shard_worker/model/bert.py's EncoderPlan)."""
 
 from __future__ import annotations
 
@@ -24,12 +27,12 @@ BLOCK = 16
 
 def prompts() -> list[list[int]]:
     rng = random.Random(7)
-    return [[2, *(rng.randrange(5, VOCAB) for _ in range(n)), 3] for n in (1, 14, 40, 70)]
+    return [[2, *(rng.randrange(5, VOCAB) for _ in range(n)), 3] for n in (1, 14, 40, 70, 60)]
 
 
 def type_starts(kind: str) -> list[int]:
     """A cross-encoder's pairs: the second text from the middle of each prompt on."""
-    return [len(p) // 2 if kind == "bert-cross" else 0 for p in prompts()]
+    return [len(p) // 2 if kind == "bert-cross" else 0 for p in prompts()]  # bert-classify: single texts
 
 
 def pooled(model_dir: str, kind: str, tp: TensorParallel) -> torch.Tensor | None:
@@ -88,5 +91,5 @@ def test_pooled_vectors_equal_transformers(kind, models, two_ranks, one_thread):
         assert got.shape == want.shape, f"TP {tp_size}"
         cosine = torch.nn.functional.cosine_similarity(got, want, dim=-1)
         assert cosine.min().item() >= 0.99999, f"{kind} at TP {tp_size}: cosine {cosine.tolist()}"
-        if kind == "bert-cross":  # a score, not a direction: the values themselves
+        if KINDS[kind][0].endswith("ForSequenceClassification"):  # scores, logits: the values themselves
             assert got.flatten().tolist() == pytest.approx(want.flatten().tolist(), abs=1e-5)

@@ -4,7 +4,8 @@ BERT cross-encoder at TP 1, called through the openai client, bare HTTP and gRPC
 pooled as sentence-transformers pools it (tests/pooling_models.py), on this module's own sentences. Bad
 inputs are refused with the field and the limit; a generation call to a pooling model and the reverse are
 refused in one line; embeddings and generation on two stacks at once give what each gives alone. Two
-stacks of this module's own (the generation one is the session's SmolLM2, shared with other modules)."""
+stacks of this module's own (the generation one is the session's SmolLM2, shared with other modules).
+vLLM's /classify and /pooling and Cohere's /v2/rerank on the same two."""
 
 from __future__ import annotations
 
@@ -173,6 +174,36 @@ def test_rerank_and_score_equal_the_cross_encoder_in_transformers(cross_encoder,
     assert status == 200 and [d["score"] for d in body["data"]] == pytest.approx(want[:2], abs=1e-5)
     status, body = post(info, "/v1/rerank", {"query": "", "documents": DOCS})
     assert status == 400 and body["error"]["param"] == "query"
+
+
+def test_classify_pooling_and_v2_rerank(embedder, cross_encoder, one_thread):
+    """vLLM's /classify and /pooling (one text each: the classifier's output, id2label naming it) and
+    Cohere's v2 rerank body, against transformers; /pooling on an embedding model is its embedding."""
+    model, _, info = cross_encoder
+    singles = token_ids(model, DOCS)
+    want = reference(model, [e["input_ids"] for e in singles], [e["token_type_ids"] for e in singles])
+    status, body = post(info, "/classify", {"input": DOCS})
+    assert status == 200 and [d["index"] for d in body["data"]] == list(range(len(DOCS)))
+    assert [d["probs"][0] for d in body["data"]] == pytest.approx(want[:, 0].tolist(), abs=1e-5)
+    assert {(d["label"], d["num_classes"]) for d in body["data"]} == {("relevant", 1)}
+    assert body["usage"]["prompt_tokens"] == sum(len(e["input_ids"]) for e in singles)
+    status, body = post(info, "/pooling", {"input": DOCS[0]})
+    assert status == 200 and body["data"][0]["data"] == pytest.approx(want[0].tolist(), abs=1e-5)
+    pairs = token_ids(model, DOCS, pair=QUERY)
+    scores = reference(model, [p["input_ids"] for p in pairs], [p["token_type_ids"] for p in pairs])
+    order = sorted(range(len(DOCS)), key=lambda i: -scores[i, 0].item())
+    status, body = post(info, "/v2/rerank", {"query": QUERY, "documents": DOCS, "top_n": 3})
+    assert status == 200 and [r["index"] for r in body["results"]] == order[:3]
+    assert [r["relevance_score"] for r in body["results"]] == pytest.approx(
+        [scores[i, 0].item() for i in order[:3]], abs=1e-5
+    )
+    model, _, info = embedder
+    want = reference(model, [e["input_ids"] for e in token_ids(model, SENTENCES[:2])])
+    status, body = post(info, "/pooling", {"input": SENTENCES[:2], "encoding_format": "float"})
+    assert status == 200 and min(cosines([d["data"] for d in body["data"]], want)) >= 0.99999
+    assert {d["object"] for d in body["data"]} == {"pooling"}
+    status, body = post(info, "/classify", {"input": "sun"})
+    assert status == 400 and "embedding model" in body["error"]["message"]
 
 
 def test_embeddings_beside_generation_on_two_stacks_disturb_neither(embedder, smollm2_stack, one_thread):

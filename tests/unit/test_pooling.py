@@ -105,7 +105,18 @@ def test_runner_and_pooling_are_read_from_the_checkpoint(tmp_path):
         resolve_runner("generate", tmp_path)
     _write(tmp_path, "config.json", {"architectures": ["BertModel"]})
     _write(tmp_path, "modules.json", [{"path": "2_Dense", "type": "sentence_transformers.models.Dense"}])
-    with pytest.raises(ValueError, match="Dense module"):
+    _write(tmp_path, "2_Dense/config.json", {"in_features": 8, "out_features": 4, "bias": False})
+    (dense,) = pooling_config(tmp_path).dense  # Dense's default activation: Tanh
+    assert (dense.path, dense.in_features, dense.out_features, dense.bias, dense.activation) == (
+        "2_Dense", 8, 4, False, "tanh",
+    )  # fmt: skip
+    bad = {"in_features": 8, "out_features": 4, "activation_function": "x.Y"}
+    _write(tmp_path, "2_Dense/config.json", bad)
+    with pytest.raises(ValueError, match="activation_function 'x.Y' is not served"):
+        pooling_config(tmp_path)
+    norm = {"path": "3_LayerNorm", "type": "sentence_transformers.models.LayerNorm"}
+    _write(tmp_path, "modules.json", [norm])
+    with pytest.raises(ValueError, match="LayerNorm module"):
         pooling_config(tmp_path)
 
 
