@@ -59,9 +59,9 @@ class Pooler:
         else:  # one reduction over the step's rows, by sequence (not a loop of small ones)
             seq = torch.from_numpy(np.repeat(np.arange(len(query_lens)), query_lens)).to(hidden.device)
             rows = hidden.float()
-            if method == "mean":
+            if method == "mean":  # np.array: query_lens may be a read-only view, torch warns on those
                 sums = rows.new_zeros(len(query_lens), rows.shape[1]).index_add_(0, seq, rows)
-                vectors = sums / torch.from_numpy(np.asarray(query_lens)).to(sums)[:, None]
+                vectors = sums / torch.from_numpy(np.array(query_lens)).to(sums)[:, None]
             else:
                 seq = seq[:, None].expand_as(rows)
                 vectors = rows.new_empty(len(query_lens), rows.shape[1])

@@ -103,10 +103,11 @@ class EncoderPlan:
     def attend(self, q, k, v, scale: float) -> torch.Tensor:
         """[T, heads, head_dim] from q, k, v [T, heads, head_dim]."""
         if self.whole:
-            o = F.scaled_dot_product_attention(
-                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale=scale
-            )
-            return o.transpose(0, 1)
+            # Two bmm and a softmax, not scaled_dot_product_attention: its CPU kernel took twice as long
+            # on one sequence of 10-160 tokens at one thread (0.25 ms against 0.11 at 60 tokens, 12 heads).
+            w = torch.bmm(q.transpose(0, 1), k.permute(1, 2, 0)).mul_(scale).softmax(-1, dtype=torch.float32)
+            w = w.to(v.dtype)  # softmax in float32 whatever the dtype, as scaled_dot_product_attention
+            return torch.bmm(w, v.transpose(0, 1)).transpose(0, 1)
         out = q.new_empty(q.shape)
         for g in self.groups:
             n, length = g.index.shape
