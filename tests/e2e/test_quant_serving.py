@@ -28,6 +28,11 @@ from tests.quant_checkpoints import (
 from tests.reference import assert_matches_reference, hf_greedy
 
 FLAGS = ("--dtype", "float64", "--max-num-batched-tokens", "64", "--num-kv-blocks", "16")
+# Four of tests/reference.py's prompts, 12 tokens each: the two long ones (9 and 14 blocks of 16 with
+# their tokens) cannot both be held by 16 blocks, so one is preempted (asserted), and take 3 and 4 chunks
+# of 64; the short ones decode beside them. The other prompt lengths are the unquantized stacks' in
+# tests/e2e/test_serving.py; the formats' products on every shape, tests/unit/test_quant_formats.py's.
+LENS, MAX_NEW = (3, 17, 130, 200), 12
 
 
 def serve_and_compare(model, reference, *flags: str) -> None:
@@ -42,13 +47,14 @@ def serve_and_compare(model, reference, *flags: str) -> None:
 @pytest.mark.parametrize("scheme", ["w4a16_asym", "w8a16"])
 def test_compressed_tensors_at_tp2_serves_transformers_tokens(tmp_path, scheme):
     model = build_compressed(scheme, tmp_path / scheme)
-    reference = hf_greedy(dequantized_copy(model, tmp_path / "dequantized"), activation_rounding(model))
+    dequantized = dequantized_copy(model, tmp_path / "dequantized")
+    reference = hf_greedy(dequantized, activation_rounding(model), LENS, MAX_NEW)
     serve_and_compare(model, reference, "--tp", "2")
 
 
 def test_online_int8_serves_the_offline_quantized_model_tokens(tmp_path):
     model = build_unquantized(tmp_path / "model")
-    reference = hf_greedy(offline_quantized(model, tmp_path / "offline", "int8"))
+    reference = hf_greedy(offline_quantized(model, tmp_path / "offline", "int8"), None, LENS, MAX_NEW)
     serve_and_compare(model, reference, "--quantization", "int8")
 
 

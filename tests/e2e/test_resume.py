@@ -95,14 +95,34 @@ def assert_reference_tokens(results, reference) -> None:
         assert last.finish_reason == pb.FINISH_REASON_LENGTH and last.usage.completion_tokens == MAX_NEW
 
 
-def resumed(info) -> int:
-    """Requests the router resumed after losing their scheduler, from its log."""
-    found = re.findall(r"lost \(.*\): (\d+) request\(s\) resumed", info["log"].read_text())
+def resumed(info, since: int = 0) -> int:
+    """Requests the router resumed after losing their scheduler, from its log past offset `since`."""
+    found = re.findall(r"lost \(.*\): (\d+) request\(s\) resumed", info["log"].read_text()[since:])
     return sum(int(n) for n in found)
 
 
-def lost_lines(info) -> str:
-    return "\n".join(line for line in info["log"].read_text().splitlines() if "lost" in line)
+def lost_lines(info, since: int = 0) -> str:
+    return "\n".join(line for line in info["log"].read_text()[since:].splitlines() if "lost" in line)
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model):
+    """One launch for the tests that kill under load (4 kills in all, so restarts to spare): each test
+    starts on a serving stack with every block free, and reads only the log its own kills wrote."""
+    with (
+        launch(tiny_model, *FLAGS, "--max-restarts", "8") as (target, info),
+        grpc.insecure_channel(target) as channel,
+    ):
+        yield target, info, generation_pb2_grpc.GenerationStub(channel)
+
+
+@pytest.fixture
+def served(stack):
+    """(stub, info, log offset) once the shared stack serves again with every block free."""
+    target, info, stub = stack
+    wait_until(lambda: serving(target), 60, "health SERVING")
+    wait_until(lambda: all_blocks_free(stub), 30, "blocks free")
+    return stub, info, len(info["log"].read_text())
 
 
 def _stats(stub) -> pb.Stats:
@@ -117,20 +137,18 @@ def current_pid(info, name: str) -> int:
     return json.loads(info["ready_file"].read_text())["pids"][name]
 
 
-def test_a_killed_scheduler_costs_no_request_its_tokens(tiny_model, reference):
-    with launch(tiny_model, *FLAGS, "--max-restarts", "2") as (target, info):
-        with grpc.insecure_channel(target) as channel:
-            stub = generation_pb2_grpc.GenerationStub(channel)
-            tracked = Tracked(stub, reference_requests(reference))
-            kill_mid_stream(info, tracked, ["scheduler"]).join()
-            results = tracked.join()
-            assert tracked.errors == []
-            assert_reference_tokens(results, reference)
-            wait_until(lambda: all_blocks_free(stub), 30, "blocks free at the end")
-            assert resumed(info) >= 1, lost_lines(info)
+def test_a_killed_scheduler_costs_no_request_its_tokens(served, reference):
+    stub, info, since = served
+    tracked = Tracked(stub, reference_requests(reference))
+    kill_mid_stream(info, tracked, ["scheduler"]).join()
+    results = tracked.join()
+    assert tracked.errors == []
+    assert_reference_tokens(results, reference)
+    wait_until(lambda: all_blocks_free(stub), 30, "blocks free at the end")
+    assert resumed(info, since) >= 1, lost_lines(info, since)
 
 
-def test_seeded_sampling_resumes_with_the_tokens_an_undisturbed_run_gives(tiny_model):
+def test_seeded_sampling_resumes_with_the_tokens_an_undisturbed_run_gives(served):
     reqs = [
         dict(
             token_ids=[3 + i] * (5 + 7 * i),
@@ -140,30 +158,27 @@ def test_seeded_sampling_resumes_with_the_tokens_an_undisturbed_run_gives(tiny_m
         )
         for i in range(10)
     ]
-    with launch(tiny_model, *FLAGS, "--max-restarts", "2") as (target, info):
-        with grpc.insecure_channel(target) as channel:
-            stub = generation_pb2_grpc.GenerationStub(channel)
-            undisturbed = [r[0] for r in run_concurrently(stub, reqs)]
-            tracked = Tracked(stub, reqs)
-            kill_mid_stream(info, tracked, ["scheduler"]).join()
-            disturbed = [r[0] for r in tracked.join()]
-            assert tracked.errors == []
-            assert resumed(info) >= 1, lost_lines(info)  # the kill did catch requests mid-stream
+    stub, info, since = served
+    undisturbed = [r[0] for r in run_concurrently(stub, reqs)]
+    tracked = Tracked(stub, reqs)
+    kill_mid_stream(info, tracked, ["scheduler"]).join()
+    disturbed = [r[0] for r in tracked.join()]
+    assert tracked.errors == []
+    assert resumed(info, since) >= 1, lost_lines(info, since)  # the kill did catch requests mid-stream
     assert disturbed == undisturbed
 
 
-def test_a_killed_worker_and_a_killed_scheduler_in_one_run(tiny_model, reference):
-    with launch(tiny_model, *FLAGS, "--max-restarts", "4") as (target, info):
-        with grpc.insecure_channel(target) as channel:
-            stub = generation_pb2_grpc.GenerationStub(channel)
-            tracked = Tracked(stub, reference_requests(reference))
-            kill_mid_stream(info, tracked, ["shard-worker rank 0", "scheduler"]).join()
-            results = tracked.join()
-            assert tracked.errors == []
-            assert_reference_tokens(results, reference)
-            assert resumed(info) >= 1, lost_lines(info)
-            wait_until(lambda: serving(target), 60, "health SERVING again")
-            wait_until(lambda: all_blocks_free(stub), 30, "blocks free at the end")
+def test_a_killed_worker_and_a_killed_scheduler_in_one_run(stack, served, reference):
+    target, *_ = stack
+    stub, info, since = served
+    tracked = Tracked(stub, reference_requests(reference))
+    kill_mid_stream(info, tracked, ["shard-worker rank 0", "scheduler"]).join()
+    results = tracked.join()
+    assert tracked.errors == []
+    assert_reference_tokens(results, reference)
+    assert resumed(info, since) >= 1, lost_lines(info, since)
+    wait_until(lambda: serving(target), 60, "health SERVING again")
+    wait_until(lambda: all_blocks_free(stub), 30, "blocks free at the end")
 
 
 def test_a_request_past_the_attempt_cap_ends_unavailable_naming_it(tiny_model):

@@ -13,24 +13,20 @@ from tests.conftest import launch
 from tests.reference import assert_matches_reference, hf_greedy
 
 
-def test_tp2_equals_transformers_and_uses_both_ranks(tiny_model, reference):
-    with launch(tiny_model, "--tp", "2", "--dtype", "float64") as (target, info):
+def test_tp2_equals_transformers_under_preemption_and_uses_both_ranks(tiny_model, reference):
+    """One stack for both (a start is the cost here): every prompt equals transformers, while 16 KV
+    blocks preempt some of them and the rest run undisturbed."""
+    flags = ("--tp", "2", "--dtype", "float64", "--num-kv-blocks", "16")
+    with launch(tiny_model, *flags) as (target, info):
         assert {"shard-worker rank 0", "shard-worker rank 1"} <= set(info["pids"])
         with grpc.insecure_channel(target) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
             assert stub.GetModelInfo(pb.ModelInfoRequest()).tensor_parallel_size == 2
             assert_matches_reference(stub, reference)
             stats = stub.GetStats(pb.StatsRequest())
+            assert stats.num_preemptions_total > 0
             # Both ranks took part in every step, so some time went to all-reduce.
             assert stats.num_steps_total > 0 and stats.allreduce_seconds_total > 0
-
-
-def test_tp2_equals_transformers_under_preemption(tiny_model, reference):
-    flags = ("--tp", "2", "--dtype", "float64", "--num-kv-blocks", "16")
-    with launch(tiny_model, *flags) as (target, _), grpc.insecure_channel(target) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
-        assert_matches_reference(stub, reference)
-        assert stub.GetStats(pb.StatsRequest()).num_preemptions_total > 0
 
 
 def test_tp2_with_one_kv_head_replicates_it(tmp_path):
