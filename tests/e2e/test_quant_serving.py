@@ -25,14 +25,14 @@ from tests.quant_checkpoints import (
     dequantized_copy,
     offline_quantized,
 )
-from tests.reference import assert_matches_reference, hf_greedy
+from tests.reference import MAX_NEW as DEFAULT_MAX_NEW
+from tests.reference import PROMPT_LENS, assert_matches_reference, hf_greedy
 
 FLAGS = ("--dtype", "float64", "--max-num-batched-tokens", "64", "--num-kv-blocks", "16")
-# Four of tests/reference.py's prompts, 12 tokens each: the two long ones (9 and 14 blocks of 16 with
-# their tokens) cannot both be held by 16 blocks, so one is preempted (asserted), and take 3 and 4 chunks
-# of 64; the short ones decode beside them. The other prompt lengths are the unquantized stacks' in
-# tests/e2e/test_serving.py; the formats' products on every shape, tests/unit/test_quant_formats.py's.
-LENS, MAX_NEW = (3, 17, 130, 200), 12
+# Every prompt of tests/reference.py (1 to 200 tokens) for MAX_NEW tokens: together far past 16 blocks of
+# 16, so decodes outgrow the pool and preemption is forced whatever order the requests arrive in (four
+# prompts for 12 tokens were not enough: the two long ones, admitted one after the other, never met).
+LENS, MAX_NEW = PROMPT_LENS, DEFAULT_MAX_NEW
 
 
 def serve_and_compare(model, reference, *flags: str) -> None:

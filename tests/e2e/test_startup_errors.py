@@ -78,6 +78,10 @@ def test_worker_with_a_kv_cache_dtype_it_cannot_serve(tiny_model):
     args = [
         "--model",
         str(tiny_model),
+        # float32, not auto: auto is bfloat16 on a CPU that multiplies it natively, and a KV cache in
+        # the model's own dtype is no refusal.
+        "--dtype",
+        "float32",
         "--kv-cache-dtype",
         "bfloat16",
         "--speculative-model",
