@@ -154,8 +154,12 @@ class LoRAAdmin:
             return
         task = asyncio.create_task(self._prefetch(name, done), name=f"prefetch of LoRA adapter {name!r}")
         self._prefetching[name] = task
-        task.add_done_callback(lambda _: self._prefetching.pop(name, None))
+        task.add_done_callback(lambda t: self._forget_prefetch(name, t))  # cancelled before it ran
         task.add_done_callback(log_failure)
+
+    def _forget_prefetch(self, name: str, task: asyncio.Task) -> None:
+        if self._prefetching.get(name) is task:
+            del self._prefetching[name]
 
     async def _prefetch(self, name: str, done: Callable[[str, str | None], None]) -> None:
         error = None
@@ -165,6 +169,10 @@ class LoRAAdmin:
                 if isinstance(answer, grpc.RpcError) and answer.code() == grpc.StatusCode.NOT_FOUND:
                     error = answer.details()
         finally:  # whatever happens, the requests held for it are let go (or failed)
+            # Forgotten before done, not in a done callback: a request on it added between the two
+            # (its add runs before the task's callbacks) would find this prefetch still listed, start
+            # none, and wait for an answer that has already been given.
+            self._forget_prefetch(name, asyncio.current_task())
             done(name, error)
 
     def tidy(self) -> None:

@@ -160,3 +160,28 @@ def test_the_router_loads_on_every_replica_or_none_and_unloads_from_every_one():
         assert e.value.code == grpc.StatusCode.NOT_FOUND
 
     run(go())
+
+
+def test_a_request_added_as_a_prefetch_answers_is_not_left_waiting():
+    """A request on an adapter that arrives after a prefetch of it has answered, but before the task's
+    own callbacks run, starts a prefetch of its own and hears its answer: CI once saw such a request
+    wait for ever (a DEADLINE_EXCEEDED in test_lora_serving's second round)."""
+    group = LoRAGroup()
+    answers: list[str] = []
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        admin = lora_admin.LoRAAdmin(True, ("a=/a",), group, lambda name: 0)
+        second = loop.create_future()
+
+        def first_done(name, error):
+            answers.append(f"first {error}")
+            # The next add on the event loop runs before the finished task's done callbacks.
+            loop.call_soon(admin.prefetch, name, lambda n, e: second.set_result(f"second {e}"))
+
+        admin.prefetch("a", first_done)
+        answers.append(await asyncio.wait_for(second, 5))
+
+    asyncio.run(go())
+    assert answers == ["first None", "second None"]
+    assert group.calls == [("PrefetchLoRAAdapter", "a")] * 2
