@@ -107,7 +107,8 @@ class ModelRunner(RunnerCaches):
 
         try:
             args = (dtype, self.device, tp, load_format, check, linear_dtype, prepack_linear, quantization)
-            self.config, self.model = load_model(self.model_dir, *args)
+            # Served for pooling, the model never decodes: every product has a whole prompt's rows.
+            self.config, self.model = load_model(self.model_dir, *args, prompts_only=runner == "pooling")
         except BaseException:
             # The warm-up thread runs torch's kernels: a process that exits (here, with the checkpoint's
             # error) while it does aborts in C++ ("terminate called without an active exception").

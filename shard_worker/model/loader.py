@@ -36,6 +36,7 @@ def load_model(
     linear_dtype: torch.dtype | None = None,
     prepack_linear: bool = True,
     quantization: str | None = None,
+    prompts_only: bool = False,
 ):
     """(ModelConfig, this rank's shard of the model) for a checkpoint directory, built on the device in
     the dtype, in eval mode. load_format "auto" reads the checkpoint's weights; "dummy" fills them with
@@ -44,7 +45,9 @@ def load_model(
 
     Each linear layer's method (shard_worker/model/quant) comes from config.json's quantization_config,
     or --quantization (online int8 / fp8); layers left unquantized hold their weights in linear_dtype
-    (if not dtype) and, with prepack_linear on CPU, in oneDNN's layout (quant/unquantized.py)."""
+    (if not dtype) and, with prepack_linear on CPU, in our kernel's layout or oneDNN's (quant/
+    unquantized.py); prompts_only (served for pooling: no decode step): oneDNN's, whose products win on a
+    prompt's rows, where ours is for the few rows of a decode step."""
     from shard_worker.model.quant import select_quant_config
     from shard_worker.model.quant.base import deferred_weights
     from shard_worker.model.quant.unquantized import UnquantizedLinearMethod
@@ -52,7 +55,7 @@ def load_model(
 
     config = ModelConfig.from_pretrained(model_dir)
     cast = linear_dtype if linear_dtype is not None and linear_dtype != dtype else None
-    unquantized = UnquantizedLinearMethod(cast, prepack_linear and device.type == "cpu")
+    unquantized = UnquantizedLinearMethod(cast, prepack_linear and device.type == "cpu", not prompts_only)
     raw = read_json(Path(model_dir) / "config.json").get("quantization_config")
     try:
         quant = select_quant_config(raw, quantization, unquantized)
@@ -113,7 +116,8 @@ def bind_methods(model: nn.Module, quant) -> None:
         if isinstance(module, FusedMoE):
             module.set_method(quant.expert_method(module, prefix))
         elif isinstance(module, ReplicatedLinear):
-            module.set_method(UnquantizedLinearMethod(None, quant.unquantized.prepack))
+            u = quant.unquantized
+            module.set_method(UnquantizedLinearMethod(None, u.prepack, u.own_kernel))
         elif isinstance(module, ParallelLMHead) and module.tied_to is not None:
             module.set_method(quant.unquantized)
         elif isinstance(module, LinearBase):
