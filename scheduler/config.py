@@ -70,7 +70,8 @@ class SchedulerConfig:
     )
     admission_window: int = setting(
         32,
-        help="most requests waiting in the scheduler; more wait in the router's length buckets",
+        help="most requests waiting in the scheduler; more wait in the router's length buckets (a pooling "
+        "model: at least --max-num-seqs, one sequence an input)",
         rule=at_least(1),
         launch=True,
     )

@@ -109,9 +109,7 @@ class Engine(RankLifecycle, RouterSide):
             self._wakeup.clear()  # cleared before scheduling, so an add during the step is not missed
             self.workers.check()
             now = time.monotonic()
-            wait_until = self.scheduler.batch_wait_deadline(
-                now, self.routers.queued(), self.config.admission_window
-            )
+            wait_until = self.scheduler.batch_wait_deadline(now, self.routers.queued(), self.admission_depth)
             out = None
             if wait_until is None:
                 out = self.scheduler.schedule(now)

@@ -80,7 +80,7 @@ class OverlapLoop:
         e._wakeup.clear()
         e.workers.check()
         now = time.monotonic()
-        if e.scheduler.batch_wait_deadline(now, e.routers.queued(), e.config.admission_window) is not None:
+        if e.scheduler.batch_wait_deadline(now, e.routers.queued(), e.admission_depth) is not None:
             return None
         out = e.scheduler.schedule(now)
         e._scheduled(out, now)

@@ -74,7 +74,17 @@ class RouterSide:
     def _admission_window(self, best_priority: int | None = None) -> int:
         """The credit for a router whose best queued request has best_priority: the free slots, and the
         places it would take by preempting (scheduler/priority.py), split by RouterStreams.shares."""
-        return self.scheduler.admission_window(self.config.admission_window, best_priority)
+        return self.scheduler.admission_window(self.admission_depth, best_priority)
+
+    @property
+    def admission_depth(self) -> int:
+        """--admission-window, or for a pooling model at least --max-num-seqs: each input of a request is
+        a sequence that leaves after its one step, and a window of 32 kept the steps of 64-input
+        embedding requests half full (all-MiniLM-L6-v2, bfloat16: 210 sentences/s against 270-300 with
+        128)."""
+        pooling = self.model_info is not None and self.model_info.runner == "pooling"
+        depth = self.config.admission_window
+        return max(depth, self.scheduler.policy.max_num_seqs) if pooling else depth
 
     def _report(self, outputs=(), force_load: bool = False) -> None:
         """Sends each router its outputs, with the credit and the load when they changed, and what the
