@@ -6,9 +6,14 @@ sentence-transformers encodes the corpus in batches of 1, 8 and 64 (model.encode
 one batch at a time, so concurrency does not apply to it). tpserve gets the corpus as requests of 1, 8
 and 64 inputs, at concurrency 1 to 32 (requests in flight), through its HTTP server: the router tokenizes,
 the scheduler batches the inputs of every request in flight under --max-num-batched-tokens, the worker
-runs them. The two never run at once (sentence-transformers first, then the stack). Prints one table:
-sentences per second, and tpserve's over sentence-transformers' at the same batch size; with the CPU
-(model name, whether it has AVX-512 BF16) and the threads. A benchmark, not a test: ratios in one run.
+runs them. The two never run at once (sentence-transformers first, then the stack).
+
+Both run in each --dtypes entry: float32 (the model's own dtype, sentence-transformers' default) and
+bfloat16 (tpserve's --dtype auto on a CPU that multiplies it natively; sentence-transformers loaded with
+model_kwargs torch_dtype=bfloat16). One table: sentences per second of each, tpserve's over
+sentence-transformers' in the same dtype, and the product's default against the other's (tpserve --dtype
+auto against sentence-transformers as loaded by default); with the CPU (model name, AVX-512 BF16, AMX) and
+the threads. A benchmark, not a test: ratios in one run.
 
     .venv/bin/pip install sentence-transformers==6.3.0   # pyproject's embedding-bench extra
     .venv/bin/python -m bench.embeddings --model models/minilm --threads 2
@@ -43,15 +48,22 @@ def corpus(n: int = 512, seed: int = 0) -> list[str]:
 def cpu_kind() -> str:
     text = Path("/proc/cpuinfo").read_text()
     name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if "model name" in line), "?")
-    return f"{name}, AVX-512 BF16: {'yes' if 'avx512_bf16' in text else 'no'}"
+    flags = (
+        f"AVX-512 BF16: {'yes' if 'avx512_bf16' in text else 'no'}",
+        f"AMX: {'yes' if 'amx_bf16' in text else 'no'}",
+    )
+    return f"{name}, {', '.join(flags)}"
 
 
-def sentence_transformers_rate(model: str, sentences: list[str], batch: int, threads: int) -> float:
+def sentence_transformers_rate(
+    model: str, sentences: list[str], batch: int, threads: int, dtype: str
+) -> float:
     import torch
     from sentence_transformers import SentenceTransformer
 
     torch.set_num_threads(threads)
-    st = SentenceTransformer(model, device="cpu")
+    kwargs = {} if dtype == "float32" else {"model_kwargs": {"torch_dtype": getattr(torch, dtype)}}
+    st = SentenceTransformer(model, device="cpu", **kwargs)
     st.encode(sentences[:64], batch_size=batch)  # warm
     start = time.perf_counter()
     st.encode(sentences, batch_size=batch)
@@ -82,37 +94,40 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sentences", type=int, default=512)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     a = p.parse_args(argv)
     from common.launcher import running_stack
 
     sentences = corpus(a.sentences)
-    st = {b: sentence_transformers_rate(a.model, sentences, b, a.threads) for b in a.batches}
-    flags = (
-        "--http-port",
-        "0",
-        "--num-threads",
-        str(a.threads),
-        "--dtype",
-        "float32",
-        "--linear-dtype",
-        "dtype",
-    )
     rows = []
-    with running_stack(a.model, *flags, "--max-num-batched-tokens", "4096") as (info, _):
-        for b in a.batches:
-            for c in a.concurrency:
-                rate = tpserve_rate(info["http_port"], sentences, b, c)
-                rows.append(
-                    {"batch": b, "concurrency": c, "tpserve": rate, "st": st[b], "ratio": rate / st[b]}
-                )
+    for dtype in a.dtypes:
+        st = {b: sentence_transformers_rate(a.model, sentences, b, a.threads, dtype) for b in a.batches}
+        flags = ("--http-port", "0", "--num-threads", str(a.threads), "--dtype", dtype)
+        with running_stack(a.model, *flags, "--max-num-batched-tokens", "4096") as (info, _):
+            for b in a.batches:
+                for c in a.concurrency:
+                    rate = tpserve_rate(info["http_port"], sentences, b, c)
+                    row = {"dtype": dtype, "batch": b, "concurrency": c, "tpserve": rate, "st": st[b]}
+                    rows.append(row | {"ratio": rate / st[b]})
     print(f"CPU: {cpu_kind()}; {a.threads} threads each; {len(sentences)} sentences; {a.model}")
-    print("| inputs/request | concurrency | tpserve sent/s | sentence-transformers sent/s | ratio |")
-    print("|---|---|---|---|---|")
+    print("| dtype | inputs/request | concurrency | tpserve sent/s | sentence-transformers sent/s | ratio |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['batch']} | {r['concurrency']} | {r['tpserve']:.1f} | {r['st']:.1f} | {r['ratio']:.2f}x |"
+            f"| {r['dtype']} | {r['batch']} | {r['concurrency']} | {r['tpserve']:.1f} | {r['st']:.1f} | "
+            f"{r['ratio']:.2f}x |"
         )
+    from shard_worker.devices import cpu_flags, model_dtype
+
+    default = model_dtype("auto", "cpu", cpu_flags(), False)[0]  # what --dtype auto serves in here
+    if default in a.dtypes and "float32" in a.dtypes:  # each as loaded by default
+        st32 = {r["batch"]: r["st"] for r in rows if r["dtype"] == "float32"}
+        print(f"\ntpserve --dtype auto ({default} here) against sentence-transformers' default (float32):")
+        for r in rows:
+            if r["dtype"] == default:
+                ratio = r["tpserve"] / st32[r["batch"]]
+                print(f"  {r['batch']} inputs, concurrency {r['concurrency']}: {ratio:.2f}x")
     if a.out:
         Path(a.out).write_text(json.dumps({"cpu": cpu_kind(), "threads": a.threads, "rows": rows}, indent=2))
     return 0
