@@ -140,3 +140,31 @@ def test_without_the_kernel_weights_are_prepacked_for_onednn(monkeypatch):
     assert layer.weight.is_mkldnn and getattr(layer, "cpu_packed", None) is None
     x = torch.randn(2, 16)
     torch.testing.assert_close(layer(x), x @ w.T)
+
+
+@pytest.mark.parametrize("amx", [True, False], ids=["amx", "no_amx"])
+def test_prompt_rows_of_bf16_go_to_onednn_on_an_amx_cpu_within_the_same_bound(monkeypatch, amx):
+    """From AMX_ONEDNN_ROWS rows a bfloat16 product goes to oneDNN where the CPU has AMX (forced here, so
+    every machine runs the route): the same result within the same bound, bias of either dtype, and
+    fewer rows or a float32 x stay on the kernel."""
+    monkeypatch.setattr(cpu_linear, "amx_bf16", lambda: amx)
+    calls = []
+    real = cpu_linear.F.linear
+    monkeypatch.setattr(cpu_linear.F, "linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(72, 40, generator=gen).bfloat16()
+    packed = cpu_linear.PackedLinear.pack(w)
+    rows = cpu_linear.AMX_ONEDNN_ROWS
+    for m, x_dtype, bias_dtype in [
+        (rows - 1, torch.bfloat16, None),
+        (rows, torch.bfloat16, None),
+        (rows + 5, torch.bfloat16, torch.bfloat16),
+        (2 * rows, torch.bfloat16, torch.float32),
+        (2 * rows, torch.float32, None),
+    ]:
+        x = torch.randn(m, 40, generator=gen).to(x_dtype)
+        bias = None if bias_dtype is None else torch.randn(72, generator=gen).to(bias_dtype)
+        y = cpu_linear.linear(x.view(m, 1, 40), packed, bias)
+        assert y.dtype == x_dtype and y.shape == (m, 1, 72)
+        _check(y.view(m, 72), x, w, bias)
+    assert calls == ([rows, rows + 5, 2 * rows] if amx else [])

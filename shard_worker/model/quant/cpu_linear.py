@@ -104,6 +104,24 @@ def available(weight_dtype: torch.dtype) -> bool:
     return bool(library(VARIANT).tp_linear_native(CODES[weight_dtype]))
 
 
+# From this many rows, a bfloat16 product on a CPU with AMX goes to oneDNN, whose AMX tile products our
+# kernel (vector instructions only) does not match there: the weight is unpacked for it, one [N, K] copy
+# a call, which a prompt's rows repay. Two threads, Xeon with AMX, SmolLM2's and all-MiniLM's shapes (ms,
+# ours / oneDNN with the unpack): 64 rows 0.32-0.71 / 0.32-0.73 (even), 128 rows 0.63-1.82 / 0.35-0.81,
+# 512 rows 2.7-5.7 / 0.58-1.25, 2048 rows 11-25 / 1.4-2.9. Fewer rows stay here: at 1-4 rows ours is
+# 1.2-2.5x oneDNN's prepacked product, at 8-32 rows oneDNN's wins (1.4-4x) but not with the unpack.
+AMX_ONEDNN_ROWS = 128
+
+
+@functools.cache
+def amx_bf16() -> bool:
+    """Whether oneDNN multiplies bfloat16 with AMX tiles on this CPU."""
+    from shard_worker.devices import cpu_flags
+
+    onednn = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return onednn and "amx_bf16" in cpu_flags()
+
+
 def available_w8a8() -> bool:
     """Whether this CPU runs W8A8 products with vector instructions (AVX-512 VNNI)."""
     return EXT.unavailable(VARIANT) is None and bool(library(VARIANT).tp_linear_native(W8A8))
@@ -296,7 +314,8 @@ class PackedLinear:
 
 
 def linear(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T + b in x's dtype (float32 or bfloat16), summed in float32; threads: torch's."""
+    """x W^T + b in x's dtype (float32 or bfloat16), summed in float32; threads: torch's. bfloat16 x of
+    AMX_ONEDNN_ROWS rows or more on a CPU with AMX: oneDNN's product (amx_bf16)."""
     k, n = packed.in_features, packed.out_features
     code = X_CODES.get(x.dtype)
     if x.shape[-1] != k or code is None:
@@ -305,6 +324,17 @@ def linear(x: torch.Tensor, packed: PackedLinear, bias: torch.Tensor | None = No
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     m = x2.shape[0]
+    if (
+        m >= AMX_ONEDNN_ROWS
+        and packed.code == CODES[torch.bfloat16]
+        and x.dtype == torch.bfloat16
+        and amx_bf16()
+    ):
+        if bias is None or bias.dtype == torch.bfloat16:
+            y = F.linear(x2, packed.unpack(), bias)
+        else:  # a float32 bias added to the product before the one rounding to bfloat16, as ours does
+            y = (F.linear(x2, packed.unpack()).float() + bias).to(torch.bfloat16)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
     y = torch.empty((m, n), dtype=x.dtype)
     if bias is not None and (bias.dtype not in X_CODES or not bias.is_contiguous()):
         bias = bias.float().contiguous()
