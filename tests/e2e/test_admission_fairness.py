@@ -218,9 +218,11 @@ async def long_and_short_queues(a: str, b: str) -> tuple[list[dict], list[dict]]
 
 def test_a_second_routers_short_queue_is_served_within_a_share_of_the_window(stack, tiny_model):
     """Router A holds 24 requests, router B sends two half a second later; the scheduler runs 4 at a time.
-    Ordering, not timing: after B sent, at most a window's worth (4) of A's requests start before each
-    of B's: what A may still send under the credit it holds, then the seats alternate. Dividing the
-    window by queue length, B's started after about all of A's."""
+    Ordering, not timing: after B sent, at most two windows' worth (8) of A's requests start (stream
+    their first token) before each of B's: those already holding the scheduler's seats whose first token
+    comes after B sent (at most the window: CI's loaded run saw one such, 5 in all), then what A may
+    still send under the credit it holds, then the seats alternate. Dividing the window by queue length,
+    B's started after about all of A's (more than 8: `left`)."""
     target, info = stack
     b, proc = second_router(tiny_model, info["scheduler"])
     try:
@@ -234,4 +236,4 @@ def test_a_second_routers_short_queue_is_served_within_a_share_of_the_window(sta
     left = sum(1 for a in long if a["times"][0] > sent_b)
     print(f"of router A's {left} requests not started when B sent, {before} started before each of B's")
     assert left > 8, left  # A still had a queue to take B's seats
-    assert max(before) <= 4, before
+    assert max(before) <= 2 * 4, before

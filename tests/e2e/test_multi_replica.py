@@ -20,6 +20,11 @@ from tests.e2e.test_reliability import serving, wait_until
 from tests.reference import GREEDY, MAX_NEW, generate, run_concurrently
 
 
+def both_up(stub) -> bool:
+    replicas = stub.GetStats(pb.StatsRequest()).replicas
+    return len(replicas) == 2 and all(r.up and r.stats_answered for r in replicas)
+
+
 def test_two_replicas_spread_32_requests_and_give_one_replicas_outputs(tiny_model, reference):
     with launch(tiny_model, "--replicas", "2", "--dtype", "float64") as (target, info):
         assert {"scheduler", "scheduler 1", "shard-worker rank 0", "shard-worker 1 rank 0"} <= set(
@@ -27,6 +32,9 @@ def test_two_replicas_spread_32_requests_and_give_one_replicas_outputs(tiny_mode
         )
         with grpc.insecure_channel(target) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
+            # The router serves once one replica is up; the spread needs both (CI's loaded run sent all
+            # 32 to the first while the second's first load report had not come).
+            wait_until(lambda: both_up(stub), 120, "both replicas up at the router")
             prompts = [list(ids) for ids in reference]
             reqs = [
                 dict(
