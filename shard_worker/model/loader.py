@@ -9,6 +9,7 @@ exactly once and every checkpoint tensor must fill one: either failure is a Valu
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +19,8 @@ from torch import nn
 
 from shard_worker.attention.layer import Attention
 from shard_worker.model.config import ModelConfig, read_json
+
+log = logging.getLogger("tpserve.shard_worker")
 
 # Checkpoint tensors with no parameter behind them (old checkpoints saved rotary buffers).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -73,6 +76,8 @@ def load_model(
         with deferred_weights():
             model = model_class(config.architecture)(config, tp)
         bind_methods(model, quant)
+    # x is in the model's dtype: a bfloat16 copy of a float32 model's weights would never be read.
+    both = _both_layouts(model) if dtype == torch.bfloat16 and cast is None else None
     if check is not None:
         check(model)
     if load_format == "dummy":
@@ -100,6 +105,8 @@ def load_model(
         fill_weights(model, tensors, gguf.file, config.tie_word_embeddings)
     else:
         load_weights(model, model_dir, config.tie_word_embeddings)
+    if both is not None:
+        log.info(both)
     return config, model.eval()
 
 
@@ -123,6 +130,32 @@ def bind_methods(model: nn.Module, quant) -> None:
         elif isinstance(module, LinearBase):
             names = checkpoint_module_names(prefix, model.packed_modules_mapping)
             module.set_method(quant.linear_method(module, prefix, names))
+
+
+def _both_layouts(model: nn.Module) -> str | None:
+    """On a CPU with AMX, the bfloat16 model's linear weights held for our kernel are also held in
+    oneDNN's layout when the copy fits (quant/unquantized.py: both_layouts_fit): products of 12+ rows then
+    run on AMX tiles. Returns what to log once the weights are in (None: no such CPU or layer)."""
+    from shard_worker.model.quant import cpu_linear
+    from shard_worker.model.quant.unquantized import UnquantizedLinearMethod, both_layouts_fit
+
+    ours = [
+        (module, module.quant_method)
+        for _, module in _method_modules(model)
+        if isinstance(module.quant_method, UnquantizedLinearMethod)
+        and module.quant_method.prepack
+        and module.quant_method.own_kernel
+        and module.weight.device.type == "cpu"
+    ]
+    if not ours or not cpu_linear.available(torch.bfloat16) or not cpu_linear.amx_bf16():
+        return None
+    nbytes = sum(module.weight.numel() * 2 for module, _ in ours)
+    fit = both_layouts_fit(nbytes)
+    for _, method in ours:
+        method.both_layouts = fit
+    held = "held" if fit else "not held (over the share of available memory it may take)"
+    gb = nbytes / 1e9
+    return f"AMX: bfloat16 linear weights {held} in oneDNN's layout too ({gb:.2f} GB; 12+ rows a product)"
 
 
 def checkpoint_module_names(prefix: str, mapping: dict) -> list[str]:

@@ -168,3 +168,44 @@ def test_prompt_rows_of_bf16_go_to_onednn_on_an_amx_cpu_within_the_same_bound(mo
         assert y.dtype == x_dtype and y.shape == (m, 1, 72)
         _check(y.view(m, 72), x, w, bias)
     assert calls == ([rows, rows + 5, 2 * rows] if amx else [])
+
+
+@pytest.mark.skipif(
+    not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+    reason="oneDNN has no bfloat16 products on this CPU",
+)
+def test_both_layouts_send_the_larger_products_to_onednn_and_count_the_copy(monkeypatch):
+    """With both layouts (an AMX CPU, the copy fitting) a bfloat16 layer keeps our kernel's layout for
+    fewer rows and oneDNN's from ONEDNN_ROWS: each product within the kernel's bound, the copy counted in
+    weight_bytes."""
+    from shard_worker.model.quant import unquantized
+
+    gen = torch.Generator().manual_seed(4)
+    w, b = torch.randn(48, 40, generator=gen).bfloat16(), torch.randn(48, generator=gen).bfloat16()
+    method = UnquantizedLinearMethod(prepack=True)
+    method.both_layouts = True
+    layer = _layer(w, b, method)
+    plain = _layer(w, b, UnquantizedLinearMethod(prepack=True))
+    assert layer.onednn_weight.is_mkldnn and not hasattr(plain, "onednn_weight")
+    assert weight_bytes(layer) == weight_bytes(plain) + w.numel() * 2
+    kernel_rows = []
+    real = cpu_linear.linear
+    monkeypatch.setattr(cpu_linear, "linear", lambda x, *a: kernel_rows.append(len(x)) or real(x, *a))
+    for m in (1, unquantized.ONEDNN_ROWS - 1, unquantized.ONEDNN_ROWS, 33):
+        x = torch.randn(m, 40, generator=gen).bfloat16()
+        _check(layer(x), x, w, b)
+    assert kernel_rows == [1, unquantized.ONEDNN_ROWS - 1]
+
+
+def test_both_layouts_only_on_amx_and_within_the_share_of_available_memory(monkeypatch, tmp_path):
+    from shard_worker.model.quant import unquantized
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:   10000000 kB\n")
+    share = unquantized.BOTH_LAYOUTS_SHARE * 10_000_000 * 1024
+    monkeypatch.setattr(cpu_linear, "amx_bf16", lambda: True)
+    assert unquantized.both_layouts_fit(int(share), str(meminfo))
+    assert not unquantized.both_layouts_fit(int(share) + 1, str(meminfo))
+    assert not unquantized.both_layouts_fit(1, str(tmp_path / "none"))
+    monkeypatch.setattr(cpu_linear, "amx_bf16", lambda: False)
+    assert not unquantized.both_layouts_fit(1, str(meminfo))

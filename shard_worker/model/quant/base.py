@@ -111,10 +111,14 @@ def add_param(
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the model's weights as held: its parameters (a tied one once) and the tensors of each
-    layer's kernel-packed weight (`layer.packed`, quant/kernels.py), which are not parameters."""
+    """Bytes of the model's weights as held: its parameters (a tied one once), the tensors of each
+    layer's kernel-packed weight (`layer.packed`, quant/kernels.py), which are not parameters, and
+    oneDNN's second copy where a layer holds both layouts (`layer.onednn_weight`)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     for module in model.modules():
+        second = getattr(module, "onednn_weight", None)  # quant/unquantized.py's both_layouts
+        if second is not None:
+            total += second.numel() * second.element_size()
         packed = getattr(module, "packed", None)
         if packed is not None and hasattr(packed, "nbytes"):  # kernels.PackedInt8 / PackedInt4
             total += packed.nbytes

@@ -13,7 +13,9 @@ from shard_worker.model.quant.base import ExpertMethod, LinearMethod, add_param,
 
 
 class UnquantizedLinearMethod(LinearMethod):
-    def __init__(self, linear_dtype: torch.dtype | None = None, prepack: bool = False, own_kernel: bool = True):
+    def __init__(
+        self, linear_dtype: torch.dtype | None = None, prepack: bool = False, own_kernel: bool = True
+    ):
         """linear_dtype: the dtype the weight is held and multiplied in, if not the model's. bfloat16 on a
         CPU with native bf16 products (AVX-512 BF16, AMX) halves the bytes a decode step reads and runs
         the products at the bf16 rate; the input is rounded to it for the product and the product comes
@@ -35,6 +37,9 @@ class UnquantizedLinearMethod(LinearMethod):
         self.linear_dtype = linear_dtype
         self.prepack = prepack
         self.own_kernel = own_kernel
+        # Set by load_model on a CPU with AMX when the copy fits (both_layouts_fit): bfloat16 weights are
+        # also held in oneDNN's layout, which from ONEDNN_ROWS rows multiplies on AMX tiles.
+        self.both_layouts = False
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, params_dtype):
         add_param(
@@ -57,6 +62,10 @@ class UnquantizedLinearMethod(LinearMethod):
             # tied head gets its own, the embedding keeps its plain weight.
             layer.cpu_packed = cpu_linear.PackedLinear.pack(weight)
             replace_param(layer, "weight", layer.cpu_packed.data)
+            if self.both_layouts and weight.dtype == torch.bfloat16:
+                layer.onednn_weight = torch.ops.mkldnn._reorder_linear_weight(
+                    weight
+                )  # weight_bytes counts it
             return
         if cpu and weight.dtype in _packable_dtypes():
             weight = torch.ops.mkldnn._reorder_linear_weight(weight)
@@ -67,9 +76,41 @@ class UnquantizedLinearMethod(LinearMethod):
         packed = getattr(layer, "cpu_packed", None)
         if packed is None:
             return linear(x, layer.weight, bias)
+        onednn = getattr(layer, "onednn_weight", None)
+        if (
+            onednn is not None
+            and x.dtype == onednn.dtype
+            and (bias is None or bias.dtype == x.dtype)
+            and x.numel() >= ONEDNN_ROWS * x.shape[-1]
+        ):
+            return _product(x, onednn, bias)
         if x.dtype in cpu_linear.CODES and x.device.type == "cpu":
             return cpu_linear.linear(x, packed, bias)
         return linear(x, packed.unpack(), bias)  # another dtype (float64 tests): correct, slow
+
+
+# With both layouts (UnquantizedLinearMethod.both_layouts), products of this many rows or more go to
+# oneDNN's. Single products, two threads, Xeon with AMX, bfloat16, SmolLM2's and all-MiniLM's shapes, ms
+# ours / oneDNN's: 1 row 0.021-0.040 / 0.045-0.091, 4 rows 0.035-0.064 / 0.050-0.079, 8 rows 0.056-0.117
+# / 0.040-0.090, 32 rows 0.17-0.40 / 0.067-0.127. Whole SmolLM2-135M decode steps (bench.decode_profile,
+# ours only / oneDNN only): batch 8 35.5 / 40-43 ms, 12 48-52 / 41-47, 16 59 / 45-49, 32 96 / 59-63.
+ONEDNN_ROWS = 12
+# The share of the memory available at load that oneDNN's second copy of the bfloat16 linear weights may
+# take (both_layouts_fit): SmolLM2-135M's 0.2 GB, a 1.7B model's 3.2 GB fit in 24 GB; an 8B model's do not.
+BOTH_LAYOUTS_SHARE = 0.2
+
+
+def both_layouts_fit(nbytes: int, meminfo: str = "/proc/meminfo") -> bool:
+    """Whether a second copy of nbytes of bfloat16 linear weights in oneDNN's layout is worth holding: a
+    CPU with AMX (cpu_linear.amx_bf16), and the copy within BOTH_LAYOUTS_SHARE of MemAvailable."""
+    if not cpu_linear.amx_bf16():
+        return False
+    try:
+        with open(meminfo) as f:
+            line = next(x for x in f if x.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return False
+    return nbytes <= BOTH_LAYOUTS_SHARE * int(line.split()[1]) * 1024
 
 
 def _packable_dtypes() -> set[torch.dtype]:
